@@ -1,0 +1,2 @@
+//! Criterion benchmarks of the bigmodel workspace; see `benches/*.rs` and
+//! `cargo xtask bench`.

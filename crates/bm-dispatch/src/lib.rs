@@ -1,0 +1,2 @@
+//! Forward hooks that move inputs between devices and stream offloaded weights
+//! onto the execution device.

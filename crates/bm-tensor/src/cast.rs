@@ -1,0 +1,261 @@
+//! CPU dtype conversion, bit for bit as PyTorch's scalar conversions.
+//!
+//! PyTorch (c10 `Half.h`, `BFloat16.h`) rounds to nearest even, keeps
+//! infinities, and turns every NaN into a canonical quiet NaN: `0x7E00` with
+//! the input's sign for F16, `0x7FC0` (always positive) for BF16. F64 goes to
+//! F16/BF16 through F32, as `static_cast<c10::Half>(double)` does.
+//!
+//! The loops read and write little-endian bytes element by element, so
+//! neither side needs to be aligned.
+
+use crate::{DType, Error, HostBuffer};
+
+/// Converts `src`, a buffer of `from` elements, into a new buffer of `to`
+/// elements. Same dtype is a plain copy.
+pub fn cast(src: &[u8], from: DType, to: DType) -> Result<HostBuffer, Error> {
+    let n = element_count(src, from)?;
+    let mut out = HostBuffer::zeroed(n * to.size_in_bytes())?;
+    cast_into(src, from, out.as_mut_bytes(), to)?;
+    Ok(out)
+}
+
+/// Converts `src` (`from` elements) into `dst` (`to` elements); `dst` must
+/// hold exactly as many elements as `src`.
+pub fn cast_into(src: &[u8], from: DType, dst: &mut [u8], to: DType) -> Result<(), Error> {
+    let n = element_count(src, from)?;
+    if dst.len() != n * to.size_in_bytes() {
+        return Err(Error::LengthMismatch {
+            what: format!("cast destination for {n} {to} elements"),
+            expected: n * to.size_in_bytes(),
+            found: dst.len(),
+        });
+    }
+    if from == to {
+        dst.copy_from_slice(src);
+        return Ok(());
+    }
+    let (Some(read), Some(write)) = (reader(from), writer(to)) else {
+        return Err(Error::UnsupportedCast { from, to });
+    };
+    // F32 -> half types is the hot path of every load; keep it monomorphic.
+    match (from, to) {
+        (DType::F32, DType::BF16) => map::<4, 2>(src, dst, |b| {
+            f32_to_bf16_bits(f32::from_le_bytes(b)).to_le_bytes()
+        }),
+        (DType::F32, DType::F16) => map::<4, 2>(src, dst, |b| {
+            f32_to_f16_bits(f32::from_le_bytes(b)).to_le_bytes()
+        }),
+        (DType::BF16, DType::F32) => map::<2, 4>(src, dst, |b| {
+            f32::from_bits((u16::from_le_bytes(b) as u32) << 16).to_le_bytes()
+        }),
+        (DType::F16, DType::F32) => map::<2, 4>(src, dst, |b| {
+            half::f16::from_bits(u16::from_le_bytes(b))
+                .to_f32()
+                .to_le_bytes()
+        }),
+        _ => {
+            let (fs, ts) = (from.size_in_bytes(), to.size_in_bytes());
+            for (s, d) in src.chunks_exact(fs).zip(dst.chunks_exact_mut(ts)) {
+                write(read(s), d);
+            }
+        }
+    }
+    Ok(())
+}
+
+fn element_count(src: &[u8], dtype: DType) -> Result<usize, Error> {
+    let size = dtype.size_in_bytes();
+    if src.len() % size != 0 {
+        return Err(Error::LengthMismatch {
+            what: format!("buffer of {dtype} elements"),
+            expected: src.len() / size * size,
+            found: src.len(),
+        });
+    }
+    Ok(src.len() / size)
+}
+
+fn map<const S: usize, const D: usize>(src: &[u8], dst: &mut [u8], f: impl Fn([u8; S]) -> [u8; D]) {
+    for (s, d) in src.chunks_exact(S).zip(dst.chunks_exact_mut(D)) {
+        d.copy_from_slice(&f(s.try_into().expect("chunk of S bytes")));
+    }
+}
+
+/// A value read as f64, plus the f32 it came through (F64 is kept exact).
+#[derive(Clone, Copy)]
+enum Value {
+    F32(f32),
+    F64(f64),
+}
+
+impl Value {
+    fn as_f32(self) -> f32 {
+        match self {
+            Value::F32(v) => v,
+            Value::F64(v) => v as f32,
+        }
+    }
+
+    fn as_f64(self) -> f64 {
+        match self {
+            Value::F32(v) => v as f64,
+            Value::F64(v) => v,
+        }
+    }
+}
+
+fn reader(dtype: DType) -> Option<fn(&[u8]) -> Value> {
+    Some(match dtype {
+        DType::F64 => |b| Value::F64(f64::from_le_bytes(b.try_into().unwrap())),
+        DType::F32 => |b| Value::F32(f32::from_le_bytes(b.try_into().unwrap())),
+        DType::F16 => {
+            |b| Value::F32(half::f16::from_bits(u16::from_le_bytes(b.try_into().unwrap())).to_f32())
+        }
+        DType::BF16 => |b| {
+            Value::F32(f32::from_bits(
+                (u16::from_le_bytes(b.try_into().unwrap()) as u32) << 16,
+            ))
+        },
+        _ => return None,
+    })
+}
+
+fn writer(dtype: DType) -> Option<fn(Value, &mut [u8])> {
+    Some(match dtype {
+        DType::F64 => |v, d| d.copy_from_slice(&v.as_f64().to_le_bytes()),
+        DType::F32 => |v, d| d.copy_from_slice(&v.as_f32().to_le_bytes()),
+        DType::F16 => |v, d| d.copy_from_slice(&f32_to_f16_bits(v.as_f32()).to_le_bytes()),
+        DType::BF16 => |v, d| d.copy_from_slice(&f32_to_bf16_bits(v.as_f32()).to_le_bytes()),
+        _ => return None,
+    })
+}
+
+/// c10 `round_to_nearest_even`: NaN becomes `0x7FC0`.
+pub(crate) fn f32_to_bf16_bits(v: f32) -> u16 {
+    if v.is_nan() {
+        return 0x7FC0;
+    }
+    let u = v.to_bits();
+    let rounding_bias = ((u >> 16) & 1) + 0x7FFF;
+    (u.wrapping_add(rounding_bias) >> 16) as u16
+}
+
+/// c10 `fp16_ieee_from_fp32_value`: IEEE round to nearest even, NaN becomes
+/// `0x7E00` with the sign kept.
+pub(crate) fn f32_to_f16_bits(v: f32) -> u16 {
+    if v.is_nan() {
+        return ((v.to_bits() >> 16) as u16 & 0x8000) | 0x7E00;
+    }
+    half::f16::from_f32(v).to_bits()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn f32_bytes(v: &[f32]) -> Vec<u8> {
+        v.iter().flat_map(|x| x.to_le_bytes()).collect()
+    }
+
+    fn u16s(b: &[u8]) -> Vec<u16> {
+        b.chunks_exact(2)
+            .map(|c| u16::from_le_bytes([c[0], c[1]]))
+            .collect()
+    }
+
+    // Expected bits computed with torch 2.x: torch.tensor(v).to(dtype).view(torch.int16).
+    #[test]
+    fn f32_to_bf16_matches_pytorch() {
+        let v = [
+            0.0,
+            -0.0,
+            1.0,
+            1.0 + 1.0 / 256.0, // exactly halfway between two bf16: ties to even (down)
+            1.0 + 3.0 / 256.0, // halfway, ties to even (up)
+            3.4028235e38,      // f32::MAX rounds to +inf
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            1e-40, // subnormal
+            f32::NAN,
+            -f32::NAN,
+        ];
+        let out = cast(&f32_bytes(&v), DType::F32, DType::BF16).unwrap();
+        assert_eq!(
+            u16s(out.as_bytes()),
+            [
+                0x0000, 0x8000, 0x3F80, 0x3F80, 0x3F82, 0x7F80, 0x7F80, 0xFF80, 0x0001, 0x7FC0,
+                0x7FC0
+            ]
+        );
+    }
+
+    #[test]
+    fn f32_to_f16_matches_pytorch() {
+        let v = [
+            0.0,
+            -0.0,
+            1.0,
+            1.0 + 1.0 / 2048.0, // halfway between 1 and next f16: ties to even (down)
+            65504.0,
+            65520.0, // rounds to +inf
+            6e-8,    // subnormal
+            f32::INFINITY,
+            f32::NAN,
+            -f32::NAN,
+        ];
+        let out = cast(&f32_bytes(&v), DType::F32, DType::F16).unwrap();
+        assert_eq!(
+            u16s(out.as_bytes()),
+            [
+                0x0000, 0x8000, 0x3C00, 0x3C00, 0x7BFF, 0x7C00, 0x0001, 0x7C00, 0x7E00, 0xFE00
+            ]
+        );
+    }
+
+    #[test]
+    fn half_types_widen_exactly_and_round_trip() {
+        let v: Vec<f32> = (0..2000).map(|i| (i as f32 - 1000.0) * 0.37).collect();
+        for dt in [DType::F16, DType::BF16] {
+            let narrow = cast(&f32_bytes(&v), DType::F32, dt).unwrap();
+            let wide = cast(narrow.as_bytes(), dt, DType::F32).unwrap();
+            let again = cast(wide.as_bytes(), DType::F32, dt).unwrap();
+            assert_eq!(narrow.as_bytes(), again.as_bytes(), "{dt}");
+            let through_f64 = cast(
+                cast(narrow.as_bytes(), dt, DType::F64).unwrap().as_bytes(),
+                DType::F64,
+                dt,
+            )
+            .unwrap();
+            assert_eq!(narrow.as_bytes(), through_f64.as_bytes(), "{dt} via F64");
+        }
+    }
+
+    #[test]
+    fn f16_to_bf16_goes_through_f32() {
+        let src = 0x3C01u16.to_le_bytes(); // 1 + 2^-10
+        let out = cast(&src, DType::F16, DType::BF16).unwrap();
+        assert_eq!(u16s(out.as_bytes()), [0x3F80]);
+    }
+
+    #[test]
+    fn unaligned_source_is_fine() {
+        let mut b = [0u8; 9];
+        b[1..].copy_from_slice(&f32_bytes(&[1.5, -2.0]));
+        let out = cast(&b[1..], DType::F32, DType::F64).unwrap();
+        assert_eq!(&out.as_bytes()[..8], &1.5f64.to_le_bytes());
+    }
+
+    #[test]
+    fn integer_and_fp8_casts_are_refused() {
+        let err = cast(&[0; 8], DType::I64, DType::F32).unwrap_err();
+        assert!(err.to_string().contains("cannot cast I64 to F32"), "{err}");
+        assert!(cast(&[0; 2], DType::F8E4M3, DType::F16).is_err());
+        assert!(cast(&[0; 3], DType::F32, DType::F16).is_err());
+    }
+
+    #[test]
+    fn same_dtype_copies() {
+        let out = cast(&[1, 2, 3, 4], DType::I32, DType::I32).unwrap();
+        assert_eq!(out.as_bytes(), &[1, 2, 3, 4]);
+    }
+}

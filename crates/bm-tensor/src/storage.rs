@@ -1,0 +1,324 @@
+//! Where a tensor's bytes live.
+
+use std::alloc::{self, Layout};
+use std::borrow::Cow;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use bytemuck::Pod;
+
+use crate::{Error, TensorMeta};
+
+/// Alignment of [`HostBuffer`]s: a cache line, enough for any SIMD load and
+/// for every element type.
+pub const HOST_ALIGN: usize = 64;
+
+/// An owned, zero-initialised, 64-byte-aligned host buffer.
+pub struct HostBuffer {
+    ptr: std::ptr::NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: HostBuffer owns its allocation exclusively, like a Vec<u8>.
+unsafe impl Send for HostBuffer {}
+// SAFETY: shared access only hands out &[u8].
+unsafe impl Sync for HostBuffer {}
+
+impl HostBuffer {
+    /// Allocates `len` zeroed bytes.
+    pub fn zeroed(len: usize) -> Result<Self, Error> {
+        if len == 0 {
+            return Ok(HostBuffer {
+                ptr: std::ptr::NonNull::<u8>::dangling(),
+                len: 0,
+            });
+        }
+        let layout =
+            Layout::from_size_align(len, HOST_ALIGN).map_err(|_| Error::Alloc { bytes: len })?;
+        // SAFETY: layout has a non-zero size.
+        let raw = unsafe { alloc::alloc_zeroed(layout) };
+        let ptr = std::ptr::NonNull::new(raw).ok_or(Error::Alloc { bytes: len })?;
+        Ok(HostBuffer { ptr, len })
+    }
+
+    /// Copies `bytes` into a new aligned buffer.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self, Error> {
+        let mut buf = HostBuffer::zeroed(bytes.len())?;
+        buf.as_mut_bytes().copy_from_slice(bytes);
+        Ok(buf)
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when the buffer holds no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        // SAFETY: ptr is valid for len bytes (or dangling with len 0).
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    /// The bytes, mutably.
+    pub fn as_mut_bytes(&mut self) -> &mut [u8] {
+        // SAFETY: ptr is valid for len bytes and uniquely owned.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for HostBuffer {
+    fn drop(&mut self) {
+        if self.len != 0 {
+            // SAFETY: allocated in `zeroed` with this exact layout.
+            unsafe {
+                alloc::dealloc(
+                    self.ptr.as_ptr(),
+                    Layout::from_size_align_unchecked(self.len, HOST_ALIGN),
+                )
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for HostBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "HostBuffer({} bytes)", self.len)
+    }
+}
+
+/// A read-only memory-mapped file, shared by every [`MmapView`] cut from it.
+#[derive(Debug)]
+struct MappedFile {
+    path: PathBuf,
+    // None for an empty file, which cannot be mapped.
+    map: Option<memmap2::Mmap>,
+}
+
+/// A zero-copy window into a memory-mapped file. Cloning is cheap; the
+/// mapping is unmapped when the last view is dropped.
+#[derive(Clone, Debug)]
+pub struct MmapView {
+    file: Arc<MappedFile>,
+    start: usize,
+    end: usize,
+}
+
+impl MmapView {
+    /// Maps the whole of `path` read-only.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self, Error> {
+        let path = path.as_ref();
+        let io = |source| Error::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        let file = File::open(path).map_err(io)?;
+        let len = file.metadata().map_err(io)?.len() as usize;
+        let map = if len == 0 {
+            None
+        } else {
+            // SAFETY: the mapping is read-only. Like every mmap-based loader we
+            // rely on checkpoint files not being truncated while mapped.
+            Some(unsafe { memmap2::Mmap::map(&file) }.map_err(io)?)
+        };
+        Ok(MmapView {
+            file: Arc::new(MappedFile {
+                path: path.to_path_buf(),
+                map,
+            }),
+            start: 0,
+            end: len,
+        })
+    }
+
+    /// The file this view maps.
+    pub fn path(&self) -> &Path {
+        &self.file.path
+    }
+
+    /// A sub-window, `range` relative to this view.
+    pub fn slice(&self, range: std::ops::Range<usize>) -> Result<Self, Error> {
+        let len = self.len();
+        if range.start > range.end || range.end > len {
+            return Err(Error::OutOfBounds {
+                path: self.file.path.clone(),
+                start: self.start + range.start,
+                end: self.start + range.end,
+                len: self.file.map.as_ref().map_or(0, |m| m.len()),
+            });
+        }
+        Ok(MmapView {
+            file: Arc::clone(&self.file),
+            start: self.start + range.start,
+            end: self.start + range.end,
+        })
+    }
+
+    /// Offset of this view from the start of the file.
+    pub fn file_offset(&self) -> usize {
+        self.start
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.end - self.start
+    }
+
+    /// True when the view holds no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.start == self.end
+    }
+
+    /// The bytes, read through the page cache on first touch.
+    pub fn as_bytes(&self) -> &[u8] {
+        match &self.file.map {
+            Some(m) => &m[self.start..self.end],
+            None => &[],
+        }
+    }
+}
+
+/// Where a tensor's bytes are.
+#[derive(Debug)]
+pub enum Storage {
+    /// No bytes: the tensor only has a dtype and a shape.
+    Meta,
+    /// An owned aligned host buffer.
+    Host(HostBuffer),
+    /// A zero-copy view of a mapped checkpoint or offload file.
+    Mmap(MmapView),
+}
+
+impl Storage {
+    /// The bytes of a host-readable storage, `None` for [`Storage::Meta`].
+    pub fn host_bytes(&self) -> Option<&[u8]> {
+        match self {
+            Storage::Meta => None,
+            Storage::Host(b) => Some(b.as_bytes()),
+            Storage::Mmap(v) => Some(v.as_bytes()),
+        }
+    }
+}
+
+/// A tensor: metadata plus where its bytes are.
+#[derive(Debug)]
+pub struct Tensor {
+    /// Dtype and shape.
+    pub meta: TensorMeta,
+    /// The bytes, if any.
+    pub storage: Storage,
+}
+
+impl Tensor {
+    /// A tensor with no bytes.
+    pub fn meta(meta: TensorMeta) -> Self {
+        Tensor {
+            meta,
+            storage: Storage::Meta,
+        }
+    }
+
+    /// A tensor over `storage`, checking that its length fits `meta`.
+    pub fn new(meta: TensorMeta, storage: Storage) -> Result<Self, Error> {
+        if let Some(bytes) = storage.host_bytes() {
+            let expected = meta
+                .checked_byte_len()
+                .ok_or_else(|| Error::LengthMismatch {
+                    what: format!("{:?} tensor of shape {:?}", meta.dtype, meta.shape),
+                    expected: usize::MAX,
+                    found: bytes.len(),
+                })?;
+            if expected != bytes.len() {
+                return Err(Error::LengthMismatch {
+                    what: format!("{} tensor of shape {:?}", meta.dtype, meta.shape),
+                    expected,
+                    found: bytes.len(),
+                });
+            }
+        }
+        Ok(Tensor { meta, storage })
+    }
+}
+
+/// Views `bytes` as a slice of `T`: borrowed when aligned, copied otherwise.
+///
+/// Fails when the length is not a multiple of `size_of::<T>()`.
+pub fn typed_slice<T: Pod>(bytes: &[u8]) -> Result<Cow<'_, [T]>, Error> {
+    let size = std::mem::size_of::<T>();
+    if size == 0 || bytes.len() % size != 0 {
+        return Err(Error::LengthMismatch {
+            what: format!("slice of {}", std::any::type_name::<T>()),
+            expected: bytes.len() / size.max(1) * size,
+            found: bytes.len(),
+        });
+    }
+    match bytemuck::try_cast_slice(bytes) {
+        Ok(s) => Ok(Cow::Borrowed(s)),
+        Err(_) => Ok(Cow::Owned(bytemuck::pod_collect_to_vec(bytes))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    #[test]
+    fn host_buffer_is_aligned_and_zeroed() {
+        let b = HostBuffer::zeroed(1000).unwrap();
+        assert_eq!(b.as_bytes().as_ptr() as usize % HOST_ALIGN, 0);
+        assert!(b.as_bytes().iter().all(|&x| x == 0));
+        assert!(HostBuffer::zeroed(0).unwrap().is_empty());
+    }
+
+    #[test]
+    fn mmap_view_outlives_its_parent_and_checks_bounds() {
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        f.write_all(&[0, 1, 2, 3, 4, 5, 6, 7]).unwrap();
+        let sub = {
+            let whole = MmapView::open(f.path()).unwrap();
+            whole.slice(2..6).unwrap()
+        };
+        assert_eq!(sub.as_bytes(), &[2, 3, 4, 5]);
+        assert_eq!(sub.slice(1..3).unwrap().as_bytes(), &[3, 4]);
+        let err = sub.slice(2..9).unwrap_err().to_string();
+        assert!(err.contains("outside the file"), "{err}");
+    }
+
+    #[test]
+    fn empty_file_maps_to_empty_view() {
+        let f = tempfile::NamedTempFile::new().unwrap();
+        let v = MmapView::open(f.path()).unwrap();
+        assert!(v.is_empty());
+    }
+
+    #[test]
+    fn typed_slice_borrows_when_aligned_and_copies_otherwise() {
+        let values = [1.0f32, 2.0, 3.0];
+        let mut bytes = [0u8; 13];
+        bytes[1..].copy_from_slice(bytemuck::cast_slice(&values));
+        let aligned = HostBuffer::from_bytes(&bytes[1..]).unwrap();
+        assert!(matches!(
+            typed_slice::<f32>(aligned.as_bytes()).unwrap(),
+            Cow::Borrowed(_)
+        ));
+        let misaligned = typed_slice::<f32>(&bytes[1..]).unwrap();
+        assert_eq!(&*misaligned, &values);
+        assert!(typed_slice::<f32>(&bytes[..5]).is_err());
+    }
+
+    #[test]
+    fn tensor_checks_length() {
+        let meta = TensorMeta::new(crate::DType::F32, [2]);
+        let err = Tensor::new(meta, Storage::Host(HostBuffer::zeroed(4).unwrap())).unwrap_err();
+        assert!(
+            err.to_string().contains("expected 8 bytes, found 4"),
+            "{err}"
+        );
+    }
+}

@@ -1,0 +1,78 @@
+//! `cargo xtask`: project automation that is easier to write in Rust than in
+//! shell (the rust-analyzer pattern). Run `cargo xtask help`.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+
+mod python;
+
+const HELP: &str = "\
+cargo xtask <task>
+
+tasks:
+  test     set up the Python interop environment (.venv, from PyPI) and run
+           every test of the workspace, with and without the cuda feature
+  help     this text
+";
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let task = args.first().map(String::as_str).unwrap_or("help");
+    let result = match task {
+        "test" => test(),
+        "help" | "--help" | "-h" => {
+            print!("{HELP}");
+            Ok(())
+        }
+        other => Err(format!("unknown xtask {other:?}; run `cargo xtask help`")),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The workspace root (the parent of this crate's folder).
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace")
+        .to_path_buf()
+}
+
+/// Runs `cmd`, failing with its description when it exits non-zero.
+fn run(cmd: &mut Command) -> Result<(), String> {
+    eprintln!("$ {cmd:?}");
+    let status = cmd.status().map_err(|e| format!("{cmd:?}: {e}"))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("{cmd:?} failed with {status}"))
+    }
+}
+
+fn test() -> Result<(), String> {
+    let env = python::prepare(&root())?;
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let with_env = |cmd: &mut Command| -> Command {
+        let mut c = std::mem::replace(cmd, Command::new(""));
+        for (k, v) in env.vars() {
+            c.env(k, v);
+        }
+        c
+    };
+    run(&mut with_env(
+        Command::new(&cargo)
+            .current_dir(root())
+            .args(["test", "--workspace"]),
+    ))?;
+    run(&mut with_env(Command::new(&cargo).current_dir(root()).args([
+        "test",
+        "--workspace",
+        "--features",
+        "bigmodel-cli/cuda",
+    ])))
+}
