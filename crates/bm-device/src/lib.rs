@@ -1,24 +1,104 @@
-//! Devices for bigmodel.
+//! Devices for bigmodel: everything that touches an accelerator, behind
+//! one small API the other crates use.
 //!
-//! Everything that touches an accelerator lives here, behind one small API
-//! the other crates use: probing for CUDA without panicking, memory queries,
-//! allocation with accounting, streams and pinned staging. Only this crate
-//! names cudarc.
+//! # The model
+//!
+//! A [`DeviceSet`] is what a process uses: the host ([`Device::Cpu`]) plus
+//! GPUs addressed by ordinal ([`Device::Gpu`]). [`DeviceSet::probe`] opens
+//! every CUDA GPU the driver shows; [`DeviceSet::emulated`] instead makes
+//! host-memory stand-ins with a chosen capacity, so that multi-device
+//! planning, loading and dispatch run in CI without a GPU. Emulated devices
+//! are never chosen unless asked for. Each [`Gpu`] has a budget, live and
+//! peak byte counts, a compute [`Stream`] and a copy stream.
+//!
+//! # Never panicking without CUDA
+//!
+//! CUDA support is the `cuda` feature (cudarc, with libcuda loaded at run
+//! time, so building needs no toolkit). cudarc panics when libcuda is
+//! missing; this crate looks for the library first and calls the driver
+//! under `catch_unwind` while probing, so a machine without a driver gets
+//! [`Error::NoDriver`] ("no CUDA driver found") and a build without the
+//! feature gets [`Error::NotCompiledWithCuda`] ("built without CUDA
+//! support") from the very same API (candle's dummy-backend pattern:
+//! backend enums simply lack their CUDA variant).
+//!
+//! # Memory: budgets, accounting and the safety margin
+//!
+//! [`DeviceSet::memory_info`] reports, per GPU, free and total memory as
+//! the driver sees it *after* the CUDA context exists (so the context's own
+//! few hundred MiB are already gone), and the host RAM this process may
+//! still use: the tightest of cgroup v2 `memory.max - memory.current`
+//! (over the cgroup and its ancestors), cgroup v1
+//! `memory.limit_in_bytes - memory.usage_in_bytes`, and `/proc/meminfo`
+//! `MemAvailable`.
+//!
+//! [`default_budgets`] turns that into the budgets used when the user gives
+//! no `--max-memory`. Accelerate hands the planner 100 % of free GPU memory,
+//! a known source of out-of-memory errors at the first forward pass. We
+//! keep back, **per CUDA GPU, the larger of 1 GiB and 5 % of its total
+//! memory** ([`gpu_safety_margin`]) for what the planner does not model:
+//! cuBLAS workspaces, activations and the KV cache of a forward pass, and
+//! allocator fragmentation (mistral.rs keeps max(2 % of free, 512 MiB),
+//! llama.cpp 1 GiB; on an 80 GB card our margin is 4 GiB). **Host RAM keeps
+//! the larger of 1 GiB and 10 % of what is available** ([`cpu_safety_margin`])
+//! for the process itself and the page cache. Emulated GPUs keep no margin:
+//! their capacity is the caller's choice.
+//!
+//! Every allocation ([`Gpu::alloc`]) is first reserved against the GPU's
+//! budget, so a request beyond it fails with [`Error::BudgetExceeded`]
+//! before the driver runs out; if the driver still runs out (another
+//! process took the memory) the error is [`Error::OutOfMemory`] naming the
+//! device, the request and what was free. Dropping a [`DeviceBuffer`]
+//! returns its bytes to the budget after any copy using it completes.
+//!
+//! # Moving bytes
+//!
+//! Per GPU a compute stream and a copy stream; an [`Event`] recorded after
+//! a copy lets the compute stream wait for exactly that copy, and lets
+//! staging memory be reused only once the copy that read it finished. Every
+//! buffer also remembers its last copy, so later work on any stream is
+//! ordered after it and nothing is freed under a copy in flight.
+//!
+//! Fast host-to-device copies need page-locked memory, and pinning is
+//! expensive, so it is done once: a [`PinnedPool`] is a ring of staging
+//! slots (portable, *not* write-combined, because downloads read them back
+//! on the CPU) that [`DeviceBuffer::upload`] fills while the copy engine
+//! drains the previous slot. Memory that already exists (an offloaded
+//! layer, a mapped checkpoint) can be page-locked in place with
+//! [`DeviceSet::register_host`], in 1 GiB pieces since one huge
+//! registration fails on recent drivers. When pinning or registering fails,
+//! copies fall back to pageable memory: slower, still correct. Large copies
+//! are cut into [`COPY_CHUNK`] pieces; copies between GPUs go peer to peer
+//! where [`DeviceSet::enable_peer_access`] could enable it.
+//!
+//! **Architecture invariant:** this is the only crate of the workspace that
+//! names cudarc, and only in the `cuda` module.
 
-/// Everything that can go wrong in `bm-device`.
-#[derive(Debug)]
-#[non_exhaustive]
-pub enum Error {
-    /// The crate was compiled without the `cuda` feature.
-    NotCompiledWithCuda,
-}
+mod buffer;
+#[cfg(feature = "cuda")]
+mod cuda;
+mod device;
+mod error;
+mod gpu;
+mod host_memory;
+mod ledger;
+mod memory;
+mod pinned;
+mod set;
+mod stream;
 
-impl std::fmt::Display for Error {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Error::NotCompiledWithCuda => f.write_str("built without CUDA support"),
-        }
-    }
-}
+pub use buffer::{COPY_CHUNK, DeviceBuffer};
+pub use device::{Device, ParseDeviceError};
+pub use error::{Error, Result};
+pub use gpu::{Gpu, GpuKind};
+pub use host_memory::{HostMemory, HostMemorySource, host_memory};
+pub use memory::{
+    Budgets, CPU_MARGIN_MIN, CPU_MARGIN_PERCENT, GPU_MARGIN_MIN, GPU_MARGIN_PERCENT, GpuMemory,
+    MemoryInfo, cpu_safety_margin, default_budgets, gpu_safety_margin,
+};
+pub use pinned::{HostRegistration, PinnedBuffer, PinnedPool, PoolSlot, REGISTER_CHUNK};
+pub use set::{CudaStatus, DeviceSet};
+pub use stream::{Event, Stream, StreamRole};
 
-impl std::error::Error for Error {}
+/// Whether this build has CUDA support (the `cuda` feature).
+pub const CUDA_COMPILED: bool = cfg!(feature = "cuda");
