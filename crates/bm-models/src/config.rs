@@ -1,0 +1,100 @@
+//! Reading `config.json` with errors that name the file and the key.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+use crate::Error;
+
+/// A parsed config file.
+pub(crate) struct ConfigFile {
+    path: PathBuf,
+    json: Value,
+}
+
+impl ConfigFile {
+    /// Reads `dir/config.json`.
+    pub(crate) fn open(dir: &Path) -> Result<ConfigFile, Error> {
+        let path = dir.join("config.json");
+        if !path.is_file() {
+            return Err(Error::Io {
+                source: std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    "no config.json in the model folder",
+                ),
+                path,
+            });
+        }
+        let json = crate::weights::read_json(&path)?;
+        Ok(ConfigFile { path, json })
+    }
+
+    /// A config from JSON already in memory (`path` is only used in errors).
+    pub(crate) fn from_value(path: PathBuf, json: Value) -> ConfigFile {
+        ConfigFile { path, json }
+    }
+
+    pub(crate) fn error(&self, key: &str, message: impl Into<String>) -> Error {
+        Error::Config {
+            path: self.path.clone(),
+            key: key.to_string(),
+            message: message.into(),
+        }
+    }
+
+    /// The raw value of `key`, `None` when absent or null.
+    pub(crate) fn get(&self, key: &str) -> Option<&Value> {
+        self.json.get(key).filter(|v| !v.is_null())
+    }
+
+    pub(crate) fn opt_usize(&self, key: &str) -> Result<Option<usize>, Error> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => match v.as_u64() {
+                Some(n) if n > 0 => Ok(Some(n as usize)),
+                _ => Err(self.error(key, format!("expected a positive integer, found {v}"))),
+            },
+        }
+    }
+
+    pub(crate) fn usize(&self, key: &str) -> Result<usize, Error> {
+        self.opt_usize(key)?
+            .ok_or_else(|| self.error(key, "missing"))
+    }
+
+    pub(crate) fn opt_f64(&self, key: &str) -> Result<Option<f64>, Error> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_f64()
+                .map(Some)
+                .ok_or_else(|| self.error(key, format!("expected a number, found {v}"))),
+        }
+    }
+
+    pub(crate) fn bool_or(&self, key: &str, default: bool) -> Result<bool, Error> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(v) => v
+                .as_bool()
+                .ok_or_else(|| self.error(key, format!("expected true or false, found {v}"))),
+        }
+    }
+
+    pub(crate) fn opt_str(&self, key: &str) -> Option<&str> {
+        self.get(key).and_then(Value::as_str)
+    }
+
+    /// Token ids given as one integer or a list of them.
+    pub(crate) fn token_ids(&self, key: &str) -> Result<Vec<u32>, Error> {
+        let bad = |v: &Value| self.error(key, format!("expected a token id or a list, found {v}"));
+        match self.get(key) {
+            None => Ok(Vec::new()),
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|v| v.as_u64().map(|n| n as u32).ok_or_else(|| bad(v)))
+                .collect(),
+            Some(v) => v.as_u64().map(|n| vec![n as u32]).ok_or_else(|| bad(v)),
+        }
+    }
+}

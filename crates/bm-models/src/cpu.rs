@@ -1,0 +1,282 @@
+//! CPU kernels. Every kernel reads f32 and writes f32: the callers widen
+//! F16/BF16 inputs and round outputs back, so half-precision models
+//! accumulate in f32 as PyTorch's CPU kernels do.
+
+use rayon::prelude::*;
+
+use crate::Tensor;
+use crate::ops::{Heads, Mask};
+
+/// A raw output pointer shared by threads that write disjoint parts.
+#[derive(Clone, Copy)]
+struct SharedOut(*mut f32);
+// SAFETY: only used by `linear`, whose blocks write disjoint columns.
+unsafe impl Send for SharedOut {}
+// SAFETY: as above.
+unsafe impl Sync for SharedOut {}
+
+impl SharedOut {
+    // A method, so closures capture the Send wrapper and not the raw field.
+    fn at(self, offset: usize) -> *mut f32 {
+        self.0.wrapping_add(offset)
+    }
+}
+
+/// Weight rows one task widens and multiplies at a time: enough work per
+/// task to amortise the GEMM set-up, small enough to spread over threads
+/// and keep a half-precision block's f32 copy in cache.
+fn block_rows(n: usize, k: usize) -> usize {
+    let threads = rayon::current_num_threads().max(1);
+    let by_threads = n.div_ceil(threads * 4);
+    let by_cache = (256 * 1024 / 4 / k.max(1)).max(16);
+    by_threads.clamp(16, by_cache.max(16)).next_multiple_of(16)
+}
+
+/// `out[m, n] = x[m, k] · weight[n, k]ᵀ (+ bias[n])`, the product of
+/// `nn.Linear`. Threads split the weight's rows; each block is widened to
+/// f32 on the fly (no copy for F32), so a half-precision weight is never
+/// converted whole.
+pub(crate) fn linear(
+    x: &[f32],
+    m: usize,
+    k: usize,
+    weight: &Tensor,
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+) {
+    let n = weight.shape()[0];
+    debug_assert_eq!(out.len(), m * n);
+    if let Some(b) = bias {
+        for row in out.chunks_exact_mut(n) {
+            row.copy_from_slice(b);
+        }
+    }
+    let block = block_rows(n, k);
+    let dst = SharedOut(out.as_mut_ptr());
+    (0..n.div_ceil(block)).into_par_iter().for_each(|b| {
+        let (j0, j1) = (b * block, ((b + 1) * block).min(n));
+        let w = weight.f32_rows(j0, j1);
+        // SAFETY: `dst` points to `out` (m × n, row stride n); this task
+        // writes only columns j0..j1, which no other task touches. `x` is
+        // m × k with row stride k; `w` holds rows j0..j1 of the weight,
+        // read transposed (k × (j1 - j0), column stride k).
+        unsafe {
+            gemm::gemm(
+                m,
+                j1 - j0,
+                k,
+                dst.at(j0),
+                1,
+                n as isize,
+                bias.is_some(),
+                x.as_ptr(),
+                1,
+                k as isize,
+                w.as_ptr(),
+                k as isize,
+                1,
+                1.0,
+                1.0,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            )
+        }
+    });
+}
+
+/// Llama's RMSNorm over rows of `cols`: `w * round(x / rms(x))`, where
+/// `round` is the activation dtype's rounding (PyTorch normalises in f32,
+/// casts back, then multiplies by the weight).
+pub(crate) fn rms_norm(
+    x: &[f32],
+    cols: usize,
+    weight: &[f32],
+    eps: f32,
+    round: fn(f32) -> f32,
+    out: &mut [f32],
+) {
+    out.par_chunks_mut(cols)
+        .zip(x.par_chunks(cols))
+        .for_each(|(o, r)| {
+            let mean_sq = r.iter().map(|v| v * v).sum::<f32>() / cols as f32;
+            let inv = 1.0 / (mean_sq + eps).sqrt();
+            for ((o, v), w) in o.iter_mut().zip(r).zip(weight) {
+                *o = w * round(v * inv);
+            }
+        });
+}
+
+/// LayerNorm over rows of `cols` (biased variance, as PyTorch).
+pub(crate) fn layer_norm(
+    x: &[f32],
+    cols: usize,
+    weight: &[f32],
+    bias: &[f32],
+    eps: f32,
+    out: &mut [f32],
+) {
+    out.par_chunks_mut(cols)
+        .zip(x.par_chunks(cols))
+        .for_each(|(o, r)| {
+            let mean = r.iter().sum::<f32>() / cols as f32;
+            let var = r.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / cols as f32;
+            let inv = 1.0 / (var + eps).sqrt();
+            for (((o, v), w), b) in o.iter_mut().zip(r).zip(weight).zip(bias) {
+                *o = (v - mean) * inv * w + b;
+            }
+        });
+}
+
+/// Softmax of one row, in place, with the max subtracted first.
+pub(crate) fn softmax_row(row: &mut [f32]) {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0;
+    for v in row.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    for v in row.iter_mut() {
+        *v /= sum;
+    }
+}
+
+/// Llama's rotary embedding on `x` ([seq, heads * head_dim]), rows at
+/// positions `start_pos..`: the `rotate_half` convention, where dimension i
+/// pairs with i + head_dim / 2. `cos`/`sin` give row-major [seq, head_dim/2].
+pub(crate) fn rotary(x: &[f32], head_dim: usize, cos: &[f32], sin: &[f32], out: &mut [f32]) {
+    let half = head_dim / 2;
+    let width = x.len() / (cos.len() / half);
+    out.par_chunks_mut(width)
+        .zip(x.par_chunks(width))
+        .enumerate()
+        .for_each(|(row, (o, r))| {
+            let (c, s) = (&cos[row * half..][..half], &sin[row * half..][..half]);
+            for (oh, xh) in o.chunks_exact_mut(head_dim).zip(r.chunks_exact(head_dim)) {
+                for i in 0..half {
+                    let (a, b) = (xh[i], xh[i + half]);
+                    oh[i] = a * c[i] - b * s[i];
+                    oh[i + half] = b * c[i] + a * s[i];
+                }
+            }
+        });
+}
+
+/// Scaled dot-product attention for `s` queries against `t` cached
+/// keys/values; the queries are the last `s` positions. Grouped-query
+/// attention: query head h reads kv head h / (heads / kv_heads).
+pub(crate) fn attention(
+    q: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    heads: Heads,
+    mask: Mask,
+    out: &mut [f32],
+) {
+    let Heads {
+        heads: nh,
+        kv_heads: nkv,
+        head_dim: hd,
+    } = heads;
+    let (q_width, kv_width) = (nh * hd, nkv * hd);
+    let s = q.len() / q_width;
+    let t = keys.len() / kv_width;
+    let past = t - s;
+    let group = nh / nkv;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let per_head: Vec<Vec<f32>> = (0..nh)
+        .into_par_iter()
+        .map(|h| {
+            let g = h / group;
+            let mut o = vec![0f32; s * hd];
+            let mut scores = Vec::with_capacity(t);
+            for i in 0..s {
+                let pos = past + i;
+                let (lo, hi) = match mask {
+                    Mask::Bidirectional => (0, t),
+                    Mask::Causal => (0, pos + 1),
+                    Mask::SlidingWindow(w) => ((pos + 1).saturating_sub(w), pos + 1),
+                };
+                let qi = &q[i * q_width + h * hd..][..hd];
+                scores.clear();
+                scores.extend((lo..hi).map(|j| {
+                    let kj = &keys[j * kv_width + g * hd..][..hd];
+                    qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * scale
+                }));
+                softmax_row(&mut scores);
+                let oi = &mut o[i * hd..][..hd];
+                for (p, j) in scores.iter().zip(lo..hi) {
+                    let vj = &values[j * kv_width + g * hd..][..hd];
+                    for (acc, v) in oi.iter_mut().zip(vj) {
+                        *acc += p * v;
+                    }
+                }
+            }
+            o
+        })
+        .collect();
+    for (h, o) in per_head.iter().enumerate() {
+        for i in 0..s {
+            out[i * q_width + h * hd..][..hd].copy_from_slice(&o[i * hd..][..hd]);
+        }
+    }
+}
+
+/// `x * sigmoid(x)`.
+pub(crate) fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// BERT's exact GELU, `0.5 x (1 + erf(x / √2))`.
+pub(crate) fn gelu(x: f32) -> f32 {
+    let x = x as f64;
+    (0.5 * x * (1.0 + erf(x / std::f64::consts::SQRT_2))) as f32
+}
+
+/// erf from the Chebyshev fit of Numerical Recipes' `erfc` (fractional
+/// error below 1.2e-7, far under f32 rounding of GELU's output).
+fn erf(x: f64) -> f64 {
+    let z = x.abs();
+    let t = 1.0 / (1.0 + 0.5 * z);
+    let poly = -z * z - 1.26551223
+        + t * (1.00002368
+            + t * (0.37409196
+                + t * (0.09678418
+                    + t * (-0.18628806
+                        + t * (0.27886807
+                            + t * (-1.13520398
+                                + t * (1.48851587 + t * (-0.82215223 + t * 0.17087277))))))));
+    let erfc = t * poly.exp();
+    if x >= 0.0 { 1.0 - erfc } else { erfc - 1.0 }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn erf_matches_known_values() {
+        // Values from scipy.special.erf.
+        for (x, want) in [
+            (0.0, 0.0),
+            (0.5, 0.5204998778130465),
+            (1.0, 0.8427007929497149),
+            (-2.0, -0.9953222650189527),
+            (3.5, 0.9999992569016276),
+        ] {
+            assert!((erf(x) - want).abs() < 2e-7, "erf({x}) = {}", erf(x));
+        }
+    }
+
+    #[test]
+    fn softmax_is_shift_invariant_and_sums_to_one() {
+        let mut a = [1.0f32, 2.0, 3.0];
+        let mut b = [1001.0f32, 1002.0, 1003.0];
+        softmax_row(&mut a);
+        softmax_row(&mut b);
+        assert!((a.iter().sum::<f32>() - 1.0).abs() < 1e-6);
+        assert_eq!(a, b);
+        assert!((a[2] - 0.66524096).abs() < 1e-6);
+    }
+}

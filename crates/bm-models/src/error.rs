@@ -1,0 +1,184 @@
+use std::fmt;
+use std::path::PathBuf;
+
+use bm_tensor::DType;
+
+/// Everything that can go wrong in `bm-models`.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Error {
+    /// Reading a file failed.
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+    /// A JSON file (config.json, an index, tokenizer settings) that does not parse.
+    Json {
+        /// The file.
+        path: PathBuf,
+        /// What the parser said.
+        message: String,
+    },
+    /// A config key that is missing or has a value this crate cannot use.
+    Config {
+        /// The config file.
+        path: PathBuf,
+        /// The key.
+        key: String,
+        /// What is wrong with it.
+        message: String,
+    },
+    /// A model type this crate does not implement.
+    UnsupportedArchitecture {
+        /// The `model_type` / `architectures` found.
+        found: String,
+        /// The ones that are supported.
+        supported: &'static str,
+    },
+    /// A model folder without safetensors weights.
+    MissingWeights {
+        /// The folder.
+        dir: PathBuf,
+    },
+    /// A tensor a block needs that the weight source does not have.
+    MissingTensor {
+        /// Its full name (`model.layers.3.self_attn.q_proj.weight`).
+        name: String,
+    },
+    /// A weight whose shape disagrees with the config.
+    ShapeMismatch {
+        /// The tensor's full name.
+        name: String,
+        /// The shape the config implies.
+        expected: Vec<usize>,
+        /// The shape found.
+        found: Vec<usize>,
+    },
+    /// An operation given tensors whose shapes do not fit together.
+    BadOperands {
+        /// The operation.
+        op: &'static str,
+        /// What does not fit.
+        message: String,
+    },
+    /// A dtype an operation cannot compute in (only F32, F16 and BF16 can).
+    UnsupportedDType {
+        /// What has the dtype (an op name or a tensor name).
+        what: String,
+        /// The dtype.
+        dtype: DType,
+    },
+    /// A prompt or a text list with nothing in it.
+    EmptyInput(&'static str),
+    /// A token id not below the vocabulary size.
+    TokenOutOfVocab {
+        /// The id.
+        id: u32,
+        /// The vocabulary size.
+        vocab_size: usize,
+    },
+    /// A sequence longer than the model's position table.
+    SequenceTooLong {
+        /// Tokens asked for.
+        len: usize,
+        /// `max_position_embeddings`.
+        max: usize,
+    },
+    /// A safetensors file that does not parse.
+    Checkpoint {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
+    /// The tokenizer failed to load or to encode/decode.
+    Tokenizer {
+        /// The tokenizer.json file.
+        path: PathBuf,
+        /// What the tokenizers crate said.
+        message: String,
+    },
+    /// Text was given but the model folder has no tokenizer.json.
+    NoTokenizer {
+        /// The model folder.
+        dir: PathBuf,
+    },
+    /// An error from bm-tensor (casts, buffers, mmaps).
+    Tensor(bm_tensor::Error),
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::Io { path, source } => write!(f, "{}: {source}", path.display()),
+            Error::Json { path, message } => {
+                write!(f, "{}: invalid JSON: {message}", path.display())
+            }
+            Error::Config { path, key, message } => {
+                write!(f, "{}: key {key:?}: {message}", path.display())
+            }
+            Error::UnsupportedArchitecture { found, supported } => {
+                write!(
+                    f,
+                    "unsupported architecture {found:?}: supported are {supported}"
+                )
+            }
+            Error::MissingWeights { dir } => write!(
+                f,
+                "{}: no weights (expected model.safetensors or model.safetensors.index.json)",
+                dir.display()
+            ),
+            Error::MissingTensor { name } => write!(f, "tensor {name} not found in the weights"),
+            Error::ShapeMismatch {
+                name,
+                expected,
+                found,
+            } => write!(
+                f,
+                "tensor {name} has shape {found:?} but the config implies {expected:?}"
+            ),
+            Error::BadOperands { op, message } => write!(f, "{op}: {message}"),
+            Error::UnsupportedDType { what, dtype } => write!(
+                f,
+                "{what}: dtype {dtype} cannot be computed with (use F32, F16 or BF16)"
+            ),
+            Error::EmptyInput(what) => write!(f, "{what} is empty"),
+            Error::TokenOutOfVocab { id, vocab_size } => write!(
+                f,
+                "token id {id} is out of the vocabulary (size {vocab_size})"
+            ),
+            Error::SequenceTooLong { len, max } => write!(
+                f,
+                "sequence of {len} tokens is longer than the model's {max} positions"
+            ),
+            Error::Checkpoint { path, message } => write!(f, "{}: {message}", path.display()),
+            Error::Tokenizer { path, message } => {
+                write!(f, "{}: tokenizer: {message}", path.display())
+            }
+            Error::NoTokenizer { dir } => write!(
+                f,
+                "{}: no tokenizer.json, so text cannot be used (give token ids)",
+                dir.display()
+            ),
+            Error::Tensor(e) => e.fmt(f),
+        }
+    }
+}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Error::Io { source, .. } => Some(source),
+            Error::Tensor(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+impl From<bm_tensor::Error> for Error {
+    fn from(e: bm_tensor::Error) -> Self {
+        Error::Tensor(e)
+    }
+}

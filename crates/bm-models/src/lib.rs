@@ -1,0 +1,57 @@
+//! Compute for the models bigmodel runs, and two reference architectures
+//! written the way a framework embedding bigmodel would write them.
+//!
+//! A loader for models larger than any device is only real when a real
+//! model runs through it, block by block, with each block's weights put in
+//! place just before it runs and released after. This crate holds the
+//! compute half of that:
+//!
+//! * [`Tensor`] is a dense F32/F16/BF16 tensor on one [`Backend`]. Only the
+//!   CPU backend exists; CUDA (through `bm-device`, the only crate that
+//!   names cudarc) is meant to slot in as a second variant without changing
+//!   the op signatures. Host tensors may borrow a memory-mapped checkpoint
+//!   (no copy) or own an aligned buffer.
+//! * [`ops`] has what the two architectures need: matmul (`linear`, on the
+//!   `gemm` crate's kernels with rayon threads over weight-row blocks),
+//!   embedding lookup, RMSNorm, LayerNorm, rotary embedding, attention with
+//!   a causal or sliding-window mask, grouped-query heads and a KV cache,
+//!   softmax, SiLU, GELU, add and mul. Half-precision values are widened to
+//!   f32, computed, and rounded once per op, as PyTorch's CPU kernels
+//!   accumulate in f32.
+//! * [`Decoder`] (Llama, Mistral, Qwen2) and [`Encoder`] (BERT) hold only a
+//!   config. Every block (`model.embed_tokens`, `model.layers.N`,
+//!   `model.norm`, `lm_head`; `embeddings`, `encoder.layer.N`) is a method
+//!   that takes its activations and a [`WeightSource`], fetches its tensors
+//!   by transformers' names, and brackets the work with the source's
+//!   `begin_block`/`end_block` hooks. That is the seam the dispatch layer
+//!   uses to stream weights from GPU, CPU or disk.
+//! * [`CausalLm`] (greedy generation from ids or text) and
+//!   [`SentenceEmbedder`] (mean-pooled, L2-normalised embeddings) are the
+//!   "open a folder and run it" API. Text goes through the `tokenizers`
+//!   crate reading `tokenizer.json`.
+//! * [`FolderWeights`] reads a Hugging Face folder's safetensors (single or
+//!   sharded) through mmaps; it is a stand-in for `bm_shard::Checkpoint`.
+//!
+//! Known limits: batch size 1 (embeddings run text by text, so no padding
+//! is needed); rotary scaling other than none is refused; Qwen2's
+//! sliding-window layers are refused, Mistral's window is applied.
+
+mod config;
+mod cpu;
+mod decoder;
+mod encoder;
+mod error;
+pub mod ops;
+mod tensor;
+mod text;
+mod weights;
+
+pub use decoder::{
+    CausalLm, Decoder, DecoderArch, DecoderConfig, GenerateOptions, Generation, KvCache, Logits,
+    SUPPORTED_DECODERS,
+};
+pub use encoder::{Encoder, EncoderConfig, SUPPORTED_ENCODERS, SentenceEmbedder};
+pub use error::Error;
+pub use tensor::{Backend, HostBytes, Tensor};
+pub use text::TextTokenizer;
+pub use weights::{FolderWeights, WeightSource};

@@ -1,0 +1,266 @@
+//! The compute tensor: dtype, shape, and bytes on one backend.
+
+use std::borrow::Cow;
+
+use bm_tensor::{DType, HostBuffer, MmapView, TensorMeta, typed_slice};
+use half::{bf16, f16};
+
+use crate::Error;
+
+/// Where a computation runs. Only the CPU exists today; a CUDA variant
+/// (through bm-device) slots in beside it without changing the op API.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Backend {
+    /// Host memory and CPU threads.
+    Cpu,
+}
+
+/// Host bytes: owned and aligned, or a zero-copy window of a mapped file.
+#[derive(Debug)]
+pub enum HostBytes {
+    /// An owned, 64-byte-aligned buffer.
+    Owned(HostBuffer),
+    /// A window of a memory-mapped checkpoint or offload file.
+    Mapped(MmapView),
+}
+
+impl HostBytes {
+    /// The bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        match self {
+            HostBytes::Owned(b) => b.as_bytes(),
+            HostBytes::Mapped(v) => v.as_bytes(),
+        }
+    }
+}
+
+#[derive(Debug)]
+enum Data {
+    Cpu(HostBytes),
+}
+
+/// A dense row-major tensor with a float dtype the ops compute in
+/// (F32, F16 or BF16), on one [`Backend`].
+#[derive(Debug)]
+pub struct Tensor {
+    dtype: DType,
+    shape: Vec<usize>,
+    data: Data,
+}
+
+/// True for the dtypes the ops compute in.
+pub fn is_compute_dtype(dtype: DType) -> bool {
+    matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
+}
+
+impl Tensor {
+    /// A host tensor over `bytes`; checks that the length fits the shape and
+    /// that the dtype is one the ops compute in. `name` is used in errors.
+    pub fn from_host(meta: TensorMeta, bytes: HostBytes, name: &str) -> Result<Tensor, Error> {
+        if !is_compute_dtype(meta.dtype) {
+            return Err(Error::UnsupportedDType {
+                what: name.to_string(),
+                dtype: meta.dtype,
+            });
+        }
+        let found = bytes.as_bytes().len();
+        if meta.checked_byte_len() != Some(found) {
+            return Err(Error::Tensor(bm_tensor::Error::LengthMismatch {
+                what: format!("tensor {name} ({} {:?})", meta.dtype, meta.shape),
+                expected: meta.byte_len(),
+                found,
+            }));
+        }
+        Ok(Tensor {
+            dtype: meta.dtype,
+            shape: meta.shape,
+            data: Data::Cpu(bytes),
+        })
+    }
+
+    /// A host tensor holding `values` rounded to `dtype` (as PyTorch rounds).
+    pub fn from_f32(dtype: DType, shape: &[usize], values: &[f32]) -> Result<Tensor, Error> {
+        let numel: usize = shape.iter().product();
+        if numel != values.len() {
+            return Err(Error::BadOperands {
+                op: "from_f32",
+                message: format!("{} values do not fill shape {shape:?}", values.len()),
+            });
+        }
+        Tensor::build(dtype, shape, |out| out.copy_from_slice(values))
+    }
+
+    /// A host tensor of `shape` whose f32 values `fill` writes; they are
+    /// rounded to `dtype` afterwards. F32 is written in place, with no copy.
+    pub(crate) fn build(
+        dtype: DType,
+        shape: &[usize],
+        fill: impl FnOnce(&mut [f32]),
+    ) -> Result<Tensor, Error> {
+        let numel: usize = shape.iter().product();
+        let mut buf = HostBuffer::zeroed(numel * dtype.size_in_bytes())?;
+        match dtype {
+            DType::F32 => fill(bytemuck::cast_slice_mut(buf.as_mut_bytes())),
+            DType::F16 | DType::BF16 => {
+                let mut wide = vec![0f32; numel];
+                fill(&mut wide);
+                bm_tensor::cast_into(
+                    bytemuck::cast_slice(&wide),
+                    DType::F32,
+                    buf.as_mut_bytes(),
+                    dtype,
+                )?;
+            }
+            other => {
+                return Err(Error::UnsupportedDType {
+                    what: "tensor".into(),
+                    dtype: other,
+                });
+            }
+        }
+        Ok(Tensor {
+            dtype,
+            shape: shape.to_vec(),
+            data: Data::Cpu(HostBytes::Owned(buf)),
+        })
+    }
+
+    /// Element type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Dimensions, outermost first.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Where the bytes are.
+    pub fn backend(&self) -> Backend {
+        match self.data {
+            Data::Cpu(_) => Backend::Cpu,
+        }
+    }
+
+    /// The raw little-endian bytes of a host tensor.
+    pub fn host_bytes(&self) -> &[u8] {
+        match &self.data {
+            Data::Cpu(b) => b.as_bytes(),
+        }
+    }
+
+    /// The values widened to f32: borrowed for an aligned F32 tensor,
+    /// converted otherwise.
+    pub fn f32_values(&self) -> Cow<'_, [f32]> {
+        let bytes = self.host_bytes();
+        // Lengths were checked at construction, so typed_slice cannot fail.
+        match self.dtype {
+            DType::F32 => typed_slice::<f32>(bytes).expect("F32 tensor bytes"),
+            DType::F16 => Cow::Owned(
+                typed_slice::<u16>(bytes)
+                    .expect("F16 tensor bytes")
+                    .iter()
+                    .map(|&b| f16::from_bits(b).to_f32())
+                    .collect(),
+            ),
+            DType::BF16 => Cow::Owned(
+                typed_slice::<u16>(bytes)
+                    .expect("BF16 tensor bytes")
+                    .iter()
+                    .map(|&b| bf16::from_bits(b).to_f32())
+                    .collect(),
+            ),
+            other => unreachable!("tensor of non-compute dtype {other}"),
+        }
+    }
+
+    /// Rows `start..end` of the outermost dimension widened to f32 (no
+    /// copy for aligned F32). Used to stream a weight matrix block by block.
+    pub(crate) fn f32_rows(&self, start: usize, end: usize) -> Cow<'_, [f32]> {
+        let row_len: usize = self.shape[1..].iter().product();
+        let size = self.dtype.size_in_bytes();
+        let bytes = &self.host_bytes()[start * row_len * size..end * row_len * size];
+        match self.dtype {
+            DType::F32 => typed_slice::<f32>(bytes).expect("F32 rows"),
+            DType::F16 => Cow::Owned(
+                bytes
+                    .chunks_exact(2)
+                    .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
+                    .collect(),
+            ),
+            DType::BF16 => Cow::Owned(
+                bytes
+                    .chunks_exact(2)
+                    .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                    .collect(),
+            ),
+            other => unreachable!("tensor of non-compute dtype {other}"),
+        }
+    }
+
+    /// The values as a new f32 vector.
+    pub fn to_f32_vec(&self) -> Vec<f32> {
+        self.f32_values().into_owned()
+    }
+
+    /// The same values in `dtype` (PyTorch's rounding); a copy.
+    pub fn to_dtype(&self, dtype: DType) -> Result<Tensor, Error> {
+        let values = self.f32_values();
+        Tensor::build(dtype, &self.shape, |out| out.copy_from_slice(&values))
+    }
+
+    /// Rows `start..end` of a 2-D tensor, as a new tensor of the same dtype.
+    pub fn rows(&self, start: usize, end: usize) -> Result<Tensor, Error> {
+        if self.shape.len() != 2 || start > end || end > self.shape[0] {
+            return Err(Error::BadOperands {
+                op: "rows",
+                message: format!("rows {start}..{end} of a tensor of shape {:?}", self.shape),
+            });
+        }
+        let row_bytes = self.shape[1] * self.dtype.size_in_bytes();
+        let buf = HostBuffer::from_bytes(&self.host_bytes()[start * row_bytes..end * row_bytes])?;
+        Ok(Tensor {
+            dtype: self.dtype,
+            shape: vec![end - start, self.shape[1]],
+            data: Data::Cpu(HostBytes::Owned(buf)),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn half_tensors_round_like_pytorch_and_widen_exactly() {
+        let t = Tensor::from_f32(DType::BF16, &[2], &[1.0 + 1.0 / 256.0, 3.0]).unwrap();
+        assert_eq!(t.to_f32_vec(), [1.0, 3.0]);
+        let h = Tensor::from_f32(DType::F16, &[1], &[0.1]).unwrap();
+        assert_eq!(h.to_f32_vec(), [f16::from_f32(0.1).to_f32()]);
+        assert_eq!(h.to_dtype(DType::F32).unwrap().host_bytes().len(), 4);
+    }
+
+    #[test]
+    fn construction_checks_length_and_dtype() {
+        let bytes = HostBytes::Owned(HostBuffer::zeroed(6).unwrap());
+        let err = Tensor::from_host(TensorMeta::new(DType::F32, [2]), bytes, "w").unwrap_err();
+        assert!(err.to_string().contains("tensor w"), "{err}");
+        let bytes = HostBytes::Owned(HostBuffer::zeroed(8).unwrap());
+        let err = Tensor::from_host(TensorMeta::new(DType::I64, [1]), bytes, "ids").unwrap_err();
+        assert!(err.to_string().contains("ids: dtype I64"), "{err}");
+        assert!(Tensor::from_f32(DType::F32, &[3], &[1.0]).is_err());
+    }
+
+    #[test]
+    fn rows_slices_the_outer_dimension() {
+        let t = Tensor::from_f32(DType::F32, &[3, 2], &[0., 1., 2., 3., 4., 5.]).unwrap();
+        assert_eq!(t.rows(1, 3).unwrap().to_f32_vec(), [2., 3., 4., 5.]);
+        assert_eq!(t.f32_rows(2, 3).as_ref(), &[4., 5.]);
+        assert!(t.rows(2, 4).is_err());
+    }
+}

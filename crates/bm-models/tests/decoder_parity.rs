@@ -1,0 +1,294 @@
+//! The tiny random Llama, Qwen2 (sharded, tied, q/k/v biases) and Mistral
+//! (sliding window 6) made by tools/make_tiny_llama.py: our logits and
+//! greedy tokens against transformers'.
+
+use std::path::{Path, PathBuf};
+
+use bm_models::{CausalLm, DecoderConfig, Error, FolderWeights, GenerateOptions, Logits};
+use bm_tensor::DType;
+use safetensors::SafeTensors;
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
+}
+
+struct Reference {
+    bytes: Vec<u8>,
+}
+
+impl Reference {
+    fn open(model: &str) -> Reference {
+        Reference {
+            bytes: std::fs::read(fixture(model).join("reference.safetensors")).unwrap(),
+        }
+    }
+
+    fn get(&self, name: &str) -> (Vec<usize>, Vec<u8>) {
+        let st = SafeTensors::deserialize(&self.bytes).unwrap();
+        let t = st.tensor(name).unwrap();
+        (t.shape().to_vec(), t.data().to_vec())
+    }
+
+    fn ids(&self, name: &str) -> Vec<u32> {
+        let (_, data) = self.get(name);
+        data.chunks_exact(8)
+            .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
+            .collect()
+    }
+
+    fn floats(&self, name: &str) -> (Vec<usize>, Vec<f32>) {
+        let (shape, data) = self.get(name);
+        let v = data
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        (shape, v)
+    }
+
+    fn prompts(&self) -> usize {
+        let st = SafeTensors::deserialize(&self.bytes).unwrap();
+        st.names()
+            .iter()
+            .filter(|n| n.starts_with("prompt."))
+            .count()
+    }
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+/// Logits of every prompt in `dtype` against transformers' (`key`).
+fn check_logits(model: &str, dtype: DType, key: &str, tolerance: f32) {
+    let reference = Reference::open(model);
+    let lm = CausalLm::open(fixture(model), Some(dtype)).unwrap();
+    let weights = FolderWeights::open(fixture(model), Some(dtype)).unwrap();
+    assert!(reference.prompts() >= 3);
+    for i in 0..reference.prompts() {
+        let ids = reference.ids(&format!("prompt.{i}"));
+        let (shape, want) = reference.floats(&format!("{key}.{i}"));
+        let mut cache = lm.decoder().new_cache();
+        let logits = lm
+            .decoder()
+            .forward(&weights, &ids, &mut cache, Logits::All)
+            .unwrap();
+        assert_eq!(logits.shape(), shape.as_slice());
+        assert_eq!(logits.dtype(), dtype);
+        let diff = max_abs_diff(&logits.to_f32_vec(), &want);
+        println!("{model} {dtype} prompt {i}: max |diff| {diff:e}");
+        assert!(
+            diff <= tolerance,
+            "{model} {dtype} prompt {i}: max |diff| {diff} > {tolerance}"
+        );
+    }
+}
+
+#[test]
+fn tiny_llama_f32_logits_match_transformers_within_1e_4() {
+    check_logits("tiny-llama", DType::F32, "logits", 1e-4);
+}
+
+#[test]
+fn tiny_qwen2_sharded_tied_biased_f32_logits_match() {
+    check_logits("tiny-qwen2", DType::F32, "logits", 1e-4);
+}
+
+#[test]
+fn tiny_mistral_sliding_window_f32_logits_match() {
+    check_logits("tiny-mistral", DType::F32, "logits", 1e-4);
+}
+
+// Half precision rounds after every op on both sides, in slightly different
+// places (transformers rounds q·k and the rope products; we round once per
+// op): the logits agree to a few units of the format's last place.
+#[test]
+fn half_precision_logits_are_close_to_transformers_half_runs() {
+    for model in ["tiny-llama", "tiny-qwen2", "tiny-mistral"] {
+        check_logits(model, DType::BF16, "logits_bf16", 0.03);
+        check_logits(model, DType::F16, "logits_f16", 0.005);
+    }
+}
+
+#[test]
+fn greedy_generation_with_kv_cache_matches_transformers() {
+    for model in ["tiny-llama", "tiny-qwen2", "tiny-mistral"] {
+        let reference = Reference::open(model);
+        let lm = CausalLm::open(fixture(model), None).unwrap();
+        for i in 0..reference.prompts() {
+            let prompt = reference.ids(&format!("prompt.{i}"));
+            let want = reference.ids(&format!("generated.{i}"));
+            let options = GenerateOptions {
+                max_new_tokens: want.len(),
+                keep_prompt_logits: true,
+                ..GenerateOptions::default()
+            };
+            let generation = lm.generate_ids(&prompt, &options).unwrap();
+            assert_eq!(generation.tokens, want, "{model} prompt {i}");
+            assert_eq!(generation.step_seconds.len(), want.len());
+            let logits = generation.prompt_logits.unwrap();
+            assert_eq!(logits.shape(), [prompt.len(), 256]);
+        }
+    }
+}
+
+#[test]
+fn cached_decoding_equals_recomputing_the_whole_sequence() {
+    let lm = CausalLm::open(fixture("tiny-mistral"), None).unwrap();
+    let weights = FolderWeights::open(fixture("tiny-mistral"), None).unwrap();
+    let ids: Vec<u32> = (10..22).collect();
+    let decoder = lm.decoder();
+    let mut full_cache = decoder.new_cache();
+    let full = decoder
+        .forward(&weights, &ids, &mut full_cache, Logits::All)
+        .unwrap();
+    let mut cache = decoder.new_cache();
+    decoder
+        .forward(&weights, &ids[..5], &mut cache, Logits::Last)
+        .unwrap();
+    for (n, &id) in ids.iter().enumerate().skip(5) {
+        let step = decoder
+            .forward(&weights, &[id], &mut cache, Logits::Last)
+            .unwrap();
+        let want = full.rows(n, n + 1).unwrap().to_f32_vec();
+        assert!(
+            max_abs_diff(&step.to_f32_vec(), &want) < 1e-5,
+            "position {n}"
+        );
+    }
+    assert_eq!(cache.len(), ids.len());
+}
+
+#[test]
+fn text_goes_through_tokenizer_json() {
+    let reference = Reference::open("tiny-llama");
+    let lm = CausalLm::open(fixture("tiny-llama"), None).unwrap();
+    let tokenizer = lm.tokenizer().expect("tiny-llama has a tokenizer.json");
+    let prompt = "Hello, wörld!";
+    assert_eq!(
+        tokenizer.encode(prompt, true).unwrap(),
+        reference.ids("text_prompt")
+    );
+    let want = reference.ids("text_generated");
+    let options = GenerateOptions {
+        max_new_tokens: want.len(),
+        ..GenerateOptions::default()
+    };
+    let (generation, text) = lm.generate_text(prompt, &options).unwrap();
+    assert_eq!(generation.tokens, want);
+    assert_eq!(text, tokenizer.decode(&want).unwrap());
+    let err = lm.generate_text("", &options).unwrap_err();
+    assert_eq!(err.to_string(), "prompt is empty");
+}
+
+#[test]
+fn generation_stops_at_a_stop_token() {
+    let reference = Reference::open("tiny-llama");
+    let lm = CausalLm::open(fixture("tiny-llama"), None).unwrap();
+    let want = reference.ids("generated.0");
+    let options = GenerateOptions {
+        max_new_tokens: 8,
+        stop_tokens: vec![want[1]],
+        ..GenerateOptions::default()
+    };
+    let generation = lm
+        .generate_ids(&reference.ids("prompt.0"), &options)
+        .unwrap();
+    assert_eq!(generation.tokens, want[..2]);
+}
+
+/// Copies a fixture folder so a test can break it.
+fn broken_copy(model: &str, edit: impl FnOnce(&Path)) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(fixture(model)).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), dir.path().join(entry.file_name())).unwrap();
+    }
+    edit(dir.path());
+    dir
+}
+
+fn edit_config(dir: &Path, key: &str, value: serde_json::Value) {
+    let path = dir.join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    config[key] = value;
+    std::fs::write(&path, config.to_string()).unwrap();
+}
+
+#[test]
+fn bad_folders_and_inputs_give_clear_errors() {
+    let no_config = broken_copy("tiny-llama", |d| {
+        std::fs::remove_file(d.join("config.json")).unwrap()
+    });
+    let err = CausalLm::open(no_config.path(), None).err().unwrap();
+    assert!(err.to_string().contains("config.json"), "{err}");
+
+    let no_weights = broken_copy("tiny-llama", |d| {
+        std::fs::remove_file(d.join("model.safetensors")).unwrap()
+    });
+    let err = CausalLm::open(no_weights.path(), None).err().unwrap();
+    assert!(matches!(err, Error::MissingWeights { .. }), "{err}");
+
+    let gpt2 = broken_copy("tiny-llama", |d| {
+        edit_config(d, "model_type", "gpt2".into())
+    });
+    let err = CausalLm::open(gpt2.path(), None).err().unwrap();
+    assert!(
+        err.to_string()
+            .contains("supported are llama, mistral, qwen2"),
+        "{err}"
+    );
+
+    let wrong_shape = broken_copy("tiny-llama", |d| {
+        edit_config(d, "intermediate_size", 96.into())
+    });
+    let lm = CausalLm::open(wrong_shape.path(), None).unwrap();
+    let err = lm
+        .generate_ids(
+            &[1, 2],
+            &GenerateOptions {
+                max_new_tokens: 1,
+                ..Default::default()
+            },
+        )
+        .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "tensor model.layers.0.mlp.gate_proj.weight has shape [128, 64] but the config implies [96, 64]"
+    );
+
+    let scaled = broken_copy("tiny-llama", |d| {
+        edit_config(
+            d,
+            "rope_parameters",
+            serde_json::json!({"rope_type": "yarn", "rope_theta": 1e4}),
+        )
+    });
+    let err = DecoderConfig::from_dir(scaled.path()).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("rope type \"yarn\" is not supported"),
+        "{err}"
+    );
+
+    let lm = CausalLm::open(fixture("tiny-llama"), None).unwrap();
+    let one = GenerateOptions {
+        max_new_tokens: 1,
+        ..Default::default()
+    };
+    assert_eq!(
+        lm.generate_ids(&[], &one).unwrap_err().to_string(),
+        "prompt is empty"
+    );
+    assert_eq!(
+        lm.generate_ids(&[1, 256], &one).unwrap_err().to_string(),
+        "token id 256 is out of the vocabulary (size 256)"
+    );
+    assert!(CausalLm::open(fixture("tiny-llama"), Some(DType::I32)).is_err());
+}
