@@ -1,1 +1,64 @@
-//! Module size trees and the device-map solver. Pure: it never touches a device.
+//! Module size trees and the device-map solver. Pure: it never touches a
+//! device.
+//!
+//! The first question of every big-model user is *what goes where*. This
+//! crate answers it from a description of the model alone:
+//!
+//! * A [`ModuleTree`] lists modules (with class names), their parameters and
+//!   buffers (shape, dtype, persistence) in registration order, and the
+//!   groups of tied parameters. It comes from a `bigmodel-module-tree/1`
+//!   document ([`ModuleTree::from_json`], exported from PyTorch by
+//!   `tools/export_module_tree.py`), from a checkpoint's headers
+//!   ([`checkpoint::tree_from_tensors`]), or from a Hugging Face
+//!   `config.json` ([`hf::tree_from_config`]) for the Llama, Mistral, Qwen2,
+//!   GPT-2 and BERT families, with transformers' names and classes.
+//! * [`ModuleSizes`] sizes every tensor and subtree in one linear pass,
+//!   either with Accelerate's rule (a dtype only ever shrinks) or with the
+//!   sizes a load really allocates.
+//! * Two planners turn a tree and budgets ([`MaxMemory`]) into a [`Plan`]:
+//!   [`accelerate::plan`] reproduces Accelerate's `get_balanced_memory` +
+//!   `infer_auto_device_map` decision for decision (its documented bugs
+//!   fixed, see docs/compat.md), and [`auto::plan`] is bigmodel's own:
+//!   it reserves streaming room only when something is offloaded, back-fills
+//!   faster devices before offloading, honours a disk budget and runtime
+//!   reserves, and explains itself.
+//!
+//! Both planners run in time linear in the size of the tree: sizes and
+//! per-subtree layer maxima are computed once, and the traversal queue is a
+//! stack with running maxima instead of a list rescanned after every split.
+//!
+//! Architecture invariant: nothing here allocates device memory or asks a
+//! device anything; default budgets are the caller's business.
+
+mod error;
+mod size;
+#[cfg(test)]
+mod testing;
+
+pub mod accelerate;
+pub mod auto;
+pub mod checkpoint;
+pub mod device;
+pub mod hf;
+pub mod plan;
+pub mod sizes;
+pub mod tree;
+
+pub use device::{Device, MaxMemory};
+pub use error::Error;
+pub use plan::{Compat, DeviceMap, Mode, Plan, PlanOptions, check_device_map};
+pub use size::{
+    MAX_BUDGET, convert_file_size_to_int, human_bytes, parse_size_text, parse_size_value,
+};
+pub use sizes::{ModuleSizes, SizeOptions, SizeRule};
+pub use tree::{
+    Module, ModuleId, ModuleTree, ModuleTreeBuilder, Node, Tensor, TensorId, TensorKind,
+};
+
+/// Plans `tree` with the chosen planner.
+pub fn plan_with(tree: &ModuleTree, options: &PlanOptions, compat: Compat) -> Result<Plan, Error> {
+    match compat {
+        Compat::Accelerate => accelerate::plan(tree, options),
+        Compat::Auto => accelerate::plan(tree, options),
+    }
+}

@@ -1,0 +1,102 @@
+//! The one error type of `bm-plan`.
+
+use std::fmt;
+
+/// Everything that can go wrong while building a module tree or planning.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Error {
+    /// A size string that Accelerate's `convert_file_size_to_int` rejects.
+    /// The message is Accelerate's own.
+    BadSize(String),
+    /// A size that parses but is negative, infinite or absurdly large.
+    BadBudget {
+        /// The device key or option the size was given for.
+        what: String,
+        /// Why it is rejected.
+        reason: String,
+    },
+    /// A `max_memory` key that is neither a GPU ordinal, `cpu` nor `disk`.
+    UnknownDevice(String),
+    /// A malformed `max_memory` or `--reserve` specification.
+    BadMemorySpec(String),
+    /// A malformed module tree: `path` names the offending node or tensor.
+    Tree {
+        /// Where in the document (a dotted module path or a JSON pointer).
+        path: String,
+        /// What is wrong there.
+        reason: String,
+    },
+    /// A config.json that is malformed or describes an unsupported model.
+    Config(String),
+    /// A custom device map that leaves tensors without a device
+    /// (Accelerate's `check_device_map` message).
+    UncoveredTensors(Vec<String>),
+    /// A custom device map that is not valid JSON of the expected shape.
+    BadDeviceMap(String),
+    /// The model does not fit the budgets.
+    DoesNotFit(String),
+    /// Reading an input file failed.
+    Io {
+        /// The file.
+        path: String,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+    /// Reading a checkpoint failed (the checkpoint reader's message).
+    Checkpoint(String),
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::BadSize(size) => write!(
+                f,
+                "`size` {size} is not in a valid format. Use an integer for bytes, or a string with an unit (like '5.0GB')."
+            ),
+            Error::BadBudget { what, reason } => {
+                write!(f, "bad memory budget for {what}: {reason}")
+            }
+            Error::UnknownDevice(key) => write!(
+                f,
+                "Device {key} is not recognized, available devices are integers(for GPU/XPU), 'mps', 'cpu' and 'disk'"
+            ),
+            Error::BadMemorySpec(msg) => write!(f, "bad memory specification: {msg}"),
+            Error::Tree { path, reason } => {
+                if path.is_empty() {
+                    write!(f, "invalid module tree: {reason}")
+                } else {
+                    write!(f, "invalid module tree at {path}: {reason}")
+                }
+            }
+            Error::Config(msg) => write!(f, "config.json: {msg}"),
+            Error::UncoveredTensors(names) => write!(
+                f,
+                "The device_map provided does not give any device for the following parameters: {}",
+                names.join(", ")
+            ),
+            Error::BadDeviceMap(msg) => write!(f, "invalid device map: {msg}"),
+            Error::DoesNotFit(msg) => write!(f, "{msg}"),
+            Error::Io { path, source } => write!(f, "cannot read {path}: {source}"),
+            Error::Checkpoint(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Error::Io { source, .. } => Some(source),
+            _ => None,
+        }
+    }
+}
+
+impl Error {
+    pub(crate) fn tree(path: impl Into<String>, reason: impl Into<String>) -> Self {
+        Error::Tree {
+            path: path.into(),
+            reason: reason.into(),
+        }
+    }
+}

@@ -1,0 +1,520 @@
+//! The result of planning (an ordered device map) and the options both
+//! planners share; `check_device_map` and `clean_device_map`.
+
+use std::collections::{HashMap, HashSet};
+
+use bm_tensor::DType;
+
+use crate::Error;
+use crate::device::{Device, MaxMemory};
+use crate::tree::{ModuleId, ModuleTree, Node};
+
+/// How budgets are shared out, as `device_map=` spells it in Accelerate.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Mode {
+    /// Accelerate's `"auto"`: the same as `balanced`.
+    #[default]
+    Auto,
+    /// Spread the model evenly over the GPUs.
+    Balanced,
+    /// Like `balanced`, but keep GPU 0 as empty as possible.
+    BalancedLow0,
+    /// Fill each device in turn.
+    Sequential,
+}
+
+impl Mode {
+    /// Parses `auto`, `balanced`, `balanced_low_0` or `sequential`.
+    pub fn parse(text: &str) -> Option<Mode> {
+        Some(match text {
+            "auto" => Mode::Auto,
+            "balanced" => Mode::Balanced,
+            "balanced_low_0" => Mode::BalancedLow0,
+            "sequential" => Mode::Sequential,
+            _ => return None,
+        })
+    }
+}
+
+/// Which planner answers.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Compat {
+    /// bigmodel's planner (see [`crate::auto`]).
+    #[default]
+    Auto,
+    /// Accelerate's planner, bug for bug except the documented bugs
+    /// (see [`crate::accelerate`] and docs/compat.md).
+    Accelerate,
+}
+
+/// Everything a plan depends on besides the tree.
+#[derive(Clone, Debug, Default)]
+pub struct PlanOptions {
+    /// Budget per device.
+    pub max_memory: MaxMemory,
+    /// False when `max_memory` holds defaults read from the machine
+    /// (Accelerate then keeps 10 % of a single GPU free).
+    pub max_memory_from_user: bool,
+    /// Class names that are never split across devices.
+    pub no_split: Vec<String>,
+    /// The dtype weights are loaded in.
+    pub dtype: Option<DType>,
+    /// Per-tensor dtype overrides.
+    pub special_dtypes: HashMap<String, DType>,
+    /// How budgets are shared out.
+    pub mode: Mode,
+    /// Offloaded modules keep their buffers offloaded too.
+    pub offload_buffers: bool,
+    /// Accelerate's `fallback_allocation` (compat planner only).
+    pub fallback_allocation: bool,
+    /// Bytes held back per device for activations and the like (auto planner).
+    pub reserve: MaxMemory,
+    /// Extra bytes a module needs at run time where it executes, e.g. the KV
+    /// cache of a decoder layer (auto planner).
+    pub runtime_bytes: Vec<(ModuleId, u64)>,
+}
+
+/// A device per module (or tensor), in traversal order.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DeviceMap {
+    entries: Vec<(String, Device)>,
+}
+
+impl DeviceMap {
+    /// Wraps entries as given.
+    pub fn from_entries(entries: Vec<(String, Device)>) -> Self {
+        DeviceMap { entries }
+    }
+
+    /// Parses a `{name: 0 | "cpu" | "disk"}` JSON object.
+    pub fn from_json(value: &serde_json::Value) -> Result<Self, Error> {
+        let object = value.as_object().ok_or_else(|| {
+            Error::BadDeviceMap("expected a JSON object {module: 0 | \"cpu\" | \"disk\"}".into())
+        })?;
+        let mut entries = Vec::with_capacity(object.len());
+        for (name, device) in object {
+            let device = Device::from_json(device)
+                .map_err(|e| Error::BadDeviceMap(format!("module {name:?}: {e}")))?;
+            entries.push((name.clone(), device));
+        }
+        Ok(DeviceMap { entries })
+    }
+
+    /// The JSON object form, in order.
+    pub fn to_json(&self) -> serde_json::Value {
+        let mut object = serde_json::Map::new();
+        for (name, device) in &self.entries {
+            object.insert(name.clone(), device.to_json());
+        }
+        serde_json::Value::Object(object)
+    }
+
+    /// Entries in order.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, Device)> + '_ {
+        self.entries.iter().map(|(n, d)| (n.as_str(), *d))
+    }
+
+    /// Number of entries.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// The device of exactly `name`.
+    pub fn get(&self, name: &str) -> Option<Device> {
+        self.entries
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, d)| *d)
+    }
+
+    /// The device a tensor or module resolves to: its longest matching key.
+    pub fn device_of(&self, name: &str) -> Option<Device> {
+        let keys: HashMap<&str, Device> = self.iter().collect();
+        let mut prefix = name;
+        loop {
+            if let Some(d) = keys.get(prefix) {
+                return Some(*d);
+            }
+            match prefix.rfind('.') {
+                Some(i) => prefix = &prefix[..i],
+                None => return keys.get("").copied(),
+            }
+        }
+    }
+
+    /// Accelerate's `clean_device_map`: every set of at least two keys under
+    /// one module that share a device becomes that module's key. Unlike
+    /// Accelerate (which goes through a `set`), the result is put in
+    /// traversal order.
+    pub fn clean(&mut self, tree: &ModuleTree) {
+        // A trie of the dotted keys.
+        struct TrieNode {
+            children: Vec<(String, usize)>,
+            key: Option<Device>,
+        }
+        let mut nodes = vec![TrieNode {
+            children: Vec::new(),
+            key: None,
+        }];
+        let mut child_index: HashMap<(usize, String), usize> = HashMap::new();
+        for (name, device) in &self.entries {
+            let mut at = 0;
+            if !name.is_empty() {
+                for part in name.split('.') {
+                    let next = match child_index.get(&(at, part.to_string())) {
+                        Some(&n) => n,
+                        None => {
+                            nodes.push(TrieNode {
+                                children: Vec::new(),
+                                key: None,
+                            });
+                            let n = nodes.len() - 1;
+                            nodes[at].children.push((part.to_string(), n));
+                            child_index.insert((at, part.to_string()), n);
+                            n
+                        }
+                    };
+                    at = next;
+                }
+            }
+            nodes[at].key = Some(*device);
+        }
+        // For each trie node: number of keys strictly below it and whether they
+        // all share one device (children come after parents in `nodes`).
+        let mut below = vec![0usize; nodes.len()];
+        let mut device_below: Vec<Option<Option<Device>>> = vec![None; nodes.len()];
+        for n in (0..nodes.len()).rev() {
+            let mut count = 0;
+            let mut shared: Option<Option<Device>> = None;
+            let merge = |d: Option<Device>, shared: &mut Option<Option<Device>>| match shared {
+                None => *shared = Some(d),
+                Some(s) if *s != d => *shared = Some(None),
+                _ => {}
+            };
+            for (_, c) in &nodes[n].children {
+                if let Some(d) = nodes[*c].key {
+                    count += 1;
+                    merge(Some(d), &mut shared);
+                }
+                count += below[*c];
+                if below[*c] > 0 {
+                    merge(device_below[*c].flatten(), &mut shared);
+                }
+            }
+            below[n] = count;
+            device_below[n] = shared;
+        }
+        // Walk down: collapse where at least two keys below share a device.
+        let mut out = Vec::new();
+        let mut stack = vec![(0usize, String::new())];
+        while let Some((n, name)) = stack.pop() {
+            if let Some(d) = nodes[n].key
+                && (n != 0 || below[n] == 0)
+            {
+                out.push((name.clone(), d));
+            }
+            if below[n] >= 2
+                && let Some(Some(d)) = device_below[n]
+                && nodes[n].key.is_none_or(|k| k == d)
+            {
+                if nodes[n].key.is_none() {
+                    out.push((name, d));
+                }
+                continue;
+            }
+            for (part, c) in &nodes[n].children {
+                let child_name = if name.is_empty() {
+                    part.clone()
+                } else {
+                    format!("{name}.{part}")
+                };
+                stack.push((*c, child_name));
+            }
+        }
+        self.entries = out;
+        self.sort_traversal(tree);
+    }
+
+    /// Sorts the keys in traversal order: a module's direct parameters, then
+    /// its children, then its direct buffers, recursively. Keys that name
+    /// nothing in the tree go last, in their current order.
+    pub fn sort_traversal(&mut self, tree: &ModuleTree) {
+        let keys: Vec<Option<Vec<usize>>> = self
+            .entries
+            .iter()
+            .map(|(n, _)| traversal_key(tree, n))
+            .collect();
+        let mut order: Vec<usize> = (0..self.entries.len()).collect();
+        order.sort_by(|a, b| match (&keys[*a], &keys[*b]) {
+            (Some(x), Some(y)) => x.cmp(y),
+            (Some(_), None) => std::cmp::Ordering::Less,
+            (None, Some(_)) => std::cmp::Ordering::Greater,
+            (None, None) => a.cmp(b),
+        });
+        self.entries = order.into_iter().map(|i| self.entries[i].clone()).collect();
+    }
+}
+
+/// The path of positions from the root to `name`, where a module's slots are
+/// its params, then its children, then its buffers.
+fn traversal_key(tree: &ModuleTree, name: &str) -> Option<Vec<usize>> {
+    let node = tree.find(name)?;
+    let mut path = Vec::new();
+    let (mut module, slot) = match node {
+        Node::Module(m) => (m, None),
+        Node::Tensor(t) => {
+            let tensor = tree.tensor(t);
+            let owner = tree.module(tensor.module);
+            let slot = if let Some(i) = owner.params.iter().position(|p| *p == t) {
+                i
+            } else {
+                owner.params.len()
+                    + owner.children.len()
+                    + owner.buffers.iter().position(|b| *b == t)?
+            };
+            (tensor.module, Some(slot))
+        }
+    };
+    if let Some(s) = slot {
+        path.push(s);
+    }
+    while let Some(parent) = tree.module(module).parent {
+        let p = tree.module(parent);
+        let i = p.children.iter().position(|c| *c == module)?;
+        path.push(p.params.len() + i);
+        module = parent;
+    }
+    path.reverse();
+    Some(path)
+}
+
+/// A device map with what was used to compute it.
+#[derive(Clone, Debug, Default)]
+pub struct Plan {
+    /// Module (or tensor) to device, in traversal order.
+    pub device_map: DeviceMap,
+    /// The budgets used, after balancing.
+    pub max_memory: MaxMemory,
+    /// Bytes placed per device (weights and buffers, not reserves).
+    pub device_bytes: Vec<(Device, u64)>,
+    /// Warnings (Accelerate's, or the planner's own).
+    pub warnings: Vec<String>,
+    /// Informational messages (Accelerate's `logger.info`).
+    pub info: Vec<String>,
+    /// The trace printed by `--explain`.
+    pub trace: Vec<String>,
+}
+
+impl Plan {
+    /// The JSON document `bigmodel plan --json` prints.
+    pub fn to_json(&self) -> serde_json::Value {
+        let mut bytes = serde_json::Map::new();
+        for (d, b) in &self.device_bytes {
+            bytes.insert(d.to_string(), (*b).into());
+        }
+        serde_json::json!({
+            "device_map": self.device_map.to_json(),
+            "max_memory": self.max_memory.to_json(),
+            "device_bytes": bytes,
+        })
+    }
+}
+
+/// Accelerate's `check_device_map`: every state-dict tensor must be covered
+/// by a key (`""`, its own name or a dotted prefix). Returns the warnings
+/// (keys that name no module); uncovered tensors are an error listing them
+/// in state-dict order.
+pub fn check_device_map(tree: &ModuleTree, map: &DeviceMap) -> Result<Vec<String>, Error> {
+    let mut warnings = Vec::new();
+    let invalid: Vec<&str> = map
+        .iter()
+        .map(|(n, _)| n)
+        .filter(|n| !n.is_empty() && !matches!(tree.find(n), Some(Node::Module(_))))
+        .collect();
+    if !invalid.is_empty() {
+        let list: Vec<String> = invalid.iter().map(|n| format!("'{n}'")).collect();
+        warnings.push(format!(
+            "The following device_map keys do not match any submodules in the model: [{}]",
+            list.join(", ")
+        ));
+    }
+    let keys: HashSet<&str> = map.iter().map(|(n, _)| n).collect();
+    if keys.contains("") {
+        return Ok(warnings);
+    }
+    let mut covered_module = vec![false; tree.modules().len()];
+    for &m in tree.preorder() {
+        let module = tree.module(m);
+        covered_module[m] =
+            keys.contains(module.name.as_str()) || module.parent.is_some_and(|p| covered_module[p]);
+    }
+    let missing: Vec<String> = tree
+        .state_dict()
+        .into_iter()
+        .map(|t| tree.tensor(t))
+        .filter(|t| !covered_module[t.module] && !keys.contains(t.name.as_str()))
+        .map(|t| t.name.clone())
+        .collect();
+    if missing.is_empty() {
+        Ok(warnings)
+    } else {
+        Err(Error::UncoveredTensors(missing))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::model_for_test;
+    use bm_tensor::DType;
+
+    fn map(pairs: &[(&str, Device)]) -> DeviceMap {
+        DeviceMap::from_entries(pairs.iter().map(|(n, d)| (n.to_string(), *d)).collect())
+    }
+
+    #[test]
+    fn check_device_map_cases() {
+        let tree = model_for_test(DType::F32);
+        let g = Device::Gpu;
+        assert!(
+            check_device_map(&tree, &map(&[("", g(0))]))
+                .unwrap()
+                .is_empty()
+        );
+        let err =
+            check_device_map(&tree, &map(&[("linear1", g(0)), ("linear2", g(1))])).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "The device_map provided does not give any device for the following parameters: batchnorm.weight, batchnorm.bias, batchnorm.running_mean, batchnorm.running_var, batchnorm.num_batches_tracked"
+        );
+        assert!(
+            check_device_map(
+                &tree,
+                &map(&[("linear1", g(0)), ("linear2", g(1)), ("batchnorm", g(1))])
+            )
+            .is_ok()
+        );
+        let warnings = check_device_map(
+            &tree,
+            &map(&[
+                ("linear1", Device::Cpu),
+                ("batchnorm", Device::Cpu),
+                ("linear2", Device::Cpu),
+                ("invalid_module", g(0)),
+                ("another_invalid", g(1)),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(
+            warnings,
+            vec![
+                "The following device_map keys do not match any submodules in the model: ['invalid_module', 'another_invalid']"
+            ]
+        );
+        // A parameter-level key warns but covers its tensor.
+        let w = check_device_map(
+            &tree,
+            &map(&[
+                ("linear1.weight", g(0)),
+                ("linear1.bias", g(0)),
+                ("batchnorm", g(0)),
+                ("linear2", g(0)),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(w.len(), 1);
+    }
+
+    fn tree_of(names: &[&str]) -> ModuleTree {
+        // Modules for every dotted prefix, in the order given.
+        let mut b = crate::tree::ModuleTreeBuilder::new("Root");
+        for name in names {
+            let mut parent = 0;
+            let mut full = String::new();
+            for part in name.split('.') {
+                if !full.is_empty() {
+                    full.push('.');
+                }
+                full.push_str(part);
+                parent = match b.module_id(&full) {
+                    Some(id) => id,
+                    None => b.add_module(parent, part, "M").unwrap(),
+                };
+            }
+        }
+        b.finish().unwrap()
+    }
+
+    fn cleaned(pairs: &[(&str, Device)]) -> Vec<(String, Device)> {
+        let names: Vec<&str> = pairs.iter().map(|(n, _)| *n).collect();
+        let tree = tree_of(&names);
+        let mut m = map(pairs);
+        m.clean(&tree);
+        m.iter().map(|(n, d)| (n.to_string(), d)).collect()
+    }
+
+    fn owned(pairs: &[(&str, Device)]) -> Vec<(String, Device)> {
+        pairs.iter().map(|(n, d)| (n.to_string(), *d)).collect()
+    }
+
+    #[test]
+    fn clean_device_map_cases() {
+        let g = Device::Gpu;
+        assert_eq!(
+            cleaned(&[("a", g(0)), ("b", g(0)), ("c", g(0))]),
+            owned(&[("", g(0))])
+        );
+        assert_eq!(
+            cleaned(&[
+                ("a.x", g(0)),
+                ("a.y", g(0)),
+                ("b.x", g(1)),
+                ("b.y", g(1)),
+                ("c", g(1))
+            ]),
+            owned(&[("a", g(0)), ("b", g(1)), ("c", g(1))])
+        );
+        assert_eq!(
+            cleaned(&[
+                ("a.x", g(0)),
+                ("a.y", g(0)),
+                ("b.x.0", g(1)),
+                ("b.x.1", g(1)),
+                ("b.y.0", g(2)),
+                ("b.y.1", g(2)),
+                ("c", g(2))
+            ]),
+            owned(&[("a", g(0)), ("b.x", g(1)), ("b.y", g(2)), ("c", g(2))])
+        );
+        assert_eq!(
+            cleaned(&[("a.1", g(0)), ("a.10", g(0)), ("a.2", g(1))]),
+            owned(&[("a.1", g(0)), ("a.10", g(0)), ("a.2", g(1))])
+        );
+        assert_eq!(
+            cleaned(&[("a.x", g(0)), ("a.y", g(0)), ("ab.x", g(1)), ("ab.y", g(1))]),
+            owned(&[("a", g(0)), ("ab", g(1))])
+        );
+        // A single key under a module is not merged.
+        assert_eq!(
+            cleaned(&[("a.x", g(0)), ("b", g(1))]),
+            owned(&[("a.x", g(0)), ("b", g(1))])
+        );
+    }
+
+    #[test]
+    fn device_maps_parse_from_json() {
+        let m = DeviceMap::from_json(
+            &serde_json::json!({"a": 0, "b": "cpu", "c": "disk", "d": "cuda:1"}),
+        )
+        .unwrap();
+        assert_eq!(m.get("d"), Some(Device::Gpu(1)));
+        assert_eq!(m.device_of("b.x.y"), Some(Device::Cpu));
+        assert!(DeviceMap::from_json(&serde_json::json!({"a": "gpu"})).is_err());
+        assert!(DeviceMap::from_json(&serde_json::json!([1])).is_err());
+    }
+}
