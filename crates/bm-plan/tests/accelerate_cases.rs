@@ -423,7 +423,7 @@ fn balanced(
 #[test]
 fn get_balanced_memory_cases() {
     let tree = model_for_test();
-    let cases: &[(Budgets, Budgets)] = &[
+    let cases: &[(Budgets<'_>, Budgets<'_>)] = &[
         (&[("0", 200), ("1", 200)], &[("0", 200), ("1", 200)]),
         (&[("0", 200), ("2", 200)], &[("0", 200), ("2", 200)]),
         (&[("0", 300), ("1", 300)], &[("0", 215), ("1", 300)]),
@@ -438,7 +438,7 @@ fn get_balanced_memory_cases() {
     for (input, want) in cases {
         assert_eq!(balanced(&tree, input, false, None), mm(want), "{input:?}");
     }
-    let low: &[(Budgets, Budgets)] = &[
+    let low: &[(Budgets<'_>, Budgets<'_>)] = &[
         (&[("0", 300), ("1", 300)], &[("0", 0), ("1", 300)]),
         (
             &[("0", 300), ("1", 300), ("2", 300)],
