@@ -421,7 +421,14 @@ pub fn infer_auto_device_map(
     let layers = layer_maxima(tree, sizes, no_split);
     let ties = Ties::new(tree);
     let mut trace = Vec::new();
-    let mut verbose = |line: String| trace.push(line);
+    let explain = options.explain;
+    macro_rules! say {
+        ($($arg:tt)*) => {
+            if explain {
+                trace.push(format!($($arg)*));
+            }
+        };
+    }
 
     let root = tree.module(0);
     let mut queue = Queue {
@@ -465,8 +472,8 @@ pub fn infer_auto_device_map(
     let mut minimum_assignment: Vec<(Device, i128)> = Vec::new();
 
     while let Some(node) = queue.pop_front() {
-        let name = tree.node_name(node).to_string();
-        verbose(format!("\nTreating module {name}."));
+        let name = tree.node_name(node);
+        say!("\nTreating module {name}.");
         let slot = queue.slot(node);
         if removed_in[slot] != generation {
             removed_in[slot] = generation;
@@ -484,16 +491,16 @@ pub fn infer_auto_device_map(
                 .iter()
                 .map(|g| tensor_list(tree, &tree.tied_groups()[*g]))
                 .collect();
-            verbose(format!(
+            say!(
                 "  Found the relevant tied param groups [{}]",
                 names.join(", ")
-            ));
+            );
         }
         if !tied_params.is_empty() {
-            verbose(format!(
+            say!(
                 "  So those parameters need to be taken into account {}",
                 tensor_list(tree, &tied_params)
-            ));
+            );
         }
         let device = devices[current_device];
         let mut current_max: Option<i128> = if device == Device::Disk {
@@ -513,19 +520,21 @@ pub fn infer_auto_device_map(
 
         // A) it fits.
         if current_max.is_none_or(|c| used[d] + with_ties as i128 <= c) {
-            let mut line = format!("Putting {name}");
-            if tied_modules.is_empty() {
-                line += &format!(" (size={module_size})");
-            } else {
-                line += &format!(" and {}", python_list(tree, &tied_modules));
+            if explain {
+                let mut line = format!("Putting {name}");
+                if tied_modules.is_empty() {
+                    line += &format!(" (size={module_size})");
+                } else {
+                    line += &format!(" and {}", python_list(tree, &tied_modules));
+                }
+                if let Some(c) = current_max {
+                    line += &format!(" (available={})", c - used[d]);
+                }
+                say!("{line} on {device}.");
             }
-            if let Some(c) = current_max {
-                line += &format!(" (available={})", c - used[d]);
-            }
-            verbose(format!("{line} on {device}."));
             used[d] += with_ties as i128;
             placed[d] += with_ties;
-            entries.push((name, device));
+            entries.push((name.to_string(), device));
             if !tied_modules.is_empty() {
                 let list: Vec<Node> = queue
                     .to_list()
@@ -548,11 +557,11 @@ pub fn infer_auto_device_map(
 
         // B) it would fit without its tied partners: split a partner.
         if !tied_params.is_empty() && used[d] + module_size as i128 <= current_max {
-            verbose(format!(
+            say!(
                 "Not enough space on {device} to put {name} and {} (space available {}, needed size {with_ties}).",
                 python_list(tree, &tied_modules),
                 current_max - used[d]
-            ));
+            );
             let splittable = tied_modules.iter().find_map(|tm| match *tm {
                 Node::Module(m)
                     if !tree.module(m).children.is_empty()
@@ -563,7 +572,7 @@ pub fn infer_auto_device_map(
                 _ => None,
             });
             if let Some(m) = splittable {
-                verbose(format!("Splitting {}.", tree.module(m).name));
+                say!("Splitting {}.", tree.module(m).name);
                 let mut list = vec![node];
                 for n in queue.to_list() {
                     if n == Node::Module(m) {
@@ -577,21 +586,21 @@ pub fn infer_auto_device_map(
                 generation += 1;
                 continue;
             }
-            verbose("None of the tied module can be split, going to the next device.".into());
+            say!("None of the tied module can be split, going to the next device.");
         }
 
         // C) split the module itself.
         if used[d] + module_size as i128 >= current_max {
-            verbose(format!(
+            say!(
                 "Not enough space on {device} to put {name} (space available {}, module size {module_size}).",
                 current_max - used[d]
-            ));
+            );
             match node {
                 Node::Module(m)
                     if !tree.module(m).children.is_empty()
                         && !no_split.contains(&tree.module(m).class) =>
                 {
-                    verbose(format!("Splitting {name}."));
+                    say!("Splitting {name}.");
                     for child in expansion(tree, m).into_iter().rev() {
                         queue.push_front(child, &layers);
                     }
@@ -599,7 +608,7 @@ pub fn infer_auto_device_map(
                     generation += 1;
                     continue;
                 }
-                _ => verbose("This module cannot be split, going to the next device.".into()),
+                _ => say!("This module cannot be split, going to the next device."),
             }
         }
 

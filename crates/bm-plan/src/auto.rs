@@ -1,1 +1,538 @@
-//! placeholder
+//! bigmodel's own planner.
+//!
+//! It plans on *units*: a module of a no-split class or with no children is
+//! one unit; any other module contributes its direct tensors as units and
+//! recurses into its children. Tied units travel together. Units keep
+//! traversal order, and the devices are filled in order (GPUs, `cpu`,
+//! `disk`), as in Accelerate, with these differences:
+//!
+//! * Room for streaming offloaded weights is reserved only when something
+//!   is offloaded, only on the device that executes offloaded layers (the
+//!   first GPU, or `cpu` when there is none), and only as large as the
+//!   largest unit that is actually offloaded (plus the runtime bytes of the
+//!   offloaded units). The reservation is found by re-planning until it is
+//!   stable.
+//! * A unit that does not fit an *empty* device skips ahead without leaving
+//!   that device behind: the next units still fill it.
+//! * A unit never goes to a slower tier (cpu, disk) while an earlier, faster
+//!   device still has room for it (back-fill).
+//! * A `disk` budget is honoured; per-device reserves and per-unit runtime
+//!   bytes (e.g. KV cache) are charged where the unit executes.
+//! * `balanced` finds the smallest per-GPU load that still fits the model on
+//!   the GPUs (a binary search over a greedy fill), so the largest unit of
+//!   every no-split class is accounted for, not the first one.
+//! * When nothing fits, the error says per device what was asked, what was
+//!   placed and by how much the budgets fall short.
+
+use crate::Error;
+use crate::device::{Device, MaxMemory};
+use crate::plan::{DeviceMap, Mode, Plan, PlanOptions};
+use crate::size::human_bytes;
+use crate::sizes::{ModuleSizes, SizeOptions, SizeRule};
+use crate::tree::{ModuleTree, Node};
+
+/// A group of units placed together (a unit plus its tied partners).
+struct Item {
+    units: Vec<Node>,
+    bytes: u64,
+    runtime: u64,
+}
+
+fn items_of(tree: &ModuleTree, sizes: &ModuleSizes, options: &PlanOptions) -> Vec<Item> {
+    // Units in traversal order.
+    let mut units: Vec<Node> = Vec::new();
+    let mut stack: Vec<Node> = vec![Node::Module(0)];
+    while let Some(node) = stack.pop() {
+        match node {
+            Node::Module(m) => {
+                let module = tree.module(m);
+                let leaf = module.children.is_empty() || options.no_split.contains(&module.class);
+                if leaf {
+                    units.push(node);
+                    continue;
+                }
+                for t in module.buffers.iter().rev() {
+                    stack.push(Node::Tensor(*t));
+                }
+                for c in module.children.iter().rev() {
+                    stack.push(Node::Module(*c));
+                }
+                for t in module.params.iter().rev() {
+                    stack.push(Node::Tensor(*t));
+                }
+            }
+            Node::Tensor(_) => units.push(node),
+        }
+    }
+    // The unit holding each module and tensor.
+    let mut unit_of_module = vec![usize::MAX; tree.modules().len()];
+    let mut unit_of_tensor = vec![usize::MAX; tree.tensors().len()];
+    for (i, unit) in units.iter().enumerate() {
+        match *unit {
+            Node::Module(m) => unit_of_module[m] = i,
+            Node::Tensor(t) => unit_of_tensor[t] = i,
+        }
+    }
+    for &m in tree.preorder() {
+        if unit_of_module[m] == usize::MAX
+            && let Some(p) = tree.module(m).parent
+        {
+            unit_of_module[m] = unit_of_module[p];
+        }
+    }
+    for (t, tensor) in tree.tensors().iter().enumerate() {
+        if unit_of_tensor[t] == usize::MAX {
+            unit_of_tensor[t] = unit_of_module[tensor.module];
+        }
+    }
+    // Tied units join the item of the first of them (union-find).
+    let mut parent: Vec<usize> = (0..units.len()).collect();
+    fn root(parent: &mut [usize], mut i: usize) -> usize {
+        while parent[i] != i {
+            parent[i] = parent[parent[i]];
+            i = parent[i];
+        }
+        i
+    }
+    for group in tree.tied_groups() {
+        let mut members = group
+            .iter()
+            .map(|t| unit_of_tensor[*t])
+            .filter(|u| *u != usize::MAX);
+        if let Some(first) = members.next() {
+            for u in members {
+                let (a, b) = (root(&mut parent, first), root(&mut parent, u));
+                let (lo, hi) = if a < b { (a, b) } else { (b, a) };
+                parent[hi] = lo;
+            }
+        }
+    }
+    let mut runtime = vec![0u64; units.len()];
+    for &(m, bytes) in &options.runtime_bytes {
+        let u = unit_of_module.get(m).copied().unwrap_or(usize::MAX);
+        let u = if u == usize::MAX {
+            // The module was split: charge its first unit.
+            units.iter().position(|n| match *n {
+                Node::Module(x) => tree.is_within(x, m),
+                Node::Tensor(t) => tree.is_within(tree.tensor(t).module, m),
+            })
+        } else {
+            Some(u)
+        };
+        if let Some(u) = u {
+            runtime[u] += bytes;
+        }
+    }
+    let mut item_of_root = vec![usize::MAX; units.len()];
+    let mut items: Vec<Item> = Vec::new();
+    for (i, unit) in units.iter().enumerate() {
+        let r = root(&mut parent, i);
+        if item_of_root[r] == usize::MAX {
+            item_of_root[r] = items.len();
+            items.push(Item {
+                units: Vec::new(),
+                bytes: 0,
+                runtime: 0,
+            });
+        }
+        let item = &mut items[item_of_root[r]];
+        item.units.push(*unit);
+        item.bytes += sizes.of(*unit);
+        item.runtime += runtime[i];
+    }
+    items
+}
+
+/// Speed tier: GPUs, then host RAM, then disk.
+fn tier(d: Device) -> u8 {
+    match d {
+        Device::Gpu(_) => 0,
+        Device::Cpu => 1,
+        Device::Disk => 2,
+    }
+}
+
+struct Fill {
+    device_of_item: Vec<usize>,
+    /// The reservation this fill needs on the execution device.
+    needed_reserve: u64,
+    largest_offloaded: Option<usize>,
+}
+
+/// Fills devices in order with `caps` (bytes usable per device) and
+/// `reserve` held back on `exec`. Returns the item that fits nowhere on
+/// failure.
+fn fill(
+    items: &[Item],
+    devices: &[Device],
+    caps: &[u64],
+    exec: usize,
+    reserve: u64,
+    trace: &mut Option<&mut Vec<String>>,
+    tree: &ModuleTree,
+) -> Result<Fill, (usize, Vec<u64>)> {
+    let n = devices.len();
+    let mut used = vec![0u64; n];
+    let mut device_of_item = Vec::with_capacity(items.len());
+    let mut pointer = 0usize;
+    let room = |d: usize, used: &[u64]| -> u64 {
+        let cap = if d == exec {
+            caps[d].saturating_sub(reserve)
+        } else {
+            caps[d]
+        };
+        cap.saturating_sub(used[d])
+    };
+    let need =
+        |item: &Item, d: usize| item.bytes + if devices[d].is_gpu() { item.runtime } else { 0 };
+    for (i, item) in items.iter().enumerate() {
+        let ahead = (pointer..n).find(|&d| need(item, d) <= room(d, &used));
+        let behind = (0..pointer).find(|&d| need(item, d) <= room(d, &used));
+        let chosen = match (behind, ahead) {
+            (Some(b), Some(a)) if tier(devices[b]) < tier(devices[a]) => b,
+            (_, Some(a)) => a,
+            (Some(b), None) => b,
+            (None, None) => return Err((i, used)),
+        };
+        if let Some(trace) = trace.as_deref_mut() {
+            let name = item_name(tree, item);
+            let why = if chosen < pointer {
+                " (back-fill: a faster device still has room)".to_string()
+            } else if chosen > pointer {
+                format!(
+                    " ({} has {} free, needs {})",
+                    devices[pointer],
+                    human_bytes(room(pointer, &used)),
+                    human_bytes(need(item, pointer))
+                )
+            } else {
+                String::new()
+            };
+            trace.push(format!(
+                "{name}: {} -> {}{why}",
+                human_bytes(need(item, chosen)),
+                devices[chosen]
+            ));
+        }
+        used[chosen] += need(item, chosen);
+        device_of_item.push(chosen);
+        if chosen > pointer && used[pointer] > 0 {
+            pointer = chosen;
+        }
+    }
+    // What the execution device must hold back for streaming: the largest
+    // unit executed from a slower tier, plus the runtime bytes of all of them.
+    let mut largest = 0u64;
+    let mut largest_offloaded = None;
+    let mut runtime = 0u64;
+    for (i, item) in items.iter().enumerate() {
+        let d = device_of_item[i];
+        if tier(devices[d]) > tier(devices[exec]) {
+            runtime += item.runtime;
+            if item.bytes > largest {
+                largest = item.bytes;
+                largest_offloaded = Some(i);
+            }
+        }
+    }
+    Ok(Fill {
+        device_of_item,
+        needed_reserve: largest + runtime,
+        largest_offloaded,
+    })
+}
+
+fn item_name(tree: &ModuleTree, item: &Item) -> String {
+    let names: Vec<&str> = item
+        .units
+        .iter()
+        .map(|u| {
+            let n = tree.node_name(*u);
+            if n.is_empty() { "(root)" } else { n }
+        })
+        .collect();
+    names.join(" + ")
+}
+
+/// The smallest cap `t` in `[0, high]` for which `feasible(t)` holds,
+/// assuming monotonicity and `feasible(high)`.
+fn smallest_feasible(high: u64, mut feasible: impl FnMut(u64) -> bool) -> u64 {
+    let (mut lo, mut hi) = (0u64, high);
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        if feasible(mid) {
+            hi = mid
+        } else {
+            lo = mid + 1
+        }
+    }
+    hi
+}
+
+/// Greedy contiguous fill over GPUs only: true when every item lands.
+fn fits_on_gpus(items: &[Item], caps: &[u64]) -> bool {
+    let mut g = 0usize;
+    let mut used = 0u64;
+    for item in items {
+        let need = item.bytes + item.runtime;
+        loop {
+            if g >= caps.len() {
+                return false;
+            }
+            if used + need <= caps[g] {
+                used += need;
+                break;
+            }
+            g += 1;
+            used = 0;
+        }
+    }
+    true
+}
+
+/// Plans `tree` with bigmodel's planner.
+pub fn plan(tree: &ModuleTree, options: &PlanOptions) -> Result<Plan, Error> {
+    let sizes = ModuleSizes::compute(
+        tree,
+        &SizeOptions {
+            dtype: options.dtype,
+            special_dtypes: options.special_dtypes.clone(),
+            rule: SizeRule::Loaded,
+        },
+    );
+    let items = items_of(tree, &sizes, options);
+    let mut devices: Vec<Device> = options.max_memory.devices().collect();
+    if !devices.contains(&Device::Disk) {
+        devices.push(Device::Disk);
+    }
+    let mut caps: Vec<u64> = Vec::with_capacity(devices.len());
+    for &d in &devices {
+        let budget = match (d, options.max_memory.get(d)) {
+            (_, Some(b)) => b,
+            (Device::Disk, None) => u64::MAX,
+            (_, None) => 0,
+        };
+        let reserve = options.reserve.get(d).unwrap_or(0);
+        caps.push(budget.saturating_sub(reserve));
+    }
+    for (d, _) in options.reserve.iter() {
+        if !devices.contains(&d) {
+            return Err(Error::BadBudget {
+                what: format!("--reserve {d}"),
+                reason: "the device has no budget".into(),
+            });
+        }
+    }
+    let mut trace: Vec<String> = Vec::new();
+    let gpu_indices: Vec<usize> = (0..devices.len())
+        .filter(|&i| devices[i].is_gpu() && caps[i] > 0)
+        .collect();
+
+    // Balancing: shrink GPU caps when the model fits on the GPUs anyway.
+    if options.mode != Mode::Sequential && gpu_indices.len() > 1 {
+        let gpu_caps: Vec<u64> = gpu_indices.iter().map(|&i| caps[i]).collect();
+        if fits_on_gpus(&items, &gpu_caps) {
+            let high = gpu_caps.iter().copied().max().unwrap_or(0);
+            let new_caps: Vec<u64> = if options.mode == Mode::BalancedLow0 {
+                let mut without_first = gpu_caps.clone();
+                without_first[0] = 0;
+                if fits_on_gpus(&items, &without_first) {
+                    let t = smallest_feasible(high, |t| {
+                        let c: Vec<u64> = without_first.iter().map(|&c| c.min(t)).collect();
+                        fits_on_gpus(&items, &c)
+                    });
+                    without_first.iter().map(|&c| c.min(t)).collect()
+                } else {
+                    let c0 = smallest_feasible(gpu_caps[0], |c0| {
+                        let mut c = gpu_caps.clone();
+                        c[0] = c0;
+                        fits_on_gpus(&items, &c)
+                    });
+                    let mut c = gpu_caps.clone();
+                    c[0] = c0;
+                    c
+                }
+            } else {
+                let t = smallest_feasible(high, |t| {
+                    let c: Vec<u64> = gpu_caps.iter().map(|&c| c.min(t)).collect();
+                    fits_on_gpus(&items, &c)
+                });
+                gpu_caps.iter().map(|&c| c.min(t)).collect()
+            };
+            for (k, &i) in gpu_indices.iter().enumerate() {
+                if options.explain && new_caps[k] != caps[i] {
+                    trace.push(format!(
+                        "balanced: {} capped at {} (was {})",
+                        devices[i],
+                        human_bytes(new_caps[k]),
+                        human_bytes(caps[i])
+                    ));
+                }
+                caps[i] = new_caps[k];
+            }
+        } else if options.explain {
+            trace.push(
+                "balanced: the model does not fit on the GPUs, so they are filled in order".into(),
+            );
+        }
+    }
+
+    let exec = gpu_indices
+        .first()
+        .copied()
+        .unwrap_or_else(|| devices.iter().position(|d| *d == Device::Cpu).unwrap_or(0));
+    if options.explain {
+        trace.push(format!(
+            "{} units in {} placement groups; offloaded layers execute on {}",
+            items.iter().map(|i| i.units.len()).sum::<usize>(),
+            items.len(),
+            devices[exec]
+        ));
+    }
+    let mut reserve = 0u64;
+    let mut result = None;
+    for _round in 0..64 {
+        let mut round_trace = Vec::new();
+        let fill_result = {
+            let mut t = if options.explain {
+                Some(&mut round_trace)
+            } else {
+                None
+            };
+            fill(&items, &devices, &caps, exec, reserve, &mut t, tree)
+        };
+        let filled = match fill_result {
+            Ok(f) => f,
+            Err((item, used)) => {
+                return Err(does_not_fit(
+                    tree, &items, item, &devices, &caps, &used, options, reserve,
+                ));
+            }
+        };
+        if filled.needed_reserve <= reserve {
+            if options.explain {
+                match filled.largest_offloaded {
+                    Some(i) => trace.push(format!(
+                        "reserved {} on {} to stream offloaded layers (largest offloaded: {})",
+                        human_bytes(reserve),
+                        devices[exec],
+                        item_name(tree, &items[i])
+                    )),
+                    None => trace.push("nothing is offloaded: no streaming reserve".into()),
+                }
+                trace.extend(round_trace);
+            }
+            result = Some(filled);
+            break;
+        }
+        reserve = filled.needed_reserve;
+    }
+    let filled = result.ok_or_else(|| {
+        Error::DoesNotFit("the streaming reserve did not settle after 64 rounds".into())
+    })?;
+
+    let mut entries = Vec::new();
+    for (i, item) in items.iter().enumerate() {
+        for unit in &item.units {
+            entries.push((
+                tree.node_name(*unit).to_string(),
+                devices[filled.device_of_item[i]],
+            ));
+        }
+    }
+    let mut device_map = DeviceMap::from_entries(entries);
+    device_map.clean(tree);
+
+    let mut placed = vec![0u64; devices.len()];
+    for (i, item) in items.iter().enumerate() {
+        placed[filled.device_of_item[i]] += item.bytes;
+    }
+    let mut max_memory = MaxMemory::default();
+    for (i, &d) in devices.iter().enumerate() {
+        if let Some(budget) = options.max_memory.get(d) {
+            let reserve = options.reserve.get(d).unwrap_or(0);
+            max_memory.set(d, caps[i].saturating_add(reserve).min(budget));
+        }
+    }
+    let device_bytes = devices
+        .iter()
+        .zip(&placed)
+        .filter(|(_, b)| **b > 0)
+        .map(|(d, b)| (*d, *b))
+        .collect();
+    let mut warnings = Vec::new();
+    let mut unknown: Vec<&str> = options
+        .no_split
+        .iter()
+        .filter(|c| !tree.modules().iter().any(|m| &m.class == *c))
+        .map(String::as_str)
+        .collect();
+    unknown.dedup();
+    if !unknown.is_empty() {
+        warnings.push(format!(
+            "no module has the no-split class(es) {}",
+            unknown.join(", ")
+        ));
+    }
+    Ok(Plan {
+        device_map,
+        max_memory,
+        device_bytes,
+        warnings,
+        info: Vec::new(),
+        trace,
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn does_not_fit(
+    tree: &ModuleTree,
+    items: &[Item],
+    failed: usize,
+    devices: &[Device],
+    caps: &[u64],
+    used: &[u64],
+    options: &PlanOptions,
+    reserve: u64,
+) -> Error {
+    let total: u64 = items.iter().map(|i| i.bytes).sum();
+    let capacity: u64 = caps.iter().fold(0u64, |a, c| a.saturating_add(*c));
+    let mut lines = Vec::new();
+    for (i, d) in devices.iter().enumerate() {
+        let asked = options.max_memory.get(*d);
+        let asked = match asked {
+            Some(b) => human_bytes(b),
+            None => "unlimited".into(),
+        };
+        let held = options.reserve.get(*d).unwrap_or(0);
+        lines.push(format!(
+            "  {d}: asked {asked}{}, placed {}",
+            if held > 0 {
+                format!(" (minus reserve {})", human_bytes(held))
+            } else {
+                String::new()
+            },
+            human_bytes(used[i])
+        ));
+    }
+    let item = &items[failed];
+    let short = total.saturating_sub(capacity);
+    let mut msg = format!(
+        "the model does not fit: {} ({}) fits on no device (streaming reserve {});\n{}",
+        item_name(tree, item),
+        human_bytes(item.bytes),
+        human_bytes(reserve),
+        lines.join("\n")
+    );
+    if short > 0 {
+        msg += &format!(
+            "\nthe model needs {} in all, the budgets hold {}: short by {} ({short} bytes)",
+            human_bytes(total),
+            human_bytes(capacity),
+            human_bytes(short)
+        );
+    } else {
+        msg += "\nthe budgets hold the model in all, but not in whole layers: raise a budget or allow disk offload";
+    }
+    Error::DoesNotFit(msg)
+}

@@ -59,6 +59,6 @@ pub use tree::{
 pub fn plan_with(tree: &ModuleTree, options: &PlanOptions, compat: Compat) -> Result<Plan, Error> {
     match compat {
         Compat::Accelerate => accelerate::plan(tree, options),
-        Compat::Auto => accelerate::plan(tree, options),
+        Compat::Auto => auto::plan(tree, options),
     }
 }

@@ -69,6 +69,9 @@ pub struct PlanOptions {
     pub fallback_allocation: bool,
     /// Bytes held back per device for activations and the like (auto planner).
     pub reserve: MaxMemory,
+    /// Record the decision trace (`--explain`); off by default because it
+    /// costs a string per decision.
+    pub explain: bool,
     /// Extra bytes a module needs at run time where it executes, e.g. the KV
     /// cache of a decoder layer (auto planner).
     pub runtime_bytes: Vec<(ModuleId, u64)>,

@@ -21,7 +21,8 @@ fn sizes(tree: &ModuleTree, dtype: Option<DType>) -> ModuleSizes {
     )
 }
 
-fn infer_with(tree: &ModuleTree, max_memory: MaxMemory, options: PlanOptions) -> Plan {
+fn infer_with(tree: &ModuleTree, max_memory: MaxMemory, mut options: PlanOptions) -> Plan {
+    options.explain = true;
     let s = sizes(tree, options.dtype);
     infer_auto_device_map(tree, &s, &max_memory, &options)
 }
