@@ -1,3 +1,51 @@
-//! Safetensors checkpoints: reading single files, `*.index.json` shard sets and
-//! Hugging Face folders lazily through the mmap; writing sharded checkpoints
-//! atomically; and Accelerate's offload folder format.
+//! Safetensors checkpoints, read lazily and written atomically, in the
+//! formats of the Hugging Face ecosystem.
+//!
+//! A checkpoint for a model larger than any device is mostly bytes this
+//! process should not touch until the moment they go to their device. So
+//! [`Checkpoint::open`] reads and validates only the headers (a few KB per
+//! file, even for a file of hundreds of GB) and maps the files; tensor bytes
+//! are read when asked for, zero-copy through [`Checkpoint::view`] or into an
+//! aligned host buffer through [`Checkpoint::read_as`], which also converts
+//! float dtypes bit for bit as PyTorch does.
+//!
+//! What is read:
+//! * a `.safetensors` file;
+//! * an index: transformers' `{"metadata":{...},"weight_map":{name: file}}`
+//!   or Accelerate's flat `{name: file}`; shard names are checked before any
+//!   file is opened (no absolute paths, no `..`, no symbolic link leading
+//!   outside the folder);
+//! * a folder holding `model.safetensors` or exactly one `*.index.json`.
+//!
+//! Headers are validated as strictly as the safetensors crate does (see
+//! [`Header`]), and every error names the file, tensor or key at fault.
+//!
+//! What is written: [`shard_checkpoint`] splits tensors with
+//! huggingface_hub's rule ([`split_into_shards`]) into files named as
+//! transformers names them, with an index byte-identical to the one
+//! transformers writes. Unlike Accelerate it never leaves a half-written
+//! checkpoint (temporary files, renamed into place, index last) and removes
+//! stale shards of an earlier save. [`offload`] reads and writes
+//! Accelerate's disk-offload folder.
+//!
+//! This crate never allocates device memory and never decides where a tensor
+//! goes; it depends only on `bm-tensor`, `serde_json` and `memmap2`.
+
+mod checkpoint;
+mod error;
+mod header;
+mod index;
+mod json;
+pub mod offload;
+mod size;
+mod write;
+
+pub use checkpoint::{Checkpoint, ShardFile, cast_target};
+pub use error::Error;
+pub use header::{Header, HeaderTensor, MAX_HEADER_LEN};
+pub use index::{Index, check_shard_name, resolve_shard};
+pub use size::parse_size;
+pub use write::{
+    INDEX_FILE, SINGLE_FILE, SaveTensor, SavedCheckpoint, SavedShard, ShardItem, ShardOptions,
+    shard_checkpoint, shard_file_name, split_into_shards,
+};

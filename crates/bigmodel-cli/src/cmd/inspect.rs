@@ -1,12 +1,192 @@
-//! `bigmodel inspect`.
+//! `bigmodel inspect`: what a checkpoint holds, from its headers alone.
+
+use std::path::PathBuf;
+
+use bigmodel::shard::Checkpoint;
+use serde_json::{Map, Value, json};
 
 use super::CmdResult;
 
 /// Arguments of `bigmodel inspect`.
 #[derive(clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// A .safetensors file, a *.index.json, or a folder holding
+    /// model.safetensors or exactly one *.index.json.
+    pub checkpoint: PathBuf,
+    /// Write one JSON document to stdout instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
 
 /// Runs the command.
-pub fn run(_args: Args) -> CmdResult {
-    Err("`bigmodel inspect` is not implemented yet".into())
+pub fn run(args: Args) -> CmdResult {
+    let ckpt = Checkpoint::open(&args.checkpoint)?;
+    let summary = Summary::of(&ckpt);
+    if args.json {
+        print_stdout(&(serde_json::to_string_pretty(&summary.to_json(&ckpt))? + "\n"))
+    } else {
+        print_stdout(&summary.to_table(&ckpt))
+    }
+}
+
+/// Byte counts of a checkpoint, in first-seen order.
+struct Summary {
+    tensors: usize,
+    total_bytes: u64,
+    dtypes: Vec<(String, u64)>,
+    modules: Vec<(String, u64)>,
+    largest_layer: Option<(String, u64)>,
+}
+
+impl Summary {
+    fn of(ckpt: &Checkpoint) -> Summary {
+        let mut dtypes = Vec::new();
+        let mut modules = Vec::new();
+        let mut layers: Vec<(String, u64)> = Vec::new();
+        let mut total_bytes = 0;
+        for (name, meta) in ckpt.tensors() {
+            let bytes = meta.byte_len() as u64;
+            total_bytes += bytes;
+            add(&mut dtypes, meta.dtype.as_safetensors_str(), bytes);
+            add(&mut modules, name.split('.').next().unwrap_or(name), bytes);
+            add(&mut layers, layer_of(name), bytes);
+        }
+        // The first of equals wins, as in Accelerate's get_max_layer_size.
+        let largest_layer = layers
+            .into_iter()
+            .fold(None, |best: Option<(String, u64)>, l| match &best {
+                Some(b) if b.1 >= l.1 => best,
+                _ => Some(l),
+            });
+        Summary {
+            tensors: ckpt.len(),
+            total_bytes,
+            dtypes,
+            modules,
+            largest_layer,
+        }
+    }
+
+    fn to_json(&self, ckpt: &Checkpoint) -> Value {
+        let map = |v: &[(String, u64)]| -> Map<String, Value> {
+            v.iter().map(|(k, b)| (k.clone(), json!(b))).collect()
+        };
+        let files: Vec<Value> = ckpt
+            .files()
+            .iter()
+            .map(|f| json!({"path": f.path, "tensors": f.tensors, "bytes": f.data_bytes}))
+            .collect();
+        json!({
+            "checkpoint": ckpt.path(),
+            "index": ckpt.index_path(),
+            "tensors": self.tensors,
+            "total_bytes": self.total_bytes,
+            "dtypes": map(&self.dtypes),
+            "modules": map(&self.modules),
+            "largest_layer": self.largest_layer.as_ref().map(|(n, b)| json!({"name": n, "bytes": b})),
+            "files": files,
+        })
+    }
+
+    fn to_table(&self, ckpt: &Checkpoint) -> String {
+        let mut out = format!("checkpoint   {}\n", ckpt.path().display());
+        if let Some(index) = ckpt.index_path() {
+            out += &format!("index        {}\n", index.display());
+        }
+        out += &format!(
+            "files        {}\ntensors      {}\ntotal        {}\n",
+            ckpt.files().len(),
+            self.tensors,
+            human_bytes(self.total_bytes)
+        );
+        if let Some((name, bytes)) = &self.largest_layer {
+            out += &format!("largest      {name} ({})\n", human_bytes(*bytes));
+        }
+        for (title, rows) in [("dtype", &self.dtypes), ("module", &self.modules)] {
+            let width = rows
+                .iter()
+                .map(|r| r.0.len())
+                .max()
+                .unwrap_or(0)
+                .max(title.len());
+            out += &format!("\n{title:<width$}  bytes\n");
+            for (k, b) in rows {
+                out += &format!("{k:<width$}  {} ({})\n", b, human_bytes(*b));
+            }
+        }
+        out
+    }
+}
+
+fn add(rows: &mut Vec<(String, u64)>, key: &str, bytes: u64) {
+    match rows.iter_mut().find(|(k, _)| k == key) {
+        Some(row) => row.1 += bytes,
+        None => rows.push((key.to_string(), bytes)),
+    }
+}
+
+/// The layer a tensor belongs to: its name up to the first numeric
+/// component (`model.layers.3`), else its parent module.
+fn layer_of(name: &str) -> &str {
+    let mut end = 0;
+    for part in name.split('.') {
+        end += part.len();
+        if !part.is_empty() && part.bytes().all(|b| b.is_ascii_digit()) {
+            return &name[..end];
+        }
+        end += 1;
+    }
+    name.rsplit_once('.').map_or(name, |(parent, _)| parent)
+}
+
+/// Writes `text` to stdout; a reader that went away (`| head`) is not an
+/// error worth a message, any other failure is.
+pub(crate) fn print_stdout(text: &str) -> CmdResult {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+            Err(format!("writing to stdout: {e}").into())
+        }
+        _ => Ok(()),
+    }
+}
+
+/// `45376 B`, `44.3 KiB`, `1.50 GiB`.
+pub(crate) fn human_bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = n as f64;
+    let mut unit = 0;
+    while v >= 1024.0 && unit < UNITS.len() - 1 {
+        v /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.2} {}", UNITS[unit])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layers_are_numbered_blocks_or_parent_modules() {
+        assert_eq!(
+            layer_of("model.layers.3.mlp.up_proj.weight"),
+            "model.layers.3"
+        );
+        assert_eq!(layer_of("h.10.attn.bias"), "h.10");
+        assert_eq!(layer_of("model.embed_tokens.weight"), "model.embed_tokens");
+        assert_eq!(layer_of("bias"), "bias");
+    }
+
+    #[test]
+    fn human_sizes() {
+        assert_eq!(human_bytes(512), "512 B");
+        assert_eq!(human_bytes(1536), "1.50 KiB");
+        assert_eq!(human_bytes(3 << 30), "3.00 GiB");
+    }
 }

@@ -1,0 +1,139 @@
+//! The one error type of the crate.
+
+use std::fmt;
+use std::path::PathBuf;
+
+/// Everything that can go wrong reading or writing a checkpoint. Every
+/// message names the file, tensor or key at fault.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Error {
+    /// A file system operation failed.
+    Io {
+        /// The file or folder.
+        path: PathBuf,
+        /// What was being done (`"reading"`, `"creating"`, ...).
+        action: &'static str,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+    /// A safetensors file whose header is malformed or inconsistent.
+    Header {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        problem: String,
+    },
+    /// A `*.index.json` (or offload `index.json`) that cannot be used.
+    Index {
+        /// The index file.
+        path: PathBuf,
+        /// What is wrong with it.
+        problem: String,
+    },
+    /// A path that is not a checkpoint this crate can read.
+    Checkpoint {
+        /// The path given.
+        path: PathBuf,
+        /// Why it cannot be read.
+        problem: String,
+    },
+    /// The checkpoint has no tensor of this name.
+    UnknownTensor {
+        /// The name asked for.
+        name: String,
+        /// The checkpoint (file, index or folder).
+        checkpoint: PathBuf,
+    },
+    /// A size string such as `--max-shard-size` that does not parse.
+    Size {
+        /// The text given.
+        input: String,
+        /// What is wrong with it.
+        problem: String,
+    },
+    /// Tensors handed to a writer that cannot be written as given.
+    InvalidTensor {
+        /// The tensor.
+        name: String,
+        /// What is wrong with it.
+        problem: String,
+    },
+    /// A tensor-level operation (a cast, an allocation) failed.
+    Tensor {
+        /// The tensor.
+        name: String,
+        /// The underlying error.
+        source: bm_tensor::Error,
+    },
+}
+
+impl Error {
+    pub(crate) fn io(
+        path: impl Into<PathBuf>,
+        action: &'static str,
+        source: std::io::Error,
+    ) -> Self {
+        Error::Io {
+            path: path.into(),
+            action,
+            source,
+        }
+    }
+
+    pub(crate) fn header(path: impl Into<PathBuf>, problem: impl Into<String>) -> Self {
+        Error::Header {
+            path: path.into(),
+            problem: problem.into(),
+        }
+    }
+
+    pub(crate) fn index(path: impl Into<PathBuf>, problem: impl Into<String>) -> Self {
+        Error::Index {
+            path: path.into(),
+            problem: problem.into(),
+        }
+    }
+
+    pub(crate) fn checkpoint(path: impl Into<PathBuf>, problem: impl Into<String>) -> Self {
+        Error::Checkpoint {
+            path: path.into(),
+            problem: problem.into(),
+        }
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::Io {
+                path,
+                action,
+                source,
+            } => write!(f, "{action} {}: {source}", path.display()),
+            Error::Header { path, problem } => {
+                write!(f, "{}: invalid safetensors file: {problem}", path.display())
+            }
+            Error::Index { path, problem } => {
+                write!(f, "{}: invalid index: {problem}", path.display())
+            }
+            Error::Checkpoint { path, problem } => write!(f, "{}: {problem}", path.display()),
+            Error::UnknownTensor { name, checkpoint } => {
+                write!(f, "{}: no tensor named {name:?}", checkpoint.display())
+            }
+            Error::Size { input, problem } => write!(f, "size {input:?}: {problem}"),
+            Error::InvalidTensor { name, problem } => write!(f, "tensor {name:?}: {problem}"),
+            Error::Tensor { name, source } => write!(f, "tensor {name:?}: {source}"),
+        }
+    }
+}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Error::Io { source, .. } => Some(source),
+            Error::Tensor { source, .. } => Some(source),
+            _ => None,
+        }
+    }
+}
