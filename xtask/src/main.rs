@@ -4,6 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 
+mod gpu;
 mod python;
 
 const HELP: &str = "\
@@ -12,6 +13,10 @@ cargo xtask <task>
 tasks:
   test     set up the Python interop environment (.venv, from PyPI) and run
            every test of the workspace, with and without the cuda feature
+  gpu-bundle  build the GPU integration tests, the benches and the CLI
+           (release, stripped, cuda feature) into target/gpu-bundle/ with a
+           run.sh that runs them all and writes report.md (< 64 MiB in all)
+  gpu-test build the bundle and run it here; fails when no GPU is present
   help     this text
 ";
 
@@ -20,6 +25,8 @@ fn main() -> ExitCode {
     let task = args.first().map(String::as_str).unwrap_or("help");
     let result = match task {
         "test" => test(),
+        "gpu-bundle" => gpu::bundle(&root()).map(|_| ()),
+        "gpu-test" => gpu::bundle(&root()).and_then(|dir| gpu::run_bundle(&dir)),
         "help" | "--help" | "-h" => {
             print!("{HELP}");
             Ok(())
@@ -69,10 +76,12 @@ fn test() -> Result<(), String> {
             .current_dir(root())
             .args(["test", "--workspace"]),
     ))?;
-    run(&mut with_env(Command::new(&cargo).current_dir(root()).args([
-        "test",
-        "--workspace",
-        "--features",
-        "bigmodel-cli/cuda",
-    ])))
+    run(&mut with_env(
+        Command::new(&cargo).current_dir(root()).args([
+            "test",
+            "--workspace",
+            "--features",
+            "bigmodel-cli/cuda",
+        ]),
+    ))
 }

@@ -1,0 +1,184 @@
+//! `gpu-bundle` and `gpu-test`: everything that must run on a GPU machine,
+//! built here and shipped as one folder.
+//!
+//! The GPU machine has no Rust toolchain and no network, so the bundle
+//! holds ready-to-run binaries: every `tests/gpu.rs` integration test of
+//! the workspace, every bench, and the `bigmodel` CLI, all built in release
+//! mode with the `cuda` feature and stripped, plus `run.sh`, which runs
+//! them with `BM_GPU_TESTS=1` (a missing GPU is then a failure, not a skip)
+//! and writes `report.md`.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// The bundle must travel to the GPU machine, whose transfer limit is 64 MiB.
+const MAX_BUNDLE_BYTES: u64 = 64 << 20;
+
+/// The features that turn CUDA on everywhere (bm-device, bm-dispatch, …).
+const CUDA_FEATURES: &str = "bigmodel/cuda,bigmodel-cli/cuda";
+
+/// The script that runs the bundle on the GPU machine.
+const RUN_SH: &str = include_str!("run.sh");
+
+/// One executable cargo built, and the name it gets in the bundle.
+struct Artifact {
+    path: PathBuf,
+    name: String,
+    /// Cargo's target kinds: "test", "bench", "bin", …
+    kinds: Vec<String>,
+}
+
+/// Runs `cmd` with `--message-format=json` and returns the executables of
+/// the compiler artifacts it reports, named `<package>-<target>`.
+fn executables(cmd: &mut Command) -> Result<Vec<Artifact>, String> {
+    cmd.arg("--message-format=json-render-diagnostics");
+    eprintln!("$ {cmd:?}");
+    let out = cmd
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .map_err(|e| format!("{cmd:?}: {e}"))?;
+    if !out.status.success() {
+        return Err(format!("{cmd:?} failed with {}", out.status));
+    }
+    let mut found = Vec::new();
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let Ok(msg) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
+        if msg["reason"] != "compiler-artifact" {
+            continue;
+        }
+        let Some(exe) = msg["executable"].as_str() else {
+            continue;
+        };
+        let target = msg["target"]["name"].as_str().unwrap_or("unknown");
+        // package_id looks like "path+file:///…/crates/bm-device#0.1.0".
+        let package = msg["package_id"]
+            .as_str()
+            .and_then(|id| id.rsplit('/').next())
+            .and_then(|tail| tail.split(['#', '@']).next())
+            .unwrap_or("unknown");
+        let name = if package == target {
+            target.to_string()
+        } else {
+            format!("{package}-{target}")
+        };
+        let kinds = msg["target"]["kind"]
+            .as_array()
+            .map(|k| {
+                k.iter()
+                    .filter_map(|v| v.as_str().map(String::from))
+                    .collect()
+            })
+            .unwrap_or_default();
+        found.push(Artifact {
+            path: PathBuf::from(exe),
+            name,
+            kinds,
+        });
+    }
+    Ok(found)
+}
+
+/// Builds the bundle into `target/gpu-bundle/` and returns its path.
+pub fn bundle(root: &Path) -> Result<PathBuf, String> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    // A target folder of its own, so stripped CUDA builds do not evict the
+    // everyday release artifacts of the shared target/ folder.
+    let build_dir = root.join("target").join("gpu-build");
+    let base = |sub: &str| {
+        let mut c = Command::new(&cargo);
+        c.current_dir(root)
+            .arg(sub)
+            .arg("--target-dir")
+            .arg(&build_dir)
+            .env("CARGO_PROFILE_RELEASE_STRIP", "symbols")
+            .env("CARGO_PROFILE_RELEASE_DEBUG", "false")
+            .env("CARGO_PROFILE_BENCH_STRIP", "symbols")
+            .env("CARGO_PROFILE_BENCH_DEBUG", "false");
+        c
+    };
+
+    let tests = executables(base("test").args([
+        "--release",
+        "--workspace",
+        "--features",
+        CUDA_FEATURES,
+        "--no-run",
+        "--test",
+        "gpu",
+    ]))?;
+    let benches =
+        executables(base("bench").args(["--workspace", "--features", CUDA_FEATURES, "--no-run"]))?;
+    let bins =
+        executables(base("build").args(["--release", "-p", "bigmodel-cli", "--features", "cuda"]))?;
+    let cli = bins
+        .into_iter()
+        .find(|a| a.kinds.iter().any(|k| k == "bin") && a.name.ends_with("bigmodel"))
+        .ok_or("cargo build reported no bigmodel binary")?;
+
+    let dir = root.join("target").join("gpu-bundle");
+    if dir.exists() {
+        fs::remove_dir_all(&dir).map_err(|e| format!("removing {}: {e}", dir.display()))?;
+    }
+    let mut total = 0u64;
+    let mut copy = |a: &Artifact, sub: &str, name: &str| -> Result<(), String> {
+        let to_dir = dir.join(sub);
+        fs::create_dir_all(&to_dir).map_err(|e| format!("creating {}: {e}", to_dir.display()))?;
+        let to = to_dir.join(name);
+        total += fs::copy(&a.path, &to)
+            .map_err(|e| format!("copying {} to {}: {e}", a.path.display(), to.display()))?;
+        Ok(())
+    };
+    if tests.is_empty() {
+        return Err("no tests/gpu.rs integration test found in the workspace".into());
+    }
+    for t in &tests {
+        copy(t, "tests", &t.name)?;
+    }
+    // Bench targets only: `cargo bench` also builds library and binary
+    // harnesses, which have nothing to run on a GPU.
+    for b in benches
+        .iter()
+        .filter(|b| b.kinds.iter().any(|k| k == "bench"))
+    {
+        copy(b, "benches", &b.name)?;
+    }
+    copy(&cli, "bin", "bigmodel")?;
+    let script = dir.join("run.sh");
+    fs::write(&script, RUN_SH).map_err(|e| format!("writing {}: {e}", script.display()))?;
+    set_executable(&script)?;
+    total += RUN_SH.len() as u64;
+
+    eprintln!(
+        "gpu bundle: {} ({} test binaries, {:.1} MiB)",
+        dir.display(),
+        tests.len(),
+        total as f64 / (1 << 20) as f64
+    );
+    if total > MAX_BUNDLE_BYTES {
+        return Err(format!(
+            "the GPU bundle is {total} bytes, over the {MAX_BUNDLE_BYTES}-byte limit"
+        ));
+    }
+    Ok(dir)
+}
+
+#[cfg(unix)]
+fn set_executable(path: &Path) -> Result<(), String> {
+    use std::os::unix::fs::PermissionsExt;
+    fs::set_permissions(path, fs::Permissions::from_mode(0o755))
+        .map_err(|e| format!("chmod {}: {e}", path.display()))
+}
+
+#[cfg(not(unix))]
+fn set_executable(_path: &Path) -> Result<(), String> {
+    Ok(())
+}
+
+/// Runs the bundle's `run.sh` here; fails when it does (no GPU included).
+pub fn run_bundle(dir: &Path) -> Result<(), String> {
+    crate::run(Command::new(dir.join("run.sh")).current_dir(dir))
+        .map_err(|e| format!("{e}; see {}", dir.join("report.md").display()))
+}
