@@ -1,0 +1,120 @@
+//! config.json builders against trees exported from real transformers
+//! models, and the compat planner against Accelerate's maps on real-size
+//! architectures (goldens made with tools/accelerate_plan.py).
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use bm_plan::hf::tree_from_config;
+use bm_plan::{Compat, Device, MaxMemory, Mode, ModuleTree, PlanOptions};
+use bm_tensor::DType;
+
+fn fixture(path: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(path)
+}
+
+fn read_json(path: &std::path::Path) -> serde_json::Value {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap()
+}
+
+#[test]
+fn builders_match_trees_exported_from_transformers() {
+    for name in [
+        "tiny-llama",
+        "tiny-gpt2",
+        "tiny-bert",
+        "tiny-qwen2",
+        "tiny-mistral",
+    ] {
+        let config = read_json(&fixture(&format!("configs/{name}.json")));
+        let built = tree_from_config(&config).unwrap().tree;
+        let exported =
+            ModuleTree::from_json(&read_json(&fixture(&format!("trees/{name}.tree.json"))))
+                .unwrap();
+        // Same names, classes, shapes, dtypes, order, persistence and ties.
+        assert_eq!(built.to_json(), exported.to_json(), "{name}");
+    }
+}
+
+#[test]
+fn family_defaults() {
+    let gpt2 = tree_from_config(&read_json(&fixture("configs/gpt2.json"))).unwrap();
+    assert_eq!(gpt2.no_split, ["GPT2Block"]);
+    assert_eq!(
+        gpt2.tree.tied_names(),
+        vec![vec!["lm_head.weight", "transformer.wte.weight"]]
+    );
+    assert_eq!(gpt2.tree.parameter_count(), 124_439_808);
+    let llama = tree_from_config(&read_json(&fixture("configs/llama-2-7b.json"))).unwrap();
+    assert_eq!(llama.no_split, ["LlamaDecoderLayer"]);
+    assert!(llama.tree.tied_names().is_empty());
+    assert_eq!(llama.tree.parameter_count(), 6_738_415_616);
+    assert_eq!(llama.dtype, DType::F16);
+    // KV cache: 2 x 4096 values per token per layer.
+    let kv = llama.kv_runtime_bytes(1, 4096, DType::F16).unwrap();
+    assert_eq!(kv.len(), 32);
+    assert_eq!(kv[0].1, 2 * 4096 * 4096 * 2);
+    let bert = tree_from_config(&read_json(&fixture("configs/bert-base.json"))).unwrap();
+    assert_eq!(bert.no_split, ["BertEmbeddings", "BertLayer"]);
+    assert!(bert.kv_runtime_bytes(1, 1, DType::F32).is_none());
+}
+
+#[test]
+fn bad_configs_are_clear_errors() {
+    let err = |v: serde_json::Value| tree_from_config(&v).unwrap_err().to_string();
+    assert!(err(serde_json::json!({"model_type": "t5"})).contains("not supported"));
+    assert!(err(serde_json::json!({"model_type": "llama"})).contains("missing \"vocab_size\""));
+    assert!(
+        err(serde_json::json!({"model_type": "llama", "vocab_size": -3}))
+            .contains("\"vocab_size\" must be a non-negative integer")
+    );
+    assert!(
+        err(serde_json::json!({"model_type": "bert", "architectures": ["BertForMaskedLM"]}))
+            .contains("not supported")
+    );
+    assert!(err(serde_json::json!([1])).contains("JSON object"));
+}
+
+#[test]
+fn compat_planner_matches_accelerate_on_real_architectures() {
+    let cases = read_json(&fixture("goldens/goldens.json"));
+    let cases = cases.as_array().unwrap();
+    assert!(cases.len() >= 10);
+    for case in cases {
+        let config_path = fixture("goldens").join(case["config"].as_str().unwrap());
+        let model = tree_from_config(&read_json(&config_path)).unwrap();
+        let max_memory = MaxMemory::parse(&case["max_memory"].to_string()).unwrap();
+        let options = PlanOptions {
+            max_memory,
+            max_memory_from_user: true,
+            no_split: model.no_split.clone(),
+            dtype: case
+                .get("dtype")
+                .and_then(|d| d.as_str())
+                .map(|d| DType::from_torch_str(d).unwrap()),
+            mode: Mode::parse(case["mode"].as_str().unwrap()).unwrap(),
+            ..PlanOptions::default()
+        };
+        let plan = bm_plan::plan_with(&model.tree, &options, Compat::Accelerate).unwrap();
+        let got: HashMap<String, Device> = plan
+            .device_map
+            .iter()
+            .map(|(n, d)| (n.to_string(), d))
+            .collect();
+        let want: HashMap<String, Device> = case["expect"]["device_map"]
+            .as_object()
+            .unwrap()
+            .iter()
+            .map(|(n, d)| (n.clone(), Device::from_json(d).unwrap()))
+            .collect();
+        let label = format!("{} {} {}", case["config"], case["mode"], case["max_memory"]);
+        assert_eq!(got, want, "{label}");
+        let want_memory = MaxMemory::parse(&case["expect"]["max_memory"].to_string()).unwrap();
+        assert_eq!(plan.max_memory, want_memory, "{label}");
+        // Deterministic traversal order: the keys follow the model.
+        bm_plan::check_device_map(&model.tree, &plan.device_map).unwrap();
+    }
+}
