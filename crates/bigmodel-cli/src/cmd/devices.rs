@@ -1,12 +1,143 @@
-//! `bigmodel devices`.
+//! `bigmodel devices`: what this process can use, and why not when CUDA
+//! is missing.
+
+use bigmodel::device::{Budgets, CudaStatus, DeviceSet, GpuMemory, HostMemory};
+use serde_json::{Map, Value, json};
 
 use super::CmdResult;
 
 /// Arguments of `bigmodel devices`.
 #[derive(clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// Write one JSON document to stdout instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
 
 /// Runs the command.
-pub fn run(_args: Args) -> CmdResult {
-    Err("`bigmodel devices` is not implemented yet".into())
+pub fn run(args: Args) -> CmdResult {
+    let set = DeviceSet::probe();
+    let info = set.memory_info()?;
+    let budgets = bigmodel::device::default_budgets(&info);
+    let report = Report {
+        cuda: set.cuda_status(),
+        gpus: &info.gpus,
+        host: &info.host,
+        budgets: &budgets,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report.to_json())?);
+    } else {
+        print!("{}", report.to_table());
+    }
+    Ok(())
+}
+
+struct Report<'a> {
+    cuda: &'a CudaStatus,
+    gpus: &'a [GpuMemory],
+    host: &'a HostMemory,
+    budgets: &'a Budgets,
+}
+
+impl Report<'_> {
+    fn to_json(&self) -> Value {
+        let gpus: Vec<Value> = self
+            .gpus
+            .iter()
+            .map(|g| {
+                json!({
+                    "device": g.device.to_string(),
+                    "kind": g.kind.to_string(),
+                    "name": g.name,
+                    "total_bytes": g.total,
+                    "free_bytes": g.free,
+                })
+            })
+            .collect();
+        let mut budgets = Map::new();
+        for (g, b) in self.gpus.iter().zip(&self.budgets.gpus) {
+            budgets.insert(g.device.to_string(), json!(b));
+        }
+        budgets.insert("cpu".into(), json!(self.budgets.cpu));
+        json!({
+            "cuda_compiled": self.cuda.compiled,
+            "cuda_driver_found": self.cuda.driver_found,
+            "cuda_driver_version": self.cuda.driver_version.map(|(major, minor)| format!("{major}.{minor}")),
+            "cuda_error": self.cuda.error,
+            "gpus": gpus,
+            "cpu_available_bytes": self.host.available,
+            "cpu_available_source": self.host.source.to_string(),
+            "default_budgets": budgets,
+        })
+    }
+
+    fn to_table(&self) -> String {
+        let mut out = String::new();
+        let compiled = if self.cuda.compiled {
+            "compiled in"
+        } else {
+            "not compiled in (build with --features cuda)"
+        };
+        out.push_str(&format!("CUDA support: {compiled}\n"));
+        let driver = match (self.cuda.driver_found, self.cuda.driver_version) {
+            (true, Some((major, minor))) => format!("found (CUDA {major}.{minor})"),
+            (true, None) => "found".to_string(),
+            (false, _) => "not found".to_string(),
+        };
+        out.push_str(&format!("CUDA driver:  {driver}\n"));
+        if let Some(e) = &self.cuda.error {
+            out.push_str(&format!("              {e}\n"));
+        }
+        if self.gpus.is_empty() {
+            out.push_str("GPUs:         none\n");
+        } else {
+            out.push_str("GPUs:\n");
+            for (g, budget) in self.gpus.iter().zip(&self.budgets.gpus) {
+                out.push_str(&format!(
+                    "  {:>3}  {}  free {} of {}  (default budget {})\n",
+                    g.device.to_string(),
+                    g.name,
+                    human(g.free),
+                    human(g.total),
+                    human(*budget)
+                ));
+            }
+        }
+        out.push_str(&format!(
+            "CPU RAM available: {} ({}; default budget {})\n",
+            human(self.host.available),
+            self.host.source,
+            human(self.budgets.cpu)
+        ));
+        out
+    }
+}
+
+/// Bytes in binary units with two decimals, e.g. "79.10 GiB".
+fn human(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{value:.2} {}", UNITS[unit])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::human;
+
+    #[test]
+    fn human_sizes() {
+        assert_eq!(human(512), "512 B");
+        assert_eq!(human(1536), "1.50 KiB");
+        assert_eq!(human(80 << 30), "80.00 GiB");
+    }
 }
