@@ -12,7 +12,9 @@
 //! * [`Storage`] says where the bytes are: nowhere ([`Storage::Meta`], for
 //!   empty-initialised models), in an aligned owned host buffer
 //!   ([`HostBuffer`]), in a zero-copy window of a memory-mapped file
-//!   ([`MmapView`], which keeps the mapping alive by reference counting).
+//!   ([`MmapView`], which keeps the mapping alive by reference counting), or
+//!   on a GPU ([`Storage::Device`], a `bm_device::DeviceBuffer`; the `cuda`
+//!   feature forwards to bm-device for real CUDA devices).
 //! * [`cast`] converts between F64, F32, F16 and BF16 on the CPU, bit for bit
 //!   as PyTorch's scalar conversions do (round to nearest even, Inf kept, NaN
 //!   kept as PyTorch's canonical quiet NaN).

@@ -192,6 +192,9 @@ pub enum Storage {
     Host(HostBuffer),
     /// A zero-copy view of a mapped checkpoint or offload file.
     Mmap(MmapView),
+    /// Bytes on a GPU (CUDA, or an emulated device in tests), accounted
+    /// against that device's budget until dropped.
+    Device(bm_device::DeviceBuffer),
 }
 
 impl Storage {
@@ -201,6 +204,27 @@ impl Storage {
             Storage::Meta => None,
             Storage::Host(b) => Some(b.as_bytes()),
             Storage::Mmap(v) => Some(v.as_bytes()),
+            Storage::Device(_) => None,
+        }
+    }
+
+    /// Bytes held, wherever they are; `None` for [`Storage::Meta`].
+    pub fn byte_len(&self) -> Option<usize> {
+        match self {
+            Storage::Meta => None,
+            Storage::Host(b) => Some(b.len()),
+            Storage::Mmap(v) => Some(v.len()),
+            Storage::Device(b) => Some(b.len()),
+        }
+    }
+
+    /// Where the bytes are: the host, a GPU ordinal, or `None` for
+    /// [`Storage::Meta`].
+    pub fn device(&self) -> Option<bm_device::Device> {
+        match self {
+            Storage::Meta => None,
+            Storage::Host(_) | Storage::Mmap(_) => Some(bm_device::Device::Cpu),
+            Storage::Device(b) => Some(b.device()),
         }
     }
 }
@@ -225,19 +249,19 @@ impl Tensor {
 
     /// A tensor over `storage`, checking that its length fits `meta`.
     pub fn new(meta: TensorMeta, storage: Storage) -> Result<Self, Error> {
-        if let Some(bytes) = storage.host_bytes() {
+        if let Some(found) = storage.byte_len() {
             let expected = meta
                 .checked_byte_len()
                 .ok_or_else(|| Error::LengthMismatch {
                     what: format!("{:?} tensor of shape {:?}", meta.dtype, meta.shape),
                     expected: usize::MAX,
-                    found: bytes.len(),
+                    found,
                 })?;
-            if expected != bytes.len() {
+            if expected != found {
                 return Err(Error::LengthMismatch {
                     what: format!("{} tensor of shape {:?}", meta.dtype, meta.shape),
                     expected,
-                    found: bytes.len(),
+                    found,
                 });
             }
         }
@@ -310,6 +334,41 @@ mod tests {
         let misaligned = typed_slice::<f32>(&bytes[1..]).unwrap();
         assert_eq!(&*misaligned, &values);
         assert!(typed_slice::<f32>(&bytes[..5]).is_err());
+    }
+
+    #[test]
+    fn device_storage_on_an_emulated_gpu() {
+        let set = bm_device::DeviceSet::emulated(&[1024]);
+        let gpu = set.gpu(0).unwrap();
+        let values = [1.5f32, -2.0];
+        let mut buf = gpu.alloc(8).unwrap();
+        buf.copy_from_host(0, bytemuck::cast_slice(&values))
+            .unwrap();
+        let meta = TensorMeta::new(crate::DType::F32, [2]);
+        let t = Tensor::new(meta.clone(), Storage::Device(buf)).unwrap();
+        assert_eq!(t.storage.device(), Some(bm_device::Device::Gpu(0)));
+        assert_eq!(t.storage.byte_len(), Some(8));
+        assert!(t.storage.host_bytes().is_none());
+        let Storage::Device(b) = &t.storage else {
+            unreachable!()
+        };
+        let mut back = [0u8; 8];
+        b.copy_to_host(0, &mut back).unwrap();
+        assert_eq!(bytemuck::cast_slice::<u8, f32>(&back), &values);
+        assert_eq!(gpu.live_bytes(), 8);
+        drop(t);
+        assert_eq!(
+            gpu.live_bytes(),
+            0,
+            "dropping the tensor frees the device bytes"
+        );
+        // The length check covers device storage too.
+        let err = Tensor::new(meta, Storage::Device(gpu.alloc(4).unwrap())).unwrap_err();
+        assert!(
+            err.to_string().contains("expected 8 bytes, found 4"),
+            "{err}"
+        );
+        assert_eq!(gpu.live_bytes(), 0);
     }
 
     #[test]
