@@ -186,6 +186,11 @@ fn fill(
     let need =
         |item: &Item, d: usize| item.bytes + if devices[d].is_gpu() { item.runtime } else { 0 };
     for (i, item) in items.iter().enumerate() {
+        // Weightless units (dropout, activations) stay with their neighbour.
+        if item.bytes == 0 && item.runtime == 0 {
+            device_of_item.push(device_of_item.last().copied().unwrap_or(pointer));
+            continue;
+        }
         let ahead = (pointer..n).find(|&d| need(item, d) <= room(d, &used));
         let behind = (0..pointer).find(|&d| need(item, d) <= room(d, &used));
         let chosen = match (behind, ahead) {
@@ -461,6 +466,14 @@ pub fn plan(tree: &ModuleTree, options: &PlanOptions) -> Result<Plan, Error> {
         .map(|(d, b)| (*d, *b))
         .collect();
     let mut warnings = Vec::new();
+    if reserve > caps[exec] {
+        warnings.push(format!(
+            "streaming the largest offloaded unit needs {} on {}, which has only {}: offloaded layers cannot run there",
+            human_bytes(reserve),
+            devices[exec],
+            human_bytes(caps[exec])
+        ));
+    }
     let mut unknown: Vec<&str> = options
         .no_split
         .iter()

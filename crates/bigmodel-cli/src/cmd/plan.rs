@@ -1,12 +1,381 @@
-//! `bigmodel plan`.
+//! `bigmodel plan`: where each module of a model goes.
+
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+use bigmodel::device::DeviceSet;
+use bigmodel::plan::hf::{HfModel, tree_from_config};
+use bigmodel::plan::{
+    Compat, Device, DeviceMap, MaxMemory, Mode, ModuleSizes, ModuleTree, Plan, PlanOptions,
+    SizeOptions, check_device_map, human_bytes,
+};
+use bigmodel::tensor::DType;
 
 use super::CmdResult;
 
 /// Arguments of `bigmodel plan`.
 #[derive(clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// A module tree (bigmodel-module-tree/1), a checkpoint (.safetensors,
+    /// *.index.json or a folder) or an HF config.json (or a folder with one).
+    source: PathBuf,
+    /// Budgets: `0=10GiB,1=10GiB,cpu=30GiB,disk=200GB` or a JSON object.
+    /// Default: what the machine has free.
+    #[arg(long)]
+    max_memory: Option<String>,
+    /// A class never split across devices (repeatable). Default: the
+    /// family's `_no_split_modules` for a config.json.
+    #[arg(long = "no-split", value_name = "CLASS")]
+    no_split: Vec<String>,
+    /// The dtype weights are loaded in: f32, f16, bf16.
+    #[arg(long)]
+    dtype: Option<String>,
+    /// auto, balanced, balanced_low_0 or sequential.
+    #[arg(long, default_value = "auto")]
+    mode: String,
+    /// A mode (as --mode) or a JSON device map to check against the model.
+    #[arg(long)]
+    device_map: Option<String>,
+    /// Keep the buffers of offloaded modules offloaded.
+    #[arg(long)]
+    offload_buffers: bool,
+    /// `accelerate`: compute exactly what Accelerate computes.
+    #[arg(long)]
+    compat: Option<String>,
+    /// Accelerate's `fallback_allocation` (with --compat accelerate).
+    #[arg(long)]
+    fallback_allocation: bool,
+    /// Bytes held back per device for activations: `0=2GiB,cpu=1GiB`.
+    #[arg(long)]
+    reserve: Option<String>,
+    /// Reserve the KV cache for this many tokens (decoder config.json only).
+    #[arg(long)]
+    max_seq_len: Option<u64>,
+    /// Sequences in the KV cache (with --max-seq-len).
+    #[arg(long, default_value_t = 1)]
+    batch_size: u64,
+    /// Print the planner's decisions.
+    #[arg(long)]
+    explain: bool,
+    /// Print one JSON document: device_map, max_memory, device_bytes.
+    #[arg(long)]
+    json: bool,
+}
+
+/// What SOURCE turned out to be.
+enum Source {
+    Tree(ModuleTree),
+    Checkpoint(ModuleTree),
+    Config(Box<HfModel>),
+}
+
+impl Source {
+    fn tree(&self) -> &ModuleTree {
+        match self {
+            Source::Tree(t) | Source::Checkpoint(t) => t,
+            Source::Config(m) => &m.tree,
+        }
+    }
+}
+
+fn read_json(path: &Path) -> Result<serde_json::Value, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    serde_json::from_str(&text).map_err(|e| format!("{} is not valid JSON: {e}", path.display()))
+}
+
+fn load_source(path: &Path) -> Result<Source, String> {
+    let in_context = |e: bigmodel::plan::Error| format!("{}: {e}", path.display());
+    if path.is_dir() {
+        let config = path.join("config.json");
+        if config.is_file() {
+            let doc = read_json(&config)?;
+            if let Ok(model) = tree_from_config(&doc) {
+                return Ok(Source::Config(Box::new(model)));
+            }
+        }
+        return bigmodel::plan::checkpoint::tree_from_checkpoint(path)
+            .map(Source::Checkpoint)
+            .map_err(in_context);
+    }
+    let is_json = path.extension().is_some_and(|e| e == "json");
+    if !is_json {
+        return bigmodel::plan::checkpoint::tree_from_checkpoint(path)
+            .map(Source::Checkpoint)
+            .map_err(in_context);
+    }
+    let doc = read_json(path)?;
+    if doc.get("format").is_some() && doc.get("root").is_some() {
+        return ModuleTree::from_json(&doc)
+            .map(Source::Tree)
+            .map_err(in_context);
+    }
+    if doc.get("model_type").is_some() {
+        return tree_from_config(&doc)
+            .map(|m| Source::Config(Box::new(m)))
+            .map_err(in_context);
+    }
+    if doc.get("weight_map").is_some() || path.to_string_lossy().ends_with(".index.json") {
+        return bigmodel::plan::checkpoint::tree_from_checkpoint(path)
+            .map(Source::Checkpoint)
+            .map_err(in_context);
+    }
+    Err(format!(
+        "{}: not a module tree (\"format\"), a config.json (\"model_type\") or a checkpoint index (\"weight_map\")",
+        path.display()
+    ))
+}
+
+/// Default budgets when the user gives none, read from the machine through
+/// bm-device (the planner itself never touches a device). Accelerate's
+/// defaults are 100 % of free GPU memory and the available RAM; bigmodel's
+/// keep bm-device's safety margins.
+fn default_max_memory(compat: Compat) -> Result<MaxMemory, String> {
+    let set = DeviceSet::probe();
+    let info = set
+        .memory_info()
+        .map_err(|e| format!("cannot read the machine's memory: {e}"))?;
+    let mut pairs = Vec::new();
+    match compat {
+        Compat::Accelerate => {
+            for (i, gpu) in info.gpus.iter().enumerate() {
+                pairs.push((Device::Gpu(i as u32), gpu.free));
+            }
+            pairs.push((Device::Cpu, info.host.available));
+        }
+        Compat::Auto => {
+            let budgets = bigmodel::device::default_budgets(&info);
+            for (i, b) in budgets.gpus.iter().enumerate() {
+                pairs.push((Device::Gpu(i as u32), *b));
+            }
+            pairs.push((Device::Cpu, budgets.cpu));
+        }
+    }
+    MaxMemory::new(pairs).map_err(|e| e.to_string())
+}
+
+fn parse_dtype(text: &str) -> Result<DType, String> {
+    DType::from_str(text)
+        .ok()
+        .filter(|d| matches!(d, DType::F32 | DType::F16 | DType::BF16))
+        .ok_or_else(|| {
+            format!("--dtype {text:?}: expected f32, f16 or bf16 (or float32, float16, bfloat16)")
+        })
+}
 
 /// Runs the command.
-pub fn run(_args: Args) -> CmdResult {
-    Err("`bigmodel plan` is not implemented yet".into())
+pub fn run(args: Args) -> CmdResult {
+    let compat = match args.compat.as_deref() {
+        None | Some("auto") | Some("bigmodel") => Compat::Auto,
+        Some("accelerate") => Compat::Accelerate,
+        Some(other) => return Err(format!("--compat {other:?}: expected accelerate").into()),
+    };
+    let mut mode_text = args.mode.clone();
+    let mut custom_map = None;
+    if let Some(map) = &args.device_map {
+        if Mode::parse(map).is_some() {
+            mode_text = map.clone();
+        } else {
+            custom_map = Some(PathBuf::from(map));
+        }
+    }
+    let mode = Mode::parse(&mode_text).ok_or_else(|| {
+        format!("--mode {mode_text:?}: expected auto, balanced, balanced_low_0 or sequential")
+    })?;
+    let dtype = args.dtype.as_deref().map(parse_dtype).transpose()?;
+    if compat == Compat::Accelerate && (args.reserve.is_some() || args.max_seq_len.is_some()) {
+        return Err(
+            "--reserve and --max-seq-len apply to bigmodel's planner, not to --compat accelerate"
+                .into(),
+        );
+    }
+    if compat == Compat::Auto && args.fallback_allocation {
+        return Err("--fallback-allocation applies to --compat accelerate only".into());
+    }
+
+    let source = load_source(&args.source)?;
+    let tree = source.tree();
+
+    if let Some(path) = custom_map {
+        return check_custom_map(tree, &path, dtype, args.json);
+    }
+
+    let (max_memory, from_user) = match &args.max_memory {
+        Some(spec) => (MaxMemory::parse(spec)?, true),
+        None => (default_max_memory(compat)?, false),
+    };
+    let no_split = if args.no_split.is_empty() {
+        match &source {
+            Source::Config(model) => model.no_split.clone(),
+            _ => Vec::new(),
+        }
+    } else {
+        args.no_split.clone()
+    };
+    let mut warnings = Vec::new();
+    for class in &args.no_split {
+        if !tree.modules().iter().any(|m| &m.class == class) && compat == Compat::Accelerate {
+            warnings.push(format!("--no-split {class}: no module has this class"));
+        }
+    }
+    let runtime_bytes = match (args.max_seq_len, &source) {
+        (None, _) => Vec::new(),
+        (Some(seq), Source::Config(model)) => {
+            let kv_dtype = dtype.unwrap_or(model.dtype);
+            model
+                .kv_runtime_bytes(args.batch_size, seq, kv_dtype)
+                .ok_or_else(|| {
+                    format!(
+                        "--max-seq-len: {} has no KV cache (not a decoder)",
+                        args.source.display()
+                    )
+                })?
+        }
+        (Some(_), _) => return Err(
+            "--max-seq-len needs a config.json of a decoder family (llama, mistral, qwen2, gpt2)"
+                .into(),
+        ),
+    };
+    let options = PlanOptions {
+        max_memory,
+        max_memory_from_user: from_user,
+        no_split,
+        dtype,
+        mode,
+        offload_buffers: args.offload_buffers,
+        fallback_allocation: args.fallback_allocation,
+        reserve: match &args.reserve {
+            Some(spec) => MaxMemory::parse(spec)?,
+            None => MaxMemory::default(),
+        },
+        explain: args.explain,
+        runtime_bytes,
+        ..PlanOptions::default()
+    };
+    let plan = bigmodel::plan::plan_with(tree, &options, compat)?;
+    warnings.extend(plan.warnings.iter().cloned());
+    for w in &warnings {
+        eprintln!("warning: {w}");
+    }
+    if args.explain {
+        for line in plan.trace.iter().chain(&plan.info) {
+            eprintln!("{line}");
+        }
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&plan.to_json())?);
+    } else {
+        print_table(tree, &plan, dtype);
+    }
+    Ok(())
+}
+
+fn check_custom_map(tree: &ModuleTree, path: &Path, dtype: Option<DType>, json: bool) -> CmdResult {
+    let doc = read_json(path)?;
+    let map = DeviceMap::from_json(&doc).map_err(|e| format!("{}: {e}", path.display()))?;
+    let warnings = check_device_map(tree, &map).map_err(|e| format!("{}: {e}", path.display()))?;
+    for w in &warnings {
+        eprintln!("warning: {w}");
+    }
+    let sizes = ModuleSizes::compute(
+        tree,
+        &SizeOptions {
+            dtype,
+            ..SizeOptions::default()
+        },
+    );
+    let mut bytes: Vec<(Device, u64)> = Vec::new();
+    for (i, t) in tree.tensors().iter().enumerate() {
+        if let Some(d) = map.device_of(&t.name) {
+            match bytes.iter_mut().find(|(x, _)| *x == d) {
+                Some((_, b)) => *b += sizes.tensor[i],
+                None => bytes.push((d, sizes.tensor[i])),
+            }
+        }
+    }
+    bytes.sort();
+    let plan = Plan {
+        device_map: map,
+        device_bytes: bytes,
+        ..Plan::default()
+    };
+    if json {
+        println!("{}", serde_json::to_string_pretty(&plan.to_json())?);
+    } else {
+        print_table(tree, &plan, dtype);
+    }
+    Ok(())
+}
+
+fn print_table(tree: &ModuleTree, plan: &Plan, dtype: Option<DType>) {
+    let total: u64 = plan.device_bytes.iter().map(|(_, b)| b).sum();
+    let sizes = ModuleSizes::compute(
+        tree,
+        &SizeOptions {
+            dtype,
+            ..SizeOptions::default()
+        },
+    );
+    println!(
+        "{} modules, {} tensors, {} parameters, {} to place",
+        tree.modules().len(),
+        tree.tensors().len(),
+        tree.parameter_count(),
+        human_bytes(sizes.total())
+    );
+    println!(
+        "{:<6} {:>12} {:>12} {:>7}  first .. last",
+        "device", "placed", "budget", "share"
+    );
+    let mut devices: Vec<Device> = plan.device_bytes.iter().map(|(d, _)| *d).collect();
+    for d in plan.max_memory.devices() {
+        if !devices.contains(&d) {
+            devices.push(d);
+        }
+    }
+    devices.sort();
+    for d in devices {
+        let placed = plan
+            .device_bytes
+            .iter()
+            .find(|(x, _)| *x == d)
+            .map(|(_, b)| *b)
+            .unwrap_or(0);
+        let budget = plan
+            .max_memory
+            .get(d)
+            .map(human_bytes)
+            .unwrap_or_else(|| "-".into());
+        let share = if total > 0 {
+            placed as f64 * 100.0 / total as f64
+        } else {
+            0.0
+        };
+        let names: Vec<&str> = plan
+            .device_map
+            .iter()
+            .filter(|(_, x)| *x == d)
+            .map(|(n, _)| n)
+            .collect();
+        let span = match (names.first(), names.last()) {
+            (Some(f), Some(l)) if f == l => display_name(f).to_string(),
+            (Some(f), Some(l)) => format!("{} .. {}", display_name(f), display_name(l)),
+            _ => "-".into(),
+        };
+        println!(
+            "{:<6} {:>12} {:>12} {:>6.1}%  {span}",
+            d.to_string(),
+            human_bytes(placed),
+            budget,
+            share
+        );
+    }
+}
+
+fn display_name(name: &str) -> &str {
+    if name.is_empty() {
+        "(whole model)"
+    } else {
+        name
+    }
 }

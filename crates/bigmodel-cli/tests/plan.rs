@@ -1,0 +1,149 @@
+//! `bigmodel plan` end to end: JSON keys, the human table, --explain, and
+//! clear errors on bad input.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn fixture(path: &str) -> String {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../bm-plan/tests/fixtures")
+        .join(path)
+        .to_string_lossy()
+        .into_owned()
+}
+
+fn plan(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_bigmodel"))
+        .arg("plan")
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn json_output_has_the_contract_keys_in_traversal_order() {
+    let config = fixture("configs/qwen2-0.5b.json");
+    let (ok, stdout, stderr) = plan(&[
+        &config,
+        "--max-memory",
+        "0=300MB,1=300MB,cpu=200MB",
+        "--compat",
+        "accelerate",
+        "--json",
+    ]);
+    assert!(ok, "{stderr}");
+    let doc: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    let map = doc["device_map"].as_object().unwrap();
+    // Accelerate's answer (goldens.json) for this case.
+    assert_eq!(map["model.embed_tokens"], 1);
+    assert_eq!(map["lm_head"], 1);
+    assert_eq!(map.keys().next().unwrap(), "model.embed_tokens");
+    assert_eq!(doc["max_memory"]["0"], 300_000_000u64);
+    assert!(doc["device_bytes"]["1"].as_u64().unwrap() > 0);
+    assert!(
+        doc["device_bytes"].get("0").is_none(),
+        "Accelerate leaves GPU 0 empty here"
+    );
+
+    let (ok, stdout, stderr) = plan(&[
+        &config,
+        "--max-memory",
+        "0=300MB,1=300MB,cpu=200MB",
+        "--json",
+    ]);
+    assert!(ok, "{stderr}");
+    let doc: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert!(
+        doc["device_bytes"]["0"].as_u64().unwrap() > 0,
+        "bigmodel uses GPU 0: {doc}"
+    );
+}
+
+#[test]
+fn human_table_and_explain() {
+    let tree = fixture("trees/tiny-gpt2.tree.json");
+    let (ok, stdout, stderr) = plan(&[
+        &tree,
+        "--max-memory",
+        "0=20KB,cpu=1MB",
+        "--no-split",
+        "GPT2Block",
+        "--explain",
+    ]);
+    assert!(ok, "{stderr}");
+    assert!(
+        stdout.contains("device") && stdout.contains("placed") && stdout.contains("share"),
+        "{stdout}"
+    );
+    assert!(stdout.lines().any(|l| l.starts_with("0 ")), "{stdout}");
+    assert!(stderr.contains("->"), "explain trace on stderr: {stderr}");
+    let (ok, _, stderr) = plan(&[
+        &tree,
+        "--max-memory",
+        "0=20KB,cpu=1MB",
+        "--compat",
+        "accelerate",
+        "--explain",
+    ]);
+    assert!(ok, "{stderr}");
+    assert!(stderr.contains("Treating module transformer."), "{stderr}");
+}
+
+#[test]
+fn bad_input_is_a_clear_error() {
+    let config = fixture("configs/gpt2.json");
+    for (args, needle) in [
+        (
+            vec!["--max-memory", "cuda:0=1GB"],
+            "Device cuda:0 is not recognized",
+        ),
+        (
+            vec!["--max-memory", "gpu=1GB"],
+            "Device gpu is not recognized",
+        ),
+        (vec!["--max-memory", "0=10TB"], "is not in a valid format"),
+        (vec!["--max-memory", "0=-5"], "negative"),
+        (vec!["--max-memory", "0=99999999999GiB"], "too large"),
+        (vec!["--max-memory", "0=2000000000GiB"], "1 EiB"),
+        (vec!["--mode", "fast"], "expected auto"),
+        (vec!["--dtype", "int8"], "expected f32"),
+        (vec!["--max-memory", "0=1KB,disk=1KB"], "does not fit"),
+    ] {
+        let mut all = vec![config.as_str()];
+        all.extend(args.iter());
+        let (ok, stdout, stderr) = plan(&all);
+        assert!(!ok, "{args:?} should fail");
+        assert!(stdout.is_empty());
+        assert!(stderr.contains(needle), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let bad_tree = dir.path().join("tree.json");
+    std::fs::write(&bad_tree, r#"{"format":"bigmodel-module-tree/1","root":{"class":"M","children":[{"name":"a","class":"L","params":[{"name":"w","shape":[-1],"dtype":"F32"}]}]}}"#).unwrap();
+    let (ok, _, stderr) = plan(&[bad_tree.to_str().unwrap(), "--max-memory", "cpu=1GB"]);
+    assert!(!ok && stderr.contains("a.w"), "{stderr}");
+    // A custom map that misses tensors lists them.
+    let map = dir.path().join("map.json");
+    std::fs::write(&map, r#"{"transformer.wte": 0, "transformer.h": "cpu"}"#).unwrap();
+    let (ok, _, stderr) = plan(&[&config, "--device-map", map.to_str().unwrap()]);
+    assert!(
+        !ok && stderr.contains(
+            "does not give any device for the following parameters: transformer.wpe.weight"
+        ),
+        "{stderr}"
+    );
+    // An unknown no-split class warns.
+    let (ok, _, stderr) = plan(&[
+        &config,
+        "--max-memory",
+        "cpu=1GB",
+        "--no-split",
+        "NoSuchBlock",
+    ]);
+    assert!(ok && stderr.contains("NoSuchBlock"), "{stderr}");
+}
