@@ -109,8 +109,14 @@ pub fn bundle(root: &Path) -> Result<PathBuf, String> {
         "--test",
         "gpu",
     ]))?;
-    let benches =
-        executables(base("bench").args(["--workspace", "--features", CUDA_FEATURES, "--no-run"]))?;
+    let benches = executables(base("bench").args([
+        "-p",
+        "bigmodel-benches",
+        "--benches",
+        "--features",
+        CUDA_FEATURES,
+        "--no-run",
+    ]))?;
     let bins =
         executables(base("build").args(["--release", "-p", "bigmodel-cli", "--features", "cuda"]))?;
     let cli = bins

@@ -473,6 +473,11 @@ pub(crate) fn sync_event(event: &CudaEvent, device: Device) -> Result<()> {
 }
 
 pub(crate) fn event_done(event: &CudaEvent, device: Device) -> Result<bool> {
+    // cuEventQuery needs a current context on this thread.
+    event
+        .context()
+        .bind_to_thread()
+        .map_err(|e| driver_error("binding the context", Some(device), e))?;
     event
         .try_is_complete()
         .map_err(|e| driver_error("cuEventQuery", Some(device), e))

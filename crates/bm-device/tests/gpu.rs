@@ -2,6 +2,8 @@
 //! `cargo xtask gpu-bundle` / `gpu-test`. Without a GPU (or without the
 //! `cuda` feature) each test prints "skipped: no CUDA device" and returns,
 //! unless `BM_GPU_TESTS=1` is set, which turns a missing GPU into a failure.
+//! The bundle runs them with `--test-threads=1`: some compare the driver's
+//! free memory before and after an allocation.
 
 use std::time::Duration;
 
