@@ -436,17 +436,18 @@ pub fn plan(tree: &ModuleTree, options: &PlanOptions) -> Result<Plan, Error> {
         Error::DoesNotFit("the streaming reserve did not settle after 64 rounds".into())
     })?;
 
-    let mut entries = Vec::new();
+    let mut module_unit = vec![None; tree.modules().len()];
+    let mut tensor_unit = vec![None; tree.tensors().len()];
     for (i, item) in items.iter().enumerate() {
+        let device = devices[filled.device_of_item[i]];
         for unit in &item.units {
-            entries.push((
-                tree.node_name(*unit).to_string(),
-                devices[filled.device_of_item[i]],
-            ));
+            match *unit {
+                Node::Module(m) => module_unit[m] = Some(device),
+                Node::Tensor(t) => tensor_unit[t] = Some(device),
+            }
         }
     }
-    let mut device_map = DeviceMap::from_entries(entries);
-    device_map.clean(tree);
+    let device_map = cleaned_map(tree, &module_unit, &tensor_unit);
 
     let mut placed = vec![0u64; devices.len()];
     for (i, item) in items.iter().enumerate() {
@@ -495,6 +496,104 @@ pub fn plan(tree: &ModuleTree, options: &PlanOptions) -> Result<Plan, Error> {
         info: Vec::new(),
         trace,
     })
+}
+
+/// The device map of a unit placement, cleaned as Accelerate's
+/// `clean_device_map` would (at least two keys under a module on one device
+/// become that module's key), built on the tree in one linear pass and
+/// emitted in traversal order.
+fn cleaned_map(
+    tree: &ModuleTree,
+    module_unit: &[Option<Device>],
+    tensor_unit: &[Option<Device>],
+) -> DeviceMap {
+    #[derive(Clone, Copy, PartialEq)]
+    enum Shared {
+        Nothing,
+        One(Device),
+        Mixed,
+    }
+    fn merge(a: Shared, d: Device) -> Shared {
+        match a {
+            Shared::Nothing => Shared::One(d),
+            Shared::One(x) if x == d => a,
+            _ => Shared::Mixed,
+        }
+    }
+    enum Step {
+        Module(usize),
+        Key(String, Device),
+    }
+    let n = tree.modules().len();
+    let mut keys_below = vec![0usize; n];
+    let mut shared = vec![Shared::Nothing; n];
+    for &m in tree.preorder().iter().rev() {
+        if module_unit[m].is_some() {
+            continue;
+        }
+        let module = tree.module(m);
+        let (mut count, mut state) = (0usize, Shared::Nothing);
+        for &t in module.params.iter().chain(&module.buffers) {
+            if let Some(d) = tensor_unit[t] {
+                count += 1;
+                state = merge(state, d);
+            }
+        }
+        for &c in &module.children {
+            match module_unit[c] {
+                Some(d) => {
+                    count += 1;
+                    state = merge(state, d);
+                }
+                None => {
+                    count += keys_below[c];
+                    state = match (state, shared[c]) {
+                        (s, Shared::Nothing) => s,
+                        (s, Shared::One(d)) => merge(s, d),
+                        _ => Shared::Mixed,
+                    };
+                }
+            }
+        }
+        keys_below[m] = count;
+        shared[m] = state;
+    }
+    let mut entries = Vec::new();
+    let mut stack = vec![Step::Module(0)];
+    while let Some(step) = stack.pop() {
+        let m = match step {
+            Step::Key(name, d) => {
+                entries.push((name, d));
+                continue;
+            }
+            Step::Module(m) => m,
+        };
+        let module = tree.module(m);
+        if let Some(d) = module_unit[m] {
+            entries.push((module.name.clone(), d));
+            continue;
+        }
+        if keys_below[m] >= 2
+            && let Shared::One(d) = shared[m]
+        {
+            entries.push((module.name.clone(), d));
+            continue;
+        }
+        let mut steps = Vec::new();
+        for &t in &module.params {
+            if let Some(d) = tensor_unit[t] {
+                steps.push(Step::Key(tree.tensor(t).name.clone(), d));
+            }
+        }
+        steps.extend(module.children.iter().map(|c| Step::Module(*c)));
+        for &t in &module.buffers {
+            if let Some(d) = tensor_unit[t] {
+                steps.push(Step::Key(tree.tensor(t).name.clone(), d));
+            }
+        }
+        stack.extend(steps.into_iter().rev());
+    }
+    DeviceMap::from_entries(entries)
 }
 
 #[allow(clippy::too_many_arguments)]
