@@ -157,50 +157,17 @@ impl Tensor {
     /// The values widened to f32: borrowed for an aligned F32 tensor,
     /// converted otherwise.
     pub fn f32_values(&self) -> Cow<'_, [f32]> {
-        let bytes = self.host_bytes();
-        // Lengths were checked at construction, so typed_slice cannot fail.
-        match self.dtype {
-            DType::F32 => typed_slice::<f32>(bytes).expect("F32 tensor bytes"),
-            DType::F16 => Cow::Owned(
-                typed_slice::<u16>(bytes)
-                    .expect("F16 tensor bytes")
-                    .iter()
-                    .map(|&b| f16::from_bits(b).to_f32())
-                    .collect(),
-            ),
-            DType::BF16 => Cow::Owned(
-                typed_slice::<u16>(bytes)
-                    .expect("BF16 tensor bytes")
-                    .iter()
-                    .map(|&b| bf16::from_bits(b).to_f32())
-                    .collect(),
-            ),
-            other => unreachable!("tensor of non-compute dtype {other}"),
-        }
+        widen(self.dtype, self.host_bytes())
     }
 
     /// Rows `start..end` of the outermost dimension widened to f32 (no
     /// copy for aligned F32). Used to stream a weight matrix block by block.
     pub(crate) fn f32_rows(&self, start: usize, end: usize) -> Cow<'_, [f32]> {
-        let row_len: usize = self.shape[1..].iter().product();
-        let size = self.dtype.size_in_bytes();
-        let bytes = &self.host_bytes()[start * row_len * size..end * row_len * size];
-        match self.dtype {
-            DType::F32 => typed_slice::<f32>(bytes).expect("F32 rows"),
-            DType::F16 => Cow::Owned(
-                bytes
-                    .chunks_exact(2)
-                    .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
-                    .collect(),
-            ),
-            DType::BF16 => Cow::Owned(
-                bytes
-                    .chunks_exact(2)
-                    .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
-                    .collect(),
-            ),
-            other => unreachable!("tensor of non-compute dtype {other}"),
-        }
+        let row_bytes = self.shape[1..].iter().product::<usize>() * self.dtype.size_in_bytes();
+        widen(
+            self.dtype,
+            &self.host_bytes()[start * row_bytes..end * row_bytes],
+        )
     }
 
     /// The values as a new f32 vector.
@@ -229,6 +196,29 @@ impl Tensor {
             shape: vec![end - start, self.shape[1]],
             data: Data::Cpu(HostBytes::Owned(buf)),
         })
+    }
+}
+
+/// `bytes` of `dtype` as f32. Half types go through `half`'s slice
+/// conversions, which use the CPU's F16C/SIMD paths when it has them.
+fn widen(dtype: DType, bytes: &[u8]) -> Cow<'_, [f32]> {
+    use half::slice::HalfFloatSliceExt;
+    // Lengths were checked at construction, so typed_slice cannot fail.
+    match dtype {
+        DType::F32 => typed_slice::<f32>(bytes).expect("F32 tensor bytes"),
+        DType::F16 => {
+            let halves = typed_slice::<f16>(bytes).expect("F16 tensor bytes");
+            let mut out = vec![0f32; halves.len()];
+            halves.convert_to_f32_slice(&mut out);
+            Cow::Owned(out)
+        }
+        DType::BF16 => {
+            let halves = typed_slice::<bf16>(bytes).expect("BF16 tensor bytes");
+            let mut out = vec![0f32; halves.len()];
+            halves.convert_to_f32_slice(&mut out);
+            Cow::Owned(out)
+        }
+        other => unreachable!("tensor of non-compute dtype {other}"),
     }
 }
 
