@@ -1,0 +1,280 @@
+//! Where one tensor's bytes are at run time, and moving bytes and
+//! activations between devices.
+
+use std::borrow::Cow;
+use std::sync::Arc;
+
+use bm_device::{Device, DeviceBuffer, DeviceSet, PinnedBuffer, PinnedPool};
+use bm_tensor::{HostBuffer, MmapView, Storage, Tensor, TensorMeta};
+
+use crate::{Error, Result};
+
+/// The bytes of one tensor, wherever they are.
+#[derive(Debug)]
+pub enum Bytes {
+    /// An owned aligned host buffer.
+    Host(HostBuffer),
+    /// A zero-copy window of a mapped checkpoint or offload file.
+    Mmap(MmapView),
+    /// Page-locked host memory, ready for DMA to a GPU.
+    Pinned(PinnedBuffer),
+    /// Memory of a GPU (CUDA or emulated).
+    Device(DeviceBuffer),
+}
+
+impl Bytes {
+    /// The device holding the bytes ([`Device::Cpu`] for every host kind).
+    pub fn device(&self) -> Device {
+        match self {
+            Bytes::Device(b) => b.device(),
+            _ => Device::Cpu,
+        }
+    }
+
+    /// Number of bytes.
+    pub fn len(&self) -> usize {
+        match self {
+            Bytes::Host(b) => b.len(),
+            Bytes::Mmap(v) => v.len(),
+            Bytes::Pinned(p) => p.len(),
+            Bytes::Device(d) => d.len(),
+        }
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The bytes when they are in host memory (waiting for any copy still
+    /// writing pinned memory), `None` on a GPU.
+    pub fn host(&self) -> Option<&[u8]> {
+        match self {
+            Bytes::Host(b) => Some(b.as_bytes()),
+            Bytes::Mmap(v) => Some(v.as_bytes()),
+            Bytes::Pinned(p) => p.as_slice().ok(),
+            Bytes::Device(_) => None,
+        }
+    }
+
+    /// The bytes on the host: borrowed when they are there, downloaded
+    /// from a GPU otherwise (what a CPU "kernel" on an emulated device does).
+    pub fn to_host(&self) -> Result<Cow<'_, [u8]>> {
+        match self {
+            Bytes::Device(d) => {
+                let mut out = vec![0u8; d.len()];
+                d.copy_to_host(0, &mut out)
+                    .map_err(|e| Error::device("a download to the host", e))?;
+                Ok(Cow::Owned(out))
+            }
+            Bytes::Pinned(p) => p
+                .as_slice()
+                .map(Cow::Borrowed)
+                .map_err(|e| Error::device("pinned host memory", e)),
+            other => Ok(Cow::Borrowed(other.host().unwrap_or(&[]))),
+        }
+    }
+
+    /// True when the bytes are a zero-copy view of a mapped file.
+    pub fn is_mapped(&self) -> bool {
+        matches!(self, Bytes::Mmap(_))
+    }
+}
+
+/// A tensor handed to a forward pass: its dtype and shape, and shared bytes.
+#[derive(Clone, Debug)]
+pub struct Weight {
+    /// Dtype and shape.
+    pub meta: TensorMeta,
+    /// The bytes; shared between tied names and between threads.
+    pub bytes: Arc<Bytes>,
+}
+
+impl Weight {
+    /// Where the bytes are.
+    pub fn device(&self) -> Device {
+        self.bytes.device()
+    }
+}
+
+/// Copies host `src` onto `device`: a new host buffer for the CPU, a
+/// device allocation filled through the pinned staging pool for a GPU (the
+/// compute stream of that GPU then waits for the copy).
+pub(crate) fn upload(
+    what: &str,
+    src: &[u8],
+    device: Device,
+    devices: &DeviceSet,
+    pool: Option<&PinnedPool>,
+) -> Result<Bytes> {
+    match device {
+        Device::Cpu => Ok(Bytes::Host(
+            HostBuffer::from_bytes(src).map_err(|e| Error::tensor(what, e))?,
+        )),
+        Device::Gpu(i) => {
+            let gpu = devices.gpu(i).map_err(|_| Error::NoSuchDevice {
+                what: what.to_string(),
+                device,
+            })?;
+            let mut buf = gpu
+                .alloc(src.len().max(1))
+                .map_err(|e| Error::device(what, e))?;
+            if src.is_empty() {
+                return Ok(Bytes::Device(buf));
+            }
+            let event = match pool {
+                Some(pool) => buf
+                    .upload(0, src, pool, gpu.copy_stream())
+                    .map_err(|e| Error::device(what, e))?,
+                None => {
+                    buf.copy_from_host(0, src)
+                        .map_err(|e| Error::device(what, e))?;
+                    return Ok(Bytes::Device(buf));
+                }
+            };
+            gpu.compute_stream()
+                .wait(&event)
+                .map_err(|e| Error::device(what, e))?;
+            Ok(Bytes::Device(buf))
+        }
+    }
+}
+
+/// Copies host `src` into freshly allocated page-locked memory (pageable
+/// when the set cannot pin).
+pub(crate) fn pin(what: &str, src: &[u8], devices: &DeviceSet) -> Result<Bytes> {
+    let mut p = devices
+        .alloc_pinned(src.len().max(1))
+        .map_err(|e| Error::device(what, e))?;
+    p.as_mut_slice()
+        .map_err(|e| Error::device(what, e))?
+        .get_mut(..src.len())
+        .ok_or_else(|| Error::BadOption(format!("{what}: pinned buffer too small")))?
+        .copy_from_slice(src);
+    Ok(Bytes::Pinned(p))
+}
+
+/// Moves `bytes` to `device` (a copy; no-op when already there).
+pub(crate) fn move_bytes(
+    what: &str,
+    bytes: &Arc<Bytes>,
+    device: Device,
+    devices: &DeviceSet,
+    pool: Option<&PinnedPool>,
+) -> Result<Arc<Bytes>> {
+    if bytes.device() == device {
+        return Ok(Arc::clone(bytes));
+    }
+    if let (Bytes::Device(src), Device::Gpu(i)) = (bytes.as_ref(), device) {
+        let gpu = devices.gpu(i).map_err(|_| Error::NoSuchDevice {
+            what: what.to_string(),
+            device,
+        })?;
+        let mut dst = gpu.alloc(src.len()).map_err(|e| Error::device(what, e))?;
+        let event = dst
+            .copy_from_device(0, src, 0..src.len(), gpu.compute_stream())
+            .map_err(|e| Error::device(what, e))?;
+        event.synchronize().map_err(|e| Error::device(what, e))?;
+        return Ok(Arc::new(Bytes::Device(dst)));
+    }
+    let host = bytes.to_host()?;
+    Ok(Arc::new(upload(what, &host, device, devices, pool)?))
+}
+
+/// The inputs or outputs of a module's forward: positional tensors and
+/// named ones (the `**kwargs` that `skip_keys` applies to).
+#[derive(Debug, Default)]
+pub struct Activations {
+    /// Positional tensors.
+    pub args: Vec<Tensor>,
+    /// Named tensors, in order.
+    pub kwargs: Vec<(String, Tensor)>,
+}
+
+impl Activations {
+    /// Positional tensors only.
+    pub fn new(args: Vec<Tensor>) -> Self {
+        Activations {
+            args,
+            kwargs: Vec::new(),
+        }
+    }
+
+    /// Adds a named tensor.
+    pub fn with_kwarg(mut self, name: impl Into<String>, t: Tensor) -> Self {
+        self.kwargs.push((name.into(), t));
+        self
+    }
+
+    /// Accelerate's `find_device`: the device of the first tensor that has
+    /// bytes, positional first.
+    pub fn device(&self) -> Option<Device> {
+        self.args
+            .iter()
+            .chain(self.kwargs.iter().map(|(_, t)| t))
+            .find_map(|t| t.storage.device())
+    }
+
+    /// Moves every tensor to `device`, except named tensors whose name is
+    /// in `skip_keys` (Accelerate's `send_to_device(..., skip_keys)`).
+    pub fn to_device(
+        self,
+        device: Device,
+        devices: &DeviceSet,
+        skip_keys: &[String],
+    ) -> Result<Activations> {
+        let args = self
+            .args
+            .into_iter()
+            .enumerate()
+            .map(|(i, t)| tensor_to_device(&format!("input {i}"), t, device, devices))
+            .collect::<Result<Vec<_>>>()?;
+        let kwargs = self
+            .kwargs
+            .into_iter()
+            .map(|(k, t)| {
+                if skip_keys.contains(&k) {
+                    Ok((k, t))
+                } else {
+                    let t = tensor_to_device(&format!("input {k:?}"), t, device, devices)?;
+                    Ok((k, t))
+                }
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Activations { args, kwargs })
+    }
+}
+
+/// Moves an activation tensor to `device` (unchanged when already there or
+/// without bytes).
+pub fn tensor_to_device(
+    what: &str,
+    t: Tensor,
+    device: Device,
+    devices: &DeviceSet,
+) -> Result<Tensor> {
+    match t.storage.device() {
+        None => return Ok(t),
+        Some(d) if d == device => return Ok(t),
+        Some(_) => {}
+    }
+    let bytes = match t.storage {
+        Storage::Host(b) => Bytes::Host(b),
+        Storage::Mmap(v) => Bytes::Mmap(v),
+        Storage::Device(d) => Bytes::Device(d),
+        Storage::Meta => return Ok(Tensor::meta(t.meta)),
+    };
+    let moved = move_bytes(what, &Arc::new(bytes), device, devices, None)?;
+    let moved = Arc::try_unwrap(moved)
+        .map_err(|_| Error::BadOption(format!("{what}: moved bytes are unexpectedly shared")))?;
+    let storage = match moved {
+        Bytes::Host(b) => Storage::Host(b),
+        Bytes::Mmap(v) => Storage::Mmap(v),
+        Bytes::Device(d) => Storage::Device(d),
+        Bytes::Pinned(p) => Storage::Host(
+            HostBuffer::from_bytes(p.as_slice().map_err(|e| Error::device(what, e))?)
+                .map_err(|e| Error::tensor(what, e))?,
+        ),
+    };
+    Tensor::new(t.meta, storage).map_err(|e| Error::tensor(what, e))
+}

@@ -1,0 +1,459 @@
+//! `load_checkpoint_in_model`: every tensor read once, cast before it
+//! moves, and written straight to its place.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use bm_device::{Device, DeviceSet};
+use bm_plan::{DeviceMap, ModuleTree, Node, TensorKind};
+use bm_shard::offload::{OffloadEntry, dat_path, save_index};
+use bm_shard::{Checkpoint, cast_target};
+use bm_tensor::{DType, HostBuffer, MmapView, TensorMeta, cast_into};
+
+use crate::bytes::Bytes;
+use crate::model::{Model, SlotState, Tier};
+use crate::{Error, Result};
+
+/// Bytes cast or copied at a time on the way to a GPU or the offload
+/// folder: the bound on host staging memory while loading.
+pub const STAGING_BYTES: usize = 8 << 20;
+
+/// Options of [`load_checkpoint_in_model`] (Accelerate's keyword arguments).
+#[derive(Clone, Debug, Default)]
+pub struct LoadOptions {
+    /// Float tensors are loaded in this dtype (integers and bool never are).
+    /// `None` loads each tensor in the dtype the model declares.
+    pub dtype: Option<DType>,
+    /// Where disk-mapped tensors that must be rewritten go (Accelerate's
+    /// offload-folder format).
+    pub offload_folder: Option<PathBuf>,
+    /// Buffers of offloaded modules are offloaded too.
+    pub offload_buffers: bool,
+    /// Accepted for compatibility: loading never holds more than one
+    /// staging window besides the CPU-resident part, so there is nothing to
+    /// spill.
+    pub offload_state_dict: bool,
+    /// Modules (dotted names) kept in F32 when `dtype` is a half type.
+    pub keep_in_fp32_modules: Vec<String>,
+    /// Missing or unexpected keys are errors.
+    pub strict: bool,
+}
+
+/// What a load did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LoadReport {
+    /// State-dict tensors the checkpoint lacks (left on meta).
+    pub missing: Vec<String>,
+    /// Checkpoint tensors the model lacks (skipped).
+    pub unexpected: Vec<String>,
+    /// Tensors written to the offload folder (cast, so rewritten).
+    pub written_to_folder: Vec<String>,
+    /// Disk-mapped tensors served from the checkpoint file itself.
+    pub mapped_in_place: Vec<String>,
+}
+
+/// Where a tensor ends up under a device map.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Target {
+    Resident(Device),
+    Offloaded(Tier),
+}
+
+/// Accelerate's main device: the first GPU of the map (the lowest ordinal
+/// here, where Accelerate takes a set's first element), else the CPU.
+pub(crate) fn main_device(map: &DeviceMap) -> Device {
+    map.iter()
+        .filter_map(|(_, d)| match d {
+            bm_plan::Device::Gpu(i) => Some(i as usize),
+            _ => None,
+        })
+        .min()
+        .map_or(Device::Cpu, Device::Gpu)
+}
+
+/// Where tensor `t` goes: GPU entries stay resident; CPU entries are
+/// resident when the CPU computes, offloaded when a GPU does; disk entries
+/// are offloaded. Buffers of offloaded modules stay resident on the main
+/// device unless `offload_buffers` (non-persistent ones always do).
+pub(crate) fn target_of(
+    tree: &ModuleTree,
+    t: usize,
+    map: &DeviceMap,
+    main: Device,
+    offload_buffers: bool,
+) -> Target {
+    let tensor = tree.tensor(t);
+    let mapped = map.device_of(&tensor.name).unwrap_or(bm_plan::Device::Cpu);
+    let offloaded = match mapped {
+        bm_plan::Device::Gpu(i) => return Target::Resident(Device::Gpu(i as usize)),
+        bm_plan::Device::Cpu if main == Device::Cpu => return Target::Resident(Device::Cpu),
+        bm_plan::Device::Cpu => Tier::Cpu,
+        bm_plan::Device::Disk => Tier::Disk,
+    };
+    match tensor.kind {
+        TensorKind::Buffer { persistent: false } => Target::Resident(main),
+        TensorKind::Buffer { .. } if !offload_buffers => Target::Resident(main),
+        _ => Target::Offloaded(offloaded),
+    }
+}
+
+/// Checks a device map against the model and the devices: every tensor
+/// covered (Accelerate's message), every key a module or tensor, every GPU
+/// present.
+pub(crate) fn validate_map(tree: &ModuleTree, map: &DeviceMap, devices: &DeviceSet) -> Result<()> {
+    for (name, device) in map.iter() {
+        if tree.find(name).is_none() {
+            return Err(Error::BadOption(format!(
+                "The device_map key {name:?} does not match any module or tensor of the model"
+            )));
+        }
+        if let bm_plan::Device::Gpu(i) = device {
+            if i as usize >= devices.gpu_count() {
+                return Err(Error::NoSuchDevice {
+                    what: format!("device_map entry {name:?}"),
+                    device: Device::Gpu(i as usize),
+                });
+            }
+        }
+    }
+    bm_plan::check_device_map(tree, map)?;
+    Ok(())
+}
+
+/// The modules the map sends to disk.
+pub(crate) fn disk_modules(map: &DeviceMap) -> Vec<String> {
+    map.iter()
+        .filter(|(_, d)| *d == bm_plan::Device::Disk)
+        .map(|(n, _)| n.to_string())
+        .collect()
+}
+
+/// The dtype tensor `name` (declared `declared`, stored `stored`) is loaded in.
+fn load_dtype(name: &str, declared: DType, stored: DType, options: &LoadOptions) -> DType {
+    let Some(requested) = options.dtype else {
+        return cast_target(stored, declared);
+    };
+    let half = matches!(requested, DType::F16 | DType::BF16);
+    let keep = half
+        && stored.is_float()
+        && options.keep_in_fp32_modules.iter().any(|k| {
+            name == k || name.starts_with(&format!("{k}.")) || name.contains(&format!(".{k}."))
+        });
+    cast_target(stored, if keep { DType::F32 } else { requested })
+}
+
+/// Accelerate's `load_checkpoint_in_model`. Without a map everything goes
+/// to the CPU. Each storage is read once (tied names share it), converted
+/// to its dtype before it moves and written straight to its place:
+///
+/// * a GPU: through the pinned staging pool, [`STAGING_BYTES`] at a time;
+/// * the CPU, computing there: a zero-copy view of the checkpoint when the
+///   dtype matches, else a cast copy;
+/// * the CPU, offloaded for a GPU: page-locked memory, cast in place;
+/// * disk: the checkpoint itself when the dtype matches (indexed in the
+///   offload folder with transformers' `safetensors_file` entries), else a
+///   `.dat` file of the folder written [`STAGING_BYTES`] at a time.
+///
+/// Buffers of disk-mapped modules get their checkpoint values. On any error
+/// nothing is committed: device memory taken so far is released and no
+/// offload index is written.
+pub fn load_checkpoint_in_model(
+    model: &Model,
+    checkpoint: &Checkpoint,
+    device_map: Option<&DeviceMap>,
+    options: &LoadOptions,
+) -> Result<LoadReport> {
+    let tree = model.tree();
+    let devices = Arc::clone(model.devices());
+    let default_map = DeviceMap::from_entries(vec![(String::new(), bm_plan::Device::Cpu)]);
+    let map = device_map.unwrap_or(&default_map);
+    validate_map(tree, map, &devices)?;
+    let disk = disk_modules(map);
+    if !disk.is_empty() && options.offload_folder.is_none() {
+        return Err(Error::NoOffloadFolder { modules: disk });
+    }
+    let main = main_device(map);
+
+    let mut report = LoadReport::default();
+    for (name, _) in checkpoint.tensors() {
+        if !matches!(tree.find(name), Some(Node::Tensor(_))) {
+            report.unexpected.push(name.to_string());
+        }
+    }
+    for t in tree.state_dict() {
+        let name = &tree.tensor(t).name;
+        let group_present = match tree.tensor(t).tie_group {
+            Some(g) => tree.tied_groups()[g]
+                .iter()
+                .any(|&o| checkpoint.meta(&tree.tensor(o).name).is_some()),
+            None => checkpoint.meta(name).is_some(),
+        };
+        if !group_present {
+            report.missing.push(name.clone());
+        }
+    }
+    if options.strict && (!report.missing.is_empty() || !report.unexpected.is_empty()) {
+        return Err(Error::KeysMismatch {
+            checkpoint: checkpoint.path().to_path_buf(),
+            missing: report.missing,
+            unexpected: report.unexpected,
+        });
+    }
+
+    // One representative tensor per storage: the first name of a tied
+    // group present in the checkpoint (else its first name).
+    let slot_count = model.slot_count();
+    let mut rep: Vec<Option<usize>> = vec![None; slot_count];
+    for (t, tensor) in tree.tensors().iter().enumerate() {
+        let s = model.shared.slot_of[t];
+        let better = match rep[s] {
+            None => true,
+            Some(r) => {
+                checkpoint.meta(&tree.tensor(r).name).is_none()
+                    && checkpoint.meta(&tensor.name).is_some()
+            }
+        };
+        if better {
+            rep[s] = Some(t);
+        }
+    }
+
+    let mut staged: Vec<(usize, TensorMeta, SlotState)> = Vec::new();
+    let mut index: Vec<(String, OffloadEntry)> = Vec::new();
+    for (s, r) in rep.iter().enumerate() {
+        let Some(t) = *r else { continue };
+        let tensor = tree.tensor(t);
+        let target = target_of(tree, t, map, main, options.offload_buffers);
+        let Some(stored) = checkpoint.meta(&tensor.name) else {
+            if tensor.kind == (TensorKind::Buffer { persistent: false }) {
+                let state = zeroed(&tensor.name, &tensor.meta, target, &devices)?;
+                staged.push((s, tensor.meta.clone(), state));
+            }
+            continue;
+        };
+        if stored.shape != tensor.meta.shape {
+            return Err(Error::ShapeMismatch {
+                name: tensor.name.clone(),
+                found: stored.shape.clone(),
+                expected: tensor.meta.shape.clone(),
+            });
+        }
+        let dtype = load_dtype(&tensor.name, tensor.meta.dtype, stored.dtype, options);
+        let meta = TensorMeta::new(dtype, stored.shape.clone());
+        let view = checkpoint.view(&tensor.name)?;
+        let state = match target {
+            Target::Resident(Device::Cpu) => {
+                let bytes = if dtype == stored.dtype {
+                    Bytes::Mmap(view)
+                } else {
+                    Bytes::Host(checkpoint.read_as(&tensor.name, dtype)?)
+                };
+                SlotState::Resident(Arc::new(bytes))
+            }
+            Target::Resident(device) => SlotState::Resident(Arc::new(to_gpu(
+                &tensor.name,
+                &view,
+                stored.dtype,
+                &meta,
+                device,
+                model,
+            )?)),
+            Target::Offloaded(Tier::Cpu) => {
+                let mut pinned = devices
+                    .alloc_pinned(meta.byte_len().max(1))
+                    .map_err(|e| Error::device(&tensor.name, e))?;
+                let dst = pinned
+                    .as_mut_slice()
+                    .map_err(|e| Error::device(&tensor.name, e))?;
+                cast_chunks(
+                    &tensor.name,
+                    view.as_bytes(),
+                    stored.dtype,
+                    dtype,
+                    |off, c| {
+                        dst[off..off + c.len()].copy_from_slice(c);
+                        Ok(())
+                    },
+                )?;
+                SlotState::Offloaded {
+                    bytes: Arc::new(Bytes::Pinned(pinned)),
+                    tier: Tier::Cpu,
+                }
+            }
+            Target::Offloaded(Tier::Disk) => {
+                let folder =
+                    options
+                        .offload_folder
+                        .as_deref()
+                        .ok_or_else(|| Error::NoOffloadFolder {
+                            modules: disk.clone(),
+                        })?;
+                let bytes = if dtype == stored.dtype {
+                    let file = checkpoint
+                        .file_of(&tensor.name)
+                        .map(|p| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf()))
+                        .unwrap_or_default();
+                    index.push((
+                        tensor.name.clone(),
+                        OffloadEntry::Safetensors {
+                            file,
+                            weight_name: tensor.name.clone(),
+                            dtype: None,
+                        },
+                    ));
+                    report.mapped_in_place.push(tensor.name.clone());
+                    Bytes::Mmap(view)
+                } else {
+                    let path = write_dat(folder, &tensor.name, &view, stored.dtype, dtype)?;
+                    index.push((tensor.name.clone(), OffloadEntry::Dat(meta.clone())));
+                    report.written_to_folder.push(tensor.name.clone());
+                    Bytes::Mmap(MmapView::open(&path).map_err(|e| Error::tensor(&tensor.name, e))?)
+                };
+                SlotState::Offloaded {
+                    bytes: Arc::new(bytes),
+                    tier: Tier::Disk,
+                }
+            }
+        };
+        staged.push((s, meta, state));
+    }
+    if let Some(folder) = &options.offload_folder {
+        save_index(folder, &index)?;
+    }
+    let mut slots = model.shared.slots.write();
+    for (s, meta, state) in staged {
+        slots[s].meta = meta;
+        slots[s].state = state;
+    }
+    Ok(report)
+}
+
+/// Zeroed storage for a tensor the checkpoint does not hold (a
+/// non-persistent buffer).
+fn zeroed(name: &str, meta: &TensorMeta, target: Target, devices: &DeviceSet) -> Result<SlotState> {
+    let len = meta.byte_len();
+    let host = || -> Result<Arc<Bytes>> {
+        Ok(Arc::new(Bytes::Host(
+            HostBuffer::zeroed(len).map_err(|e| Error::tensor(name, e))?,
+        )))
+    };
+    Ok(match target {
+        Target::Resident(Device::Gpu(i)) => {
+            let gpu = devices.gpu(i).map_err(|_| Error::NoSuchDevice {
+                what: name.to_string(),
+                device: Device::Gpu(i),
+            })?;
+            SlotState::Resident(Arc::new(Bytes::Device(
+                gpu.alloc_zeroed(len.max(1))
+                    .map_err(|e| Error::device(name, e))?,
+            )))
+        }
+        Target::Resident(Device::Cpu) => SlotState::Resident(host()?),
+        Target::Offloaded(tier) => SlotState::Offloaded {
+            bytes: host()?,
+            tier,
+        },
+    })
+}
+
+/// Runs `sink(offset, bytes)` over `src` converted from `from` to `to`,
+/// [`STAGING_BYTES`] at a time (borrowing `src` when no cast is needed).
+fn cast_chunks(
+    name: &str,
+    src: &[u8],
+    from: DType,
+    to: DType,
+    mut sink: impl FnMut(usize, &[u8]) -> Result<()>,
+) -> Result<()> {
+    let (src_elem, dst_elem) = (from.size_in_bytes(), to.size_in_bytes());
+    let elems = (STAGING_BYTES / src_elem.max(dst_elem)).max(1);
+    let mut staging = Vec::new();
+    let mut offset = 0;
+    for chunk in src.chunks(elems * src_elem) {
+        if from == to {
+            sink(offset, chunk)?;
+            offset += chunk.len();
+            continue;
+        }
+        let n = chunk.len() / src_elem * dst_elem;
+        staging.resize(n, 0u8);
+        cast_into(chunk, from, &mut staging, to).map_err(|e| Error::tensor(name, e))?;
+        sink(offset, &staging)?;
+        offset += n;
+    }
+    Ok(())
+}
+
+/// Allocates `meta` on a GPU and fills it through the pinned pool.
+fn to_gpu(
+    name: &str,
+    view: &MmapView,
+    stored: DType,
+    meta: &TensorMeta,
+    device: Device,
+    model: &Model,
+) -> Result<Bytes> {
+    let devices = model.devices();
+    let Device::Gpu(i) = device else {
+        return Err(Error::BadOption(format!("{name}: not a GPU target")));
+    };
+    let gpu = devices.gpu(i).map_err(|_| Error::NoSuchDevice {
+        what: name.to_string(),
+        device,
+    })?;
+    let mut buf = gpu
+        .alloc(meta.byte_len().max(1))
+        .map_err(|e| Error::device(format!("{name} on GPU {i}"), e))?;
+    let mut last = None;
+    cast_chunks(name, view.as_bytes(), stored, meta.dtype, |off, chunk| {
+        let event = match model.shared.pool.as_ref() {
+            Some(pool) => buf
+                .upload(off, chunk, pool, gpu.copy_stream())
+                .map_err(|e| Error::device(name, e))?,
+            None => {
+                buf.copy_from_host(off, chunk)
+                    .map_err(|e| Error::device(name, e))?;
+                return Ok(());
+            }
+        };
+        last = Some(event);
+        Ok(())
+    })?;
+    if let Some(e) = last {
+        gpu.compute_stream()
+            .wait(&e)
+            .map_err(|e| Error::device(name, e))?;
+    }
+    Ok(Bytes::Device(buf))
+}
+
+/// Writes `name` converted to `to` as `<folder>/<name>.dat`, through a
+/// temporary file renamed into place, [`STAGING_BYTES`] at a time.
+pub(crate) fn write_dat(
+    folder: &Path,
+    name: &str,
+    src: &MmapView,
+    from: DType,
+    to: DType,
+) -> Result<PathBuf> {
+    let path = dat_path(folder, name)?;
+    let io = |p: &Path, e| Error::Io {
+        path: p.to_path_buf(),
+        source: e,
+    };
+    std::fs::create_dir_all(folder).map_err(|e| io(folder, e))?;
+    let tmp = folder.join(format!(".{name}.dat.tmp"));
+    let result = (|| {
+        let mut file = std::fs::File::create(&tmp).map_err(|e| io(&tmp, e))?;
+        cast_chunks(name, src.as_bytes(), from, to, |_, chunk| {
+            file.write_all(chunk).map_err(|e| io(&tmp, e))
+        })?;
+        file.sync_all().map_err(|e| io(&tmp, e))?;
+        std::fs::rename(&tmp, &path).map_err(|e| io(&path, e))
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result.map(|()| path)
+}
