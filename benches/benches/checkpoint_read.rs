@@ -1,0 +1,130 @@
+//! Checkpoint reading speed.
+//!
+//! * `inspect/open_sparse_64GiB`: `Checkpoint::open` of a sparse 64 GiB file
+//!   with 2048 tensors: the cost of reading headers only.
+//! * `read_to_host/*`: every tensor of a checkpoint (1 GiB by default, warm
+//!   page cache) read into fresh aligned host buffers, next to a plain memcpy
+//!   of the same bytes from memory into buffers of the same sizes. Compare
+//!   the two GB/s figures of one run; the `_reused` pair does the same into
+//!   buffers allocated once (the copy alone). Set `BM_BENCH_CKPT_MIB` to change the
+//!   size (e.g. 128 for a quick run).
+
+use std::io::Write;
+use std::path::Path;
+
+use bigmodel::shard::Checkpoint;
+use bigmodel::tensor::{DType, HostBuffer};
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+
+const GIB: u64 = 1 << 30;
+
+/// Writes a safetensors file of `count` F32 tensors of `bytes_each` bytes,
+/// either sparse (nothing but the header) or filled with a byte pattern.
+fn write_checkpoint(path: &Path, count: u64, bytes_each: u64, sparse: bool) {
+    let entries: Vec<String> = (0..count)
+        .map(|i| {
+            format!(
+                r#""model.layers.{i}.weight":{{"dtype":"F32","shape":[{}],"data_offsets":[{},{}]}}"#,
+                bytes_each / 4,
+                i * bytes_each,
+                (i + 1) * bytes_each
+            )
+        })
+        .collect();
+    let mut json = format!("{{{}}}", entries.join(","));
+    while json.len() % 8 != 0 {
+        json.push(' ');
+    }
+    let mut f = std::io::BufWriter::new(std::fs::File::create(path).unwrap());
+    f.write_all(&(json.len() as u64).to_le_bytes()).unwrap();
+    f.write_all(json.as_bytes()).unwrap();
+    if sparse {
+        let f = f.into_inner().unwrap();
+        f.set_len(8 + json.len() as u64 + count * bytes_each)
+            .unwrap();
+    } else {
+        let chunk: Vec<u8> = (0..1 << 20).map(|i| (i % 251) as u8).collect();
+        let mut left = count * bytes_each;
+        while left > 0 {
+            let n = left.min(chunk.len() as u64) as usize;
+            f.write_all(&chunk[..n]).unwrap();
+            left -= n as u64;
+        }
+        f.flush().unwrap();
+    }
+}
+
+fn inspect(c: &mut Criterion) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sparse.safetensors");
+    write_checkpoint(&path, 2048, 32 * GIB / 1024, true);
+    c.bench_function("inspect/open_sparse_64GiB_2048_tensors", |b| {
+        b.iter(|| {
+            let ckpt = Checkpoint::open(&path).unwrap();
+            assert_eq!(ckpt.len(), 2048);
+            ckpt
+        })
+    });
+}
+
+fn read_to_host(c: &mut Criterion) {
+    let mib: u64 = std::env::var("BM_BENCH_CKPT_MIB")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1024);
+    let count = 64;
+    let bytes_each = (mib << 20) / count / 4 * 4;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("model.safetensors");
+    write_checkpoint(&path, count, bytes_each, false);
+    let ckpt = Checkpoint::open(&path).unwrap();
+    let names: Vec<String> = ckpt.tensors().map(|(n, _)| n.to_string()).collect();
+    // The same bytes already in memory, for the memcpy baseline.
+    let source: Vec<u8> = std::fs::read(&path).unwrap();
+    let data_start = source.len() - (count * bytes_each) as usize;
+
+    let mut group = c.benchmark_group("read_to_host");
+    group.sample_size(10);
+    group.throughput(Throughput::Bytes(count * bytes_each));
+    group.bench_function(format!("checkpoint_read_as_{mib}MiB"), |b| {
+        b.iter(|| {
+            names
+                .iter()
+                .map(|n| ckpt.read_as(n, DType::F32).unwrap())
+                .collect::<Vec<HostBuffer>>()
+        })
+    });
+    group.bench_function(format!("memcpy_{mib}MiB"), |b| {
+        b.iter(|| {
+            source[data_start..]
+                .chunks(bytes_each as usize)
+                .map(|chunk| HostBuffer::from_bytes(chunk).unwrap())
+                .collect::<Vec<HostBuffer>>()
+        })
+    });
+    // Into buffers allocated once: the copy alone, without page faults of
+    // fresh allocations.
+    let mut reused: Vec<HostBuffer> = names
+        .iter()
+        .map(|_| HostBuffer::zeroed(bytes_each as usize).unwrap())
+        .collect();
+    group.bench_function(format!("checkpoint_read_into_reused_{mib}MiB"), |b| {
+        b.iter(|| {
+            for (n, buf) in names.iter().zip(&mut reused) {
+                ckpt.read_into(n, buf.as_mut_bytes()).unwrap();
+            }
+        })
+    });
+    group.bench_function(format!("memcpy_reused_{mib}MiB"), |b| {
+        b.iter(|| {
+            let chunks = source[data_start..].chunks(bytes_each as usize);
+            for (chunk, buf) in chunks.zip(&mut reused) {
+                buf.as_mut_bytes().copy_from_slice(chunk);
+            }
+        })
+    });
+    group.finish();
+}
+
+criterion_group!(benches, inspect, read_to_host);
+criterion_main!(benches);
