@@ -13,6 +13,11 @@ to exercise index.json loading) and writes `reference.safetensors` beside it:
 * tiny-llama only: `tokenizer.json` (byte-level BPE, 256 tokens),
   `text_prompt` (its ids for TEXT_PROMPT) and `text_generated`
 
+It also makes `tiny-bert`: a random BertForSequenceClassification (so its
+weights carry the `bert.` prefix) with a WordPiece tokenizer.json, and a
+`reference.safetensors` holding `ids.N` (the tokenizer's ids for SENTENCES),
+`hidden.N` (last hidden state) and `embedding.N` (mean-pooled, L2-normalised).
+
 Usage: /work/pyenv/bin/python tools/make_tiny_llama.py [OUT_DIR]
 (default crates/bm-models/tests/fixtures). Deterministic: seeded.
 """
@@ -95,6 +100,42 @@ def byte_tokenizer():
     return tok
 
 
+SENTENCES = ["hello world", "the big model runs on the small machine", "unknown zebra"]
+
+
+def tiny_bert(out):
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from transformers import BertConfig, BertForSequenceClassification
+
+    words = ("[PAD] [UNK] [CLS] [SEP] [MASK] the a big small model machine runs on hello "
+             "world ##s ##ing run un ##known").split()
+    vocab = {w: i for i, w in enumerate(words)}
+    tok = Tokenizer(models.WordPiece(vocab=vocab, unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    tok.decoder = decoders.WordPiece()
+    model = BertForSequenceClassification(BertConfig(
+        vocab_size=len(words), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=16, type_vocab_size=2))
+    randomise(model)
+    model.eval()
+    folder = out / "tiny-bert"
+    model.save_pretrained(folder, safe_serialization=True)
+    tok.save(str(folder / "tokenizer.json"))
+    ref = {}
+    for i, sentence in enumerate(SENTENCES):
+        ids = tok.encode(sentence).ids
+        with torch.no_grad():
+            hidden = model.bert(torch.tensor([ids])).last_hidden_state[0]
+        ref[f"ids.{i}"] = torch.tensor(ids)
+        ref[f"hidden.{i}"] = hidden.contiguous()
+        ref[f"embedding.{i}"] = torch.nn.functional.normalize(hidden.mean(0), dim=0)
+    save_file(ref, folder / "reference.safetensors")
+    print(f"wrote {folder}")
+
+
 def main():
     out = Path(sys.argv[1] if len(sys.argv) > 1 else "crates/bm-models/tests/fixtures")
     torch.manual_seed(0)
@@ -125,6 +166,7 @@ def main():
             ref["text_generated"] = greedy(model, torch.tensor([ids]))
         save_file(ref, folder / "reference.safetensors")
         print(f"wrote {folder}")
+    tiny_bert(out)
 
 
 if __name__ == "__main__":
