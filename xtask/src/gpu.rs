@@ -53,13 +53,17 @@ fn executables(cmd: &mut Command) -> Result<Vec<Artifact>, String> {
             continue;
         };
         let target = msg["target"]["name"].as_str().unwrap_or("unknown");
-        // package_id looks like "path+file:///…/crates/bm-device#0.1.0".
-        let package = msg["package_id"]
+        // package_id looks like "path+file:///…/crates/bm-device#0.1.0", or
+        // "path+file:///…/benches#bigmodel-benches@0.1.0" when the folder
+        // and package names differ.
+        let tail = msg["package_id"]
             .as_str()
             .and_then(|id| id.rsplit('/').next())
-            .and_then(|tail| tail.split(['#', '@']).next())
-            .unwrap_or("unknown");
-        let name = if package == target {
+            .unwrap_or("");
+        let (folder, fragment) = tail.split_once('#').unwrap_or((tail, ""));
+        let package = fragment.split_once('@').map_or(folder, |(name, _)| name);
+        // The bench crate's targets keep their own names (h2d, …).
+        let name = if package == target || package == "bigmodel-benches" {
             target.to_string()
         } else {
             format!("{package}-{target}")
@@ -110,8 +114,7 @@ pub fn bundle(root: &Path) -> Result<PathBuf, String> {
         "gpu",
     ]))?;
     let benches = executables(base("bench").args([
-        "-p",
-        "bigmodel-benches",
+        "--workspace",
         "--benches",
         "--features",
         CUDA_FEATURES,
