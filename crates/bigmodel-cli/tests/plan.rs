@@ -147,3 +147,63 @@ fn bad_input_is_a_clear_error() {
     ]);
     assert!(ok && stderr.contains("NoSuchBlock"), "{stderr}");
 }
+
+/// A minimal safetensors file: F32 tensors of the given shapes, zero-filled.
+fn write_safetensors(path: &std::path::Path, tensors: &[(&str, &[usize])]) {
+    let mut header = serde_json::Map::new();
+    let mut offset = 0usize;
+    for (name, shape) in tensors {
+        let bytes = shape.iter().product::<usize>() * 4;
+        header.insert(
+            name.to_string(),
+            serde_json::json!({"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + bytes]}),
+        );
+        offset += bytes;
+    }
+    let mut text = serde_json::Value::Object(header).to_string();
+    while text.len() % 8 != 0 {
+        text.push(' ');
+    }
+    let mut file = (text.len() as u64).to_le_bytes().to_vec();
+    file.extend_from_slice(text.as_bytes());
+    file.resize(file.len() + offset, 0);
+    std::fs::write(path, file).unwrap();
+}
+
+#[test]
+fn plans_a_checkpoint_from_its_headers() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("model.safetensors");
+    write_safetensors(
+        &path,
+        &[
+            ("emb.weight", &[100, 10]),
+            ("layers.0.w", &[10, 10]),
+            ("layers.1.w", &[10, 10]),
+            ("head.weight", &[100, 10]),
+        ],
+    );
+    let run = |budget: &str| {
+        let (ok, stdout, stderr) = plan(&[
+            path.to_str().unwrap(),
+            "--max-memory",
+            budget,
+            "--no-split",
+            "Layer",
+            "--json",
+        ]);
+        assert!(ok, "{stderr}");
+        serde_json::from_str::<serde_json::Value>(&stdout).unwrap()
+    };
+    // 8800 bytes fit on GPU 0 and nothing is offloaded, so nothing is reserved.
+    let doc = run("0=9000,cpu=1MB");
+    assert_eq!(doc["device_map"], serde_json::json!({"": 0}));
+    assert_eq!(doc["device_bytes"]["0"], 8800);
+    // With less room the 4000-byte units go to RAM; GPU 0 keeps 4000 bytes
+    // to stream them and still holds the layers.
+    let doc = run("0=6000,cpu=1MB");
+    assert_eq!(
+        doc["device_map"],
+        serde_json::json!({"emb": "cpu", "layers": 0, "head": "cpu"})
+    );
+}
