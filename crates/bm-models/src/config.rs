@@ -25,7 +25,7 @@ impl ConfigFile {
                 path,
             });
         }
-        let json = crate::weights::read_json(&path)?;
+        let json = read_json(&path)?;
         Ok(ConfigFile { path, json })
     }
 
@@ -97,4 +97,16 @@ impl ConfigFile {
             Some(v) => v.as_u64().map(|n| vec![n as u32]).ok_or_else(|| bad(v)),
         }
     }
+}
+
+/// Reads and parses a JSON file.
+pub(crate) fn read_json(path: &Path) -> Result<Value, Error> {
+    let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    serde_json::from_str(&text).map_err(|e| Error::Json {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    })
 }

@@ -307,7 +307,7 @@ fn max_seq_length(dir: &Path) -> Result<Option<usize>, Error> {
     if !path.is_file() {
         return Ok(None);
     }
-    let c = ConfigFile::from_value(path.clone(), crate::weights::read_json(&path)?);
+    let c = ConfigFile::from_value(path.clone(), crate::config::read_json(&path)?);
     c.opt_usize("max_seq_length")
 }
 
@@ -317,7 +317,7 @@ fn check_mean_pooling(dir: &Path) -> Result<(), Error> {
     if !path.is_file() {
         return Ok(());
     }
-    let c = ConfigFile::from_value(path.clone(), crate::weights::read_json(&path)?);
+    let c = ConfigFile::from_value(path.clone(), crate::config::read_json(&path)?);
     if c.bool_or("pooling_mode_mean_tokens", false)? {
         Ok(())
     } else {

@@ -86,13 +86,6 @@ pub enum Error {
         /// `max_position_embeddings`.
         max: usize,
     },
-    /// A safetensors file that does not parse.
-    Checkpoint {
-        /// The file.
-        path: PathBuf,
-        /// What is wrong.
-        message: String,
-    },
     /// The tokenizer failed to load or to encode/decode.
     Tokenizer {
         /// The tokenizer.json file.
@@ -107,6 +100,8 @@ pub enum Error {
     },
     /// An error from bm-tensor (casts, buffers, mmaps).
     Tensor(bm_tensor::Error),
+    /// An error reading the checkpoint (bm-shard: headers, indexes, shards).
+    Shard(bm_shard::Error),
 }
 
 impl fmt::Display for Error {
@@ -153,7 +148,6 @@ impl fmt::Display for Error {
                 f,
                 "sequence of {len} tokens is longer than the model's {max} positions"
             ),
-            Error::Checkpoint { path, message } => write!(f, "{}: {message}", path.display()),
             Error::Tokenizer { path, message } => {
                 write!(f, "{}: tokenizer: {message}", path.display())
             }
@@ -163,6 +157,7 @@ impl fmt::Display for Error {
                 dir.display()
             ),
             Error::Tensor(e) => e.fmt(f),
+            Error::Shard(e) => e.fmt(f),
         }
     }
 }
@@ -172,6 +167,7 @@ impl std::error::Error for Error {
         match self {
             Error::Io { source, .. } => Some(source),
             Error::Tensor(e) => Some(e),
+            Error::Shard(e) => Some(e),
             _ => None,
         }
     }
@@ -180,5 +176,11 @@ impl std::error::Error for Error {
 impl From<bm_tensor::Error> for Error {
     fn from(e: bm_tensor::Error) -> Self {
         Error::Tensor(e)
+    }
+}
+
+impl From<bm_shard::Error> for Error {
+    fn from(e: bm_shard::Error) -> Self {
+        Error::Shard(e)
     }
 }

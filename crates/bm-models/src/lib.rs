@@ -29,8 +29,9 @@
 //!   [`SentenceEmbedder`] (mean-pooled, L2-normalised embeddings) are the
 //!   "open a folder and run it" API. Text goes through the `tokenizers`
 //!   crate reading `tokenizer.json`.
-//! * [`FolderWeights`] reads a Hugging Face folder's safetensors (single or
-//!   sharded) through mmaps; it is a stand-in for `bm_shard::Checkpoint`.
+//! * [`FolderWeights`] is the simplest source: a Hugging Face folder's
+//!   safetensors (single or sharded) read through `bm_shard::Checkpoint`,
+//!   zero-copy from the mmap when no cast is needed.
 //!
 //! Known limits: batch size 1 (embeddings run text by text, so no padding
 //! is needed); rotary scaling other than none is refused; Qwen2's

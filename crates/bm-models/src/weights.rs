@@ -1,11 +1,12 @@
 //! Where blocks get their weights: the [`WeightSource`] trait, and
-//! [`FolderWeights`], a source reading a Hugging Face folder's safetensors.
+//! [`FolderWeights`], a source reading a Hugging Face folder's safetensors
+//! through `bm_shard::Checkpoint`.
 
-use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
-use bm_tensor::{DType, MmapView, TensorMeta};
+use bm_shard::Checkpoint;
+use bm_tensor::{DType, TensorMeta};
 
 use crate::tensor::{HostBytes, is_compute_dtype};
 use crate::{Error, Tensor};
@@ -36,80 +37,72 @@ pub trait WeightSource: Sync {
     }
 }
 
-/// One tensor's place in a safetensors file.
-#[derive(Debug)]
-struct Entry {
-    meta: TensorMeta,
-    view: MmapView,
-}
-
 /// The safetensors weights of a Hugging Face model folder
 /// (`model.safetensors`, or `model.safetensors.index.json` and its shards),
-/// memory-mapped. Tensors already in the wanted dtype are zero-copy windows
-/// of the mapping; others are cast (PyTorch's rounding) on each fetch.
-///
-/// This reads safetensors headers itself with the `safetensors` crate; it
-/// is the piece to swap for `bm_shard::Checkpoint` once that exists.
+/// read through `bm_shard::Checkpoint`'s mmaps. Tensors already in the
+/// wanted dtype are zero-copy windows of the mapping; others are cast
+/// (PyTorch's rounding) on each fetch.
 #[derive(Debug)]
 pub struct FolderWeights {
-    dir: PathBuf,
+    checkpoint: Checkpoint,
     dtype: Option<DType>,
-    entries: HashMap<String, Entry>,
 }
 
 impl FolderWeights {
     /// Maps the weights of `dir`. With `dtype`, float tensors are returned
     /// in that dtype (as `from_pretrained(torch_dtype=...)` would load them).
     pub fn open(dir: impl AsRef<Path>, dtype: Option<DType>) -> Result<FolderWeights, Error> {
-        let dir = dir.as_ref().to_path_buf();
+        let dir = dir.as_ref();
         if let Some(d) = dtype {
             crate::ops::check_compute_dtype("requested dtype", d)?;
         }
-        let single = dir.join("model.safetensors");
-        let index = dir.join("model.safetensors.index.json");
-        let files = if single.is_file() {
-            vec![single]
-        } else if index.is_file() {
-            shard_files(&index)?
-        } else {
-            return Err(Error::MissingWeights { dir });
-        };
-        let mut entries = HashMap::new();
-        for file in files {
-            read_header(&file, &mut entries)?;
+        if !dir.join("model.safetensors").is_file() && !has_index(dir) {
+            return Err(Error::MissingWeights {
+                dir: dir.to_path_buf(),
+            });
         }
         Ok(FolderWeights {
-            dir,
+            checkpoint: Checkpoint::open(dir)?,
             dtype,
-            entries,
         })
     }
 
-    /// The folder.
-    pub fn dir(&self) -> &Path {
-        &self.dir
+    /// The checkpoint read.
+    pub fn checkpoint(&self) -> &Checkpoint {
+        &self.checkpoint
     }
 
     /// Dtype and shape of `name` as stored, if present.
     pub fn meta(&self, name: &str) -> Option<&TensorMeta> {
-        self.entries.get(name).map(|e| &e.meta)
+        self.checkpoint.meta(name)
     }
 
     /// True when the folder has a tensor called `name`.
     pub fn contains(&self, name: &str) -> bool {
-        self.entries.contains_key(name)
+        self.checkpoint.meta(name).is_some()
     }
+}
+
+/// True when `dir` holds a `*.index.json` (which bm-shard will read).
+fn has_index(dir: &Path) -> bool {
+    std::fs::read_dir(dir).is_ok_and(|entries| {
+        entries
+            .filter_map(Result::ok)
+            .any(|e| e.file_name().to_string_lossy().ends_with(".index.json"))
+    })
 }
 
 impl WeightSource for FolderWeights {
     fn tensor(&self, name: &str) -> Result<Arc<Tensor>, Error> {
-        let entry = self.entries.get(name).ok_or_else(|| Error::MissingTensor {
-            name: name.to_string(),
-        })?;
-        let stored = entry.meta.dtype;
+        let meta = self
+            .checkpoint
+            .meta(name)
+            .ok_or_else(|| Error::MissingTensor {
+                name: name.to_string(),
+            })?;
         let want = match self.dtype {
-            Some(d) if stored.is_float() => d,
-            _ => stored,
+            Some(d) => bm_shard::cast_target(meta.dtype, d),
+            None => meta.dtype,
         };
         if !is_compute_dtype(want) {
             return Err(Error::UnsupportedDType {
@@ -117,85 +110,20 @@ impl WeightSource for FolderWeights {
                 dtype: want,
             });
         }
-        let bytes = if want == stored {
-            HostBytes::Mapped(entry.view.clone())
+        let bytes = if want == meta.dtype {
+            HostBytes::Mapped(self.checkpoint.view(name)?)
         } else {
-            HostBytes::Owned(bm_tensor::cast(entry.view.as_bytes(), stored, want)?)
+            HostBytes::Owned(self.checkpoint.read_as(name, want)?)
         };
-        let meta = TensorMeta::new(want, entry.meta.shape.clone());
+        let meta = TensorMeta::new(want, meta.shape.clone());
         Ok(Arc::new(Tensor::from_host(meta, bytes, name)?))
     }
-}
-
-/// The distinct shard files an index's `weight_map` names, in first-use order.
-fn shard_files(index: &Path) -> Result<Vec<PathBuf>, Error> {
-    let json = read_json(index)?;
-    let map = json
-        .get("weight_map")
-        .and_then(|m| m.as_object())
-        .ok_or_else(|| Error::Json {
-            path: index.to_path_buf(),
-            message: "no \"weight_map\" object".into(),
-        })?;
-    let dir = index.parent().unwrap_or(Path::new("."));
-    let mut files: Vec<PathBuf> = Vec::new();
-    for (name, file) in map {
-        let file = file.as_str().ok_or_else(|| Error::Json {
-            path: index.to_path_buf(),
-            message: format!("weight_map entry {name:?} is not a file name"),
-        })?;
-        let path = dir.join(file);
-        if !files.contains(&path) {
-            files.push(path);
-        }
-    }
-    Ok(files)
-}
-
-/// Reads and parses a JSON file.
-pub(crate) fn read_json(path: &Path) -> Result<serde_json::Value, Error> {
-    let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    serde_json::from_str(&text).map_err(|e| Error::Json {
-        path: path.to_path_buf(),
-        message: e.to_string(),
-    })
-}
-
-/// Maps `file` and records where each of its tensors lies.
-fn read_header(file: &Path, entries: &mut HashMap<String, Entry>) -> Result<(), Error> {
-    let bad = |message: String| Error::Checkpoint {
-        path: file.to_path_buf(),
-        message,
-    };
-    let map = MmapView::open(file)?;
-    let (header_len, metadata) = safetensors::SafeTensors::read_metadata(map.as_bytes())
-        .map_err(|e| bad(format!("invalid safetensors header: {e}")))?;
-    let data_start = 8 + header_len;
-    for (name, info) in metadata.tensors() {
-        let dtype: DType = format!("{:?}", info.dtype)
-            .parse()
-            .map_err(|_| bad(format!("tensor {name}: unknown dtype {:?}", info.dtype)))?;
-        let (start, end) = info.data_offsets;
-        let view = map.slice(data_start + start..data_start + end)?;
-        let meta = TensorMeta::new(dtype, info.shape.clone());
-        if meta.checked_byte_len() != Some(view.len()) {
-            return Err(bad(format!(
-                "tensor {name}: {} bytes for {dtype} {:?}",
-                view.len(),
-                meta.shape
-            )));
-        }
-        entries.insert(name, Entry { meta, view });
-    }
-    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::PathBuf;
 
     fn fixture(name: &str) -> PathBuf {
         Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -242,7 +170,7 @@ mod tests {
         let err = FolderWeights::open(dir.path(), None).unwrap_err();
         assert!(
             err.to_string()
-                .contains("model.safetensors: invalid safetensors header"),
+                .contains("model.safetensors: invalid safetensors file"),
             "{err}"
         );
     }
