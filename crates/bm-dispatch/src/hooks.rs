@@ -132,29 +132,41 @@ impl ModelHook for AlignDevicesHook {
         // Offload: resident weights become the offloaded copy (pinned when a
         // GPU executes them); buffers not offloaded go to the execution device.
         let weights = model.module_slots(module, self.place_submodules, self.offload_buffers);
+        let tied: Vec<usize> = model
+            .tree()
+            .tensors()
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| t.tie_group.is_some())
+            .map(|(i, _)| model.shared.slot_of[i])
+            .collect();
         {
             let mut slots = model.shared.slots.write();
             for s in weights {
                 if let SlotState::Resident(b) = &slots[s].state {
+                    // A tied storage kept on a GPU by another module's entry
+                    // stays there: one copy, on the faster device.
+                    if b.device() != Device::Cpu && tied.contains(&s) {
+                        continue;
+                    }
+                    let what = format!("slot {s}");
                     let bytes = match (exec, b.host()) {
-                        (Device::Gpu(_), Some(host)) if !b.is_mapped() => {
-                            Arc::new(pin(&format!("slot {s}"), host, &model.shared.devices)?)
+                        (Device::Gpu(_), Some(host)) => {
+                            Arc::new(pin(&what, host, &model.shared.devices)?)
                         }
-                        (_, Some(_)) => Arc::clone(b),
+                        (Device::Cpu, Some(_)) => Arc::clone(b),
                         (_, None) => crate::bytes::move_bytes(
-                            &format!("slot {s}"),
+                            &what,
                             b,
                             Device::Cpu,
                             &model.shared.devices,
                             None,
                         )?,
                     };
-                    let tier = if bytes.is_mapped() {
-                        Tier::Disk
-                    } else {
-                        Tier::Cpu
+                    slots[s].state = SlotState::Offloaded {
+                        bytes,
+                        tier: Tier::Cpu,
                     };
-                    slots[s].state = SlotState::Offloaded { bytes, tier };
                 }
             }
         }
