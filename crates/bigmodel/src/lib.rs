@@ -1,9 +1,214 @@
 //! bigmodel: load and run models larger than any one device.
 //!
-//! This facade re-exports the layered crates under short names.
+//! A model too large for the GPU still runs, with the same outputs, as
+//! fast as the links allow. The path is the one Hugging Face Accelerate's
+//! "Big Model Inference" takes, with the same formats and semantics:
+//!
+//! 1. **Describe the model without allocating it.** A
+//!    [`dispatch::ModelBuilder`] records modules (with class names),
+//!    parameters, buffers and tied parameters; a 100-billion-parameter model
+//!    costs a few MB of bookkeeping.
+//! 2. **Plan.** The planner ([`plan`]) turns the tree and the memory of the
+//!    machine into a device map: which module lives on which GPU, in host
+//!    RAM, or on disk.
+//! 3. **Load.** Each tensor of the safetensors checkpoint ([`shard`]) is
+//!    read once, converted to its dtype before it moves, and written
+//!    straight to its place: GPU memory through page-locked staging, host
+//!    RAM (zero-copy from the mapped file when it runs on the CPU), or disk
+//!    (the checkpoint itself when nothing needs converting, Accelerate's
+//!    offload folder otherwise).
+//! 4. **Dispatch.** Hooks around each module move inputs to its execution
+//!    device and bring offloaded weights there for the forward pass,
+//!    prefetching the next block while this one computes.
+//!
+//! [`load_checkpoint_and_dispatch`] does all four from a builder's tree and
+//! a checkpoint path. A framework then runs each block between
+//! [`dispatch::Model::enter`] and [`dispatch::Forward::exit`], reading the
+//! block's weights with [`dispatch::Forward::weight`].
+//!
+//! ```
+//! use std::sync::Arc;
+//! use bigmodel::{DeviceMapSpec, Options, load_checkpoint_and_dispatch};
+//! use bigmodel::dispatch::{Activations, ModelBuilder};
+//! use bigmodel::tensor::DType;
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! // A checkpoint with one 2x2 linear layer, written to a temporary folder.
+//! let dir = std::env::temp_dir().join(format!("bigmodel-doc-{}", std::process::id()));
+//! std::fs::create_dir_all(&dir)?;
+//! let header = r#"{"0.weight":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]}}"#;
+//! let mut file = (header.len() as u64).to_le_bytes().to_vec();
+//! file.extend_from_slice(header.as_bytes());
+//! for v in [1.0f32, 2.0, 3.0, 4.0] {
+//!     file.extend_from_slice(&v.to_le_bytes());
+//! }
+//! std::fs::write(dir.join("model.safetensors"), file)?;
+//!
+//! // The model, described without allocating its weights.
+//! let mut builder = ModelBuilder::new("Sequential");
+//! builder.linear(ModelBuilder::ROOT, "0", 2, 2, false, DType::F32)?;
+//!
+//! // Everything on disk, served from the checkpoint's own mapping.
+//! let options = Options {
+//!     device_map: Some(DeviceMapSpec::Map(bigmodel::plan::DeviceMap::from_json(
+//!         &serde_json::json!({"": "disk"}),
+//!     )?)),
+//!     offload_folder: Some(dir.join("offload")),
+//!     ..Options::default()
+//! };
+//! let devices = Arc::new(bigmodel::device::DeviceSet::cpu_only());
+//! let model = load_checkpoint_and_dispatch(builder.build()?, &dir, devices, &options)?;
+//!
+//! let mut block = model.enter("0", Activations::default())?;
+//! let weight = block.weight("weight")?;
+//! assert_eq!(weight.meta.shape, [2, 2]);
+//! assert!(weight.bytes.is_mapped());
+//! block.exit(Activations::default())?;
+//! # std::fs::remove_dir_all(&dir)?;
+//! # Ok(())
+//! # }
+//! ```
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 pub use bm_device as device;
 pub use bm_dispatch as dispatch;
 pub use bm_plan as plan;
 pub use bm_shard as shard;
 pub use bm_tensor as tensor;
+
+use bm_device::DeviceSet;
+use bm_dispatch::{DispatchOptions, LoadOptions, Model};
+use bm_plan::{Compat, DeviceMap, MaxMemory, Mode, ModuleTree, PlanOptions};
+use bm_tensor::DType;
+
+/// Accelerate's `device_map=` argument: a strategy or an explicit map.
+#[derive(Clone, Debug)]
+pub enum DeviceMapSpec {
+    /// `"auto"`, `"balanced"`, `"balanced_low_0"` or `"sequential"`.
+    Strategy(Mode),
+    /// An explicit map.
+    Map(DeviceMap),
+}
+
+impl DeviceMapSpec {
+    /// Parses a strategy name, with Accelerate's message for others.
+    pub fn parse(text: &str) -> Result<Self, bm_dispatch::Error> {
+        Mode::parse(text).map(DeviceMapSpec::Strategy).ok_or_else(|| {
+            bm_dispatch::Error::BadOption(
+                "If passing a string for `device_map`, please choose 'auto', 'balanced', 'balanced_low_0' or 'sequential'.".into(),
+            )
+        })
+    }
+}
+
+/// The options of [`load_checkpoint_and_dispatch`], as Accelerate names them.
+#[derive(Clone, Debug, Default)]
+pub struct Options {
+    /// Where modules go; `None` loads everything on the CPU without hooks.
+    pub device_map: Option<DeviceMapSpec>,
+    /// Budgets for a strategy; default: what the devices have free, minus
+    /// bm-device's safety margins.
+    pub max_memory: Option<MaxMemory>,
+    /// Classes never split across devices.
+    pub no_split_module_classes: Vec<String>,
+    /// Dtype floats are loaded in.
+    pub dtype: Option<DType>,
+    /// Folder for disk-offloaded weights.
+    pub offload_folder: Option<PathBuf>,
+    /// Buffers of offloaded modules are offloaded too.
+    pub offload_buffers: bool,
+    /// Accepted for compatibility; loading never needs it.
+    pub offload_state_dict: Option<bool>,
+    /// Named inputs hooks leave in place.
+    pub skip_keys: Vec<String>,
+    /// Classes loaded as a whole.
+    pub preload_module_classes: Vec<String>,
+    /// Hooks even on a single-device map.
+    pub force_hooks: bool,
+    /// Missing or unexpected keys are errors.
+    pub strict: bool,
+    /// Modules kept in F32 when `dtype` is a half type.
+    pub keep_in_fp32_modules: Vec<String>,
+    /// Which planner answers a strategy (bigmodel's by default).
+    pub planner: Compat,
+}
+
+/// Accelerate's `load_checkpoint_and_dispatch`: plans (for a strategy),
+/// loads the checkpoint at `checkpoint` (file, index or folder) straight to
+/// each tensor's place, and dispatches the model with its hooks.
+pub fn load_checkpoint_and_dispatch(
+    tree: ModuleTree,
+    checkpoint: impl AsRef<Path>,
+    devices: Arc<DeviceSet>,
+    options: &Options,
+) -> Result<Model, bm_dispatch::Error> {
+    let map = match &options.device_map {
+        None => None,
+        Some(DeviceMapSpec::Map(m)) => Some(m.clone()),
+        Some(DeviceMapSpec::Strategy(mode)) => {
+            let (max_memory, from_user) = match &options.max_memory {
+                Some(m) => (m.clone(), true),
+                None => (default_max_memory(&devices)?, false),
+            };
+            let plan_options = PlanOptions {
+                max_memory,
+                max_memory_from_user: from_user,
+                no_split: options.no_split_module_classes.clone(),
+                dtype: options.dtype,
+                mode: *mode,
+                offload_buffers: options.offload_buffers,
+                ..PlanOptions::default()
+            };
+            Some(bm_plan::plan_with(&tree, &plan_options, options.planner)?.device_map)
+        }
+    };
+    let model = Model::empty(tree, devices)?;
+    let checkpoint = bm_shard::Checkpoint::open(checkpoint)?;
+    let load = LoadOptions {
+        dtype: options.dtype,
+        offload_folder: options.offload_folder.clone(),
+        offload_buffers: options.offload_buffers,
+        offload_state_dict: options.offload_state_dict.unwrap_or(false),
+        keep_in_fp32_modules: options.keep_in_fp32_modules.clone(),
+        strict: options.strict,
+    };
+    bm_dispatch::load_checkpoint_in_model(&model, &checkpoint, map.as_ref(), &load)?;
+    if let Some(map) = map {
+        let dispatch = DispatchOptions {
+            offload_dir: options.offload_folder.clone(),
+            offload_buffers: options.offload_buffers,
+            skip_keys: options.skip_keys.clone(),
+            preload_module_classes: options.preload_module_classes.clone(),
+            force_hooks: options.force_hooks,
+            ..DispatchOptions::default()
+        };
+        bm_dispatch::dispatch_model(&model, &map, &dispatch)?;
+    }
+    Ok(model)
+}
+
+/// Budgets from the devices: every GPU's and the host's, with margins.
+fn default_max_memory(devices: &DeviceSet) -> Result<MaxMemory, bm_dispatch::Error> {
+    let budgets = if devices.is_emulated() {
+        bm_device::Budgets {
+            gpus: devices.gpus().iter().map(|g| g.budget()).collect(),
+            cpu: devices
+                .default_budgets()
+                .map_err(|e| bm_dispatch::Error::BadOption(format!("reading host memory: {e}")))?
+                .cpu,
+        }
+    } else {
+        devices
+            .default_budgets()
+            .map_err(|e| bm_dispatch::Error::BadOption(format!("reading device memory: {e}")))?
+    };
+    let pairs = budgets
+        .gpus
+        .iter()
+        .enumerate()
+        .map(|(i, &b)| (bm_plan::Device::Gpu(i as u32), b))
+        .chain([(bm_plan::Device::Cpu, budgets.cpu)]);
+    Ok(MaxMemory::new(pairs)?)
+}

@@ -1,0 +1,77 @@
+//! The facade plans, loads and dispatches in one call.
+
+use std::sync::Arc;
+
+use bigmodel::device::{Device, DeviceSet};
+use bigmodel::dispatch::{ModelBuilder, Placement, Tier};
+use bigmodel::plan::{MaxMemory, Mode};
+use bigmodel::tensor::DType;
+use bigmodel::{DeviceMapSpec, Options, load_checkpoint_and_dispatch};
+
+#[test]
+fn auto_map_over_an_emulated_gpu_cpu_and_disk() {
+    let dir = tempfile::tempdir().unwrap();
+    let side = 64;
+    let layers = 6;
+    let mut header = serde_json::Map::new();
+    let mut data = Vec::new();
+    let mut b = ModelBuilder::new("Sequential");
+    for i in 0..layers {
+        b.linear(
+            ModelBuilder::ROOT,
+            &i.to_string(),
+            side,
+            side,
+            false,
+            DType::F32,
+        )
+        .unwrap();
+        let start = data.len();
+        data.extend((0..side * side).flat_map(|k| (k as f32).to_le_bytes()));
+        header.insert(
+            format!("{i}.weight"),
+            serde_json::json!({"dtype": "F32", "shape": [side, side], "data_offsets": [start, data.len()]}),
+        );
+    }
+    let text = serde_json::Value::Object(header).to_string();
+    let mut file = (text.len() as u64).to_le_bytes().to_vec();
+    file.extend_from_slice(text.as_bytes());
+    file.extend_from_slice(&data);
+    std::fs::write(dir.path().join("model.safetensors"), file).unwrap();
+
+    let layer = (side * side * 4) as u64;
+    let options = Options {
+        device_map: Some(DeviceMapSpec::Strategy(Mode::Sequential)),
+        max_memory: Some(
+            MaxMemory::new([
+                (bigmodel::plan::Device::Gpu(0), 2 * layer + 1),
+                (bigmodel::plan::Device::Cpu, 2 * layer + 1),
+            ])
+            .unwrap(),
+        ),
+        offload_folder: Some(dir.path().join("offload")),
+        ..Options::default()
+    };
+    let devices = Arc::new(DeviceSet::emulated(&[1 << 20]));
+    let model =
+        load_checkpoint_and_dispatch(b.build().unwrap(), dir.path(), devices, &options).unwrap();
+    let map = model.hf_device_map().unwrap();
+    assert!(
+        map.iter().any(|(_, d)| d == bigmodel::plan::Device::Disk),
+        "{map:?}"
+    );
+    assert_eq!(
+        model.placement("0.weight").unwrap(),
+        Placement::Resident(Device::Gpu(0))
+    );
+    assert_eq!(
+        model.placement("5.weight").unwrap(),
+        Placement::Offloaded(Tier::Disk)
+    );
+
+    let err = DeviceMapSpec::parse("fastest").unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "If passing a string for `device_map`, please choose 'auto', 'balanced', 'balanced_low_0' or 'sequential'."
+    );
+}
