@@ -52,6 +52,19 @@ pub(crate) fn linear(
         }
     }
     let block = block_rows(n, k);
+    if m == 1 {
+        // One token (every decode step): a matrix-vector product is bound by
+        // reading the weight, so stream rows through a dot product instead of
+        // packing them for a GEMM kernel.
+        out.par_chunks_mut(block).enumerate().for_each(|(b, o)| {
+            let j0 = b * block;
+            let w = weight.f32_rows(j0, j0 + o.len());
+            for (o, row) in o.iter_mut().zip(w.chunks_exact(k)) {
+                *o += dot(x, row);
+            }
+        });
+        return;
+    }
     let dst = SharedOut(out.as_mut_ptr());
     (0..n.div_ceil(block)).into_par_iter().for_each(|b| {
         let (j0, j1) = (b * block, ((b + 1) * block).min(n));
@@ -84,6 +97,24 @@ pub(crate) fn linear(
             )
         }
     });
+}
+
+/// Dot product with eight independent partial sums, so it vectorises.
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    let mut acc = [0f32; 8];
+    for (x, y) in ca.zip(cb) {
+        for l in 0..8 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
 }
 
 /// Llama's RMSNorm over rows of `cols`: `w * round(x / rms(x))`, where
