@@ -35,7 +35,10 @@
 //!
 //! Known limits: batch size 1 (embeddings run text by text, so no padding
 //! is needed); rotary scaling other than none is refused; Qwen2's
-//! sliding-window layers are refused, Mistral's window is applied.
+//! sliding-window layers are refused. Mistral's window is applied in the
+//! attention mask (checked against transformers with a window shorter than
+//! the prompt), but the KV cache keeps every position rather than a rolling
+//! window, so memory grows with the sequence.
 
 mod config;
 mod cpu;
