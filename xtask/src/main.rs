@@ -4,6 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 
+mod bench;
 mod gpu;
 mod python;
 
@@ -17,6 +18,12 @@ tasks:
            (release, stripped, cuda feature) into target/gpu-bundle/ with a
            run.sh that runs them all and writes report.md (< 64 MiB in all)
   gpu-test build the bundle and run it here; fails when no GPU is present
+  bench [--quick] [--with-accelerate]
+           run the benchmark suite and write target/bench-report.md and .json:
+           every figure next to its baseline from the same run (memcpy, Python
+           safetensors, Accelerate with --with-accelerate, the H2D ceiling on a
+           GPU); BM_BENCH_PYTHON=/path/to/python reuses an interpreter instead
+           of creating target/bench-venv; `cargo xtask bench --help` for more
   help     this text
 ";
 
@@ -27,6 +34,8 @@ fn main() -> ExitCode {
         "test" => test(),
         "gpu-bundle" => gpu::bundle(&root()).map(|_| ()),
         "gpu-test" => gpu::bundle(&root()).and_then(|dir| gpu::run_bundle(&dir)),
+        "bench" => bench::Options::parse(&args[1..])
+            .and_then(|options| options.map_or(Ok(()), |o| bench::run(&root(), o))),
         "help" | "--help" | "-h" => {
             print!("{HELP}");
             Ok(())

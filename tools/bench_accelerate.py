@@ -1,0 +1,204 @@
+#!/usr/bin/env python3
+"""The Python baseline of `cargo xtask bench`: the same work done with Accelerate,
+transformers and safetensors, timed in this process. Each subcommand prints one
+JSON document on stdout (and nothing else there).
+
+  bench_accelerate.py plan [--million] [--repeats N]
+      Accelerate's infer_auto_device_map on the trees of benches/benches/plan.rs
+      (built by tools/bench_plan_accelerate.py, so the trees stay identical):
+      {"trees": {name: {"seconds": median, "repeats": N}}}
+  bench_accelerate.py inspect FILE [--repeats N]
+      safetensors.safe_open listing every tensor's name, dtype and shape:
+      {"seconds": median, "tensors": n, "total_bytes": b}
+  bench_accelerate.py load MODEL_DIR --device-map MAP.json [--offload-folder D]
+                      --prompt-ids 1,2,3 [--new-tokens N]
+      init_empty_weights + from_config + load_checkpoint_and_dispatch with the
+      given map, then the first forward of the prompt and N-1 cached decode steps:
+      {"load_seconds", "first_forward_seconds", "seconds_per_token" (null when
+      N < 2), "bytes_streamed_per_token", "next_token", "peak_host_bytes",
+      "host_bytes_after_imports", "execution_device", "device_map"}
+
+Run it in a fresh process per measurement: peak_host_bytes is this process's
+peak resident set (VmHWM), as bigmodel's `peak_host_bytes`.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+TOOLS = os.path.dirname(os.path.abspath(__file__))
+
+# Bytes per element of the safetensors dtypes.
+DTYPE_BYTES = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+    "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8,
+}
+
+
+def peak_rss_bytes():
+    """VmHWM of this process, in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def median_seconds(repeats, work):
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        work()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def cmd_plan(args):
+    sys.path.insert(0, TOOLS)
+    import bench_plan_accelerate as trees_of_the_bench
+    from accelerate.utils import compute_module_sizes, infer_auto_device_map
+
+    builders = [("100b_sequential", trees_of_the_bench.hundred_billion), ("moe_100k", trees_of_the_bench.moe)]
+    if args.million:
+        builders.insert(0, ("million_tensors", trees_of_the_bench.million_tensors))
+    result = {}
+    for name, build in builders:
+        model = build()
+        # The budgets of benches/benches/plan.rs: a fifth of the model on each
+        # of GPU 0, GPU 1 and the CPU.
+        total = compute_module_sizes(model)[""]
+        max_memory = {0: total // 5, 1: total // 5, "cpu": total // 5}
+        seconds = median_seconds(args.repeats, lambda: infer_auto_device_map(model, max_memory=dict(max_memory)))
+        result[name] = {"seconds": seconds, "repeats": args.repeats}
+    return {"trees": result}
+
+
+def cmd_inspect(args):
+    from safetensors import safe_open
+
+    summary = {}
+
+    def list_headers():
+        tensors = 0
+        total = 0
+        with safe_open(args.file, framework="numpy") as f:
+            for name in f.keys():
+                sl = f.get_slice(name)
+                count = 1
+                for dim in sl.get_shape():
+                    count *= dim
+                total += count * DTYPE_BYTES[sl.get_dtype()]
+                tensors += 1
+        summary["tensors"] = tensors
+        summary["total_bytes"] = total
+
+    seconds = median_seconds(args.repeats, list_headers)
+    return {"seconds": seconds, **summary}
+
+
+def offloaded_bytes(model, device_map, offloaded_devices):
+    """Bytes of the parameters whose map entry is one of `offloaded_devices`:
+    what the hooks bring onto the execution device in each forward."""
+    total = 0
+    for name, tensor in model.state_dict().items():
+        placed = None
+        for module, device in device_map.items():
+            if module == "" or name == module or name.startswith(module + "."):
+                placed = device
+        if placed in offloaded_devices:
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def cmd_load(args):
+    import torch
+    from accelerate import init_empty_weights, load_checkpoint_and_dispatch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    after_imports = peak_rss_bytes()
+    with open(args.device_map) as f:
+        device_map = json.load(f)
+    prompt = [int(t) for t in args.prompt_ids.split(",")]
+    on_gpu = any(isinstance(d, int) for d in device_map.values())
+    if on_gpu and not torch.cuda.is_available():
+        raise SystemExit("the device map names a GPU but this torch has no CUDA device")
+
+    def sync():
+        if on_gpu:
+            torch.cuda.synchronize()
+
+    start = time.perf_counter()
+    config = AutoConfig.from_pretrained(args.model_dir)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config)
+    model = load_checkpoint_and_dispatch(model, args.model_dir, device_map=device_map, offload_folder=args.offload_folder)
+    model.eval()
+    sync()
+    load_seconds = time.perf_counter() - start
+
+    # Accelerate's rule (dispatch_model): the main device is the first GPU of
+    # the map, else the CPU; with a GPU main device both CPU and disk entries
+    # are offloaded, with the CPU only disk entries are.
+    gpus = [d for d in device_map.values() if isinstance(d, int)]
+    execution_device = f"cuda:{gpus[0]}" if gpus else "cpu"
+    streamed = offloaded_bytes(model, device_map, {"cpu", "disk"} if gpus else {"disk"})
+
+    ids = torch.tensor([prompt], device=execution_device)
+    with torch.no_grad():
+        start = time.perf_counter()
+        out = model(ids, use_cache=True)
+        sync()
+        first_forward_seconds = time.perf_counter() - start
+        next_token = int(out.logits[0, -1].argmax())
+        past = out.past_key_values
+        token = next_token
+        step_times = []
+        for _ in range(args.new_tokens - 1):
+            start = time.perf_counter()
+            out = model(torch.tensor([[token]], device=execution_device), past_key_values=past, use_cache=True)
+            sync()
+            step_times.append(time.perf_counter() - start)
+            past = out.past_key_values
+            token = int(out.logits[0, -1].argmax())
+    return {
+        "load_seconds": load_seconds,
+        "first_forward_seconds": first_forward_seconds,
+        "seconds_per_token": statistics.median(step_times) if step_times else None,
+        "bytes_streamed_per_token": streamed,
+        "next_token": next_token,
+        "peak_host_bytes": peak_rss_bytes(),
+        "host_bytes_after_imports": after_imports,
+        "execution_device": execution_device,
+        "device_map": device_map,
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    plan = sub.add_parser("plan", help="Accelerate's planner on the bench trees")
+    plan.add_argument("--million", action="store_true", help="also the 1M-tensor tree (takes minutes)")
+    plan.add_argument("--repeats", type=int, default=3)
+    inspect = sub.add_parser("inspect", help="safe_open listing every header entry")
+    inspect.add_argument("file")
+    inspect.add_argument("--repeats", type=int, default=5)
+    load = sub.add_parser("load", help="load_checkpoint_and_dispatch and the first forward")
+    load.add_argument("model_dir")
+    load.add_argument("--device-map", required=True, help="JSON file {module: 0 | 'cpu' | 'disk'}")
+    load.add_argument("--offload-folder")
+    load.add_argument("--prompt-ids", required=True, help="comma-separated token ids")
+    load.add_argument("--new-tokens", type=int, default=1, help="tokens to generate (>= 2 times decode steps)")
+    args = parser.parse_args()
+    if getattr(args, "repeats", 1) < 1 or getattr(args, "new_tokens", 1) < 1:
+        parser.error("--repeats and --new-tokens must be at least 1")
+    result = {"plan": cmd_plan, "inspect": cmd_inspect, "load": cmd_load}[args.command](args)
+    json.dump(result, sys.stdout)
+    sys.stdout.write("\n")
+
+
+if __name__ == "__main__":
+    main()
