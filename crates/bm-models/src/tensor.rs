@@ -1,6 +1,7 @@
 //! The compute tensor: dtype, shape, and bytes on one backend.
 
 use std::borrow::Cow;
+use std::sync::Arc;
 
 use bm_tensor::{DType, HostBuffer, MmapView, TensorMeta, typed_slice};
 use half::{bf16, f16};
@@ -15,13 +16,26 @@ pub enum Backend {
     Cpu,
 }
 
-/// Host bytes: owned and aligned, or a zero-copy window of a mapped file.
-#[derive(Debug)]
+/// Host bytes: owned and aligned, a zero-copy window of a mapped file, or
+/// bytes another owner shares by reference count.
 pub enum HostBytes {
     /// An owned, 64-byte-aligned buffer.
     Owned(HostBuffer),
     /// A window of a memory-mapped checkpoint or offload file.
     Mapped(MmapView),
+    /// Bytes kept alive by someone else's `Arc`, e.g. a dispatched model's
+    /// weight (resident or materialised for this forward pass): no copy.
+    Shared(Arc<dyn AsRef<[u8]> + Send + Sync>),
+}
+
+impl std::fmt::Debug for HostBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            HostBytes::Owned(b) => f.debug_tuple("Owned").field(b).finish(),
+            HostBytes::Mapped(v) => f.debug_tuple("Mapped").field(v).finish(),
+            HostBytes::Shared(s) => write!(f, "Shared({} bytes)", (**s).as_ref().len()),
+        }
+    }
 }
 
 impl HostBytes {
@@ -30,6 +44,7 @@ impl HostBytes {
         match self {
             HostBytes::Owned(b) => b.as_bytes(),
             HostBytes::Mapped(v) => v.as_bytes(),
+            HostBytes::Shared(s) => (**s).as_ref(),
         }
     }
 }
