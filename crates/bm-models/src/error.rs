@@ -102,6 +102,10 @@ pub enum Error {
     Tensor(bm_tensor::Error),
     /// An error reading the checkpoint (bm-shard: headers, indexes, shards).
     Shard(bm_shard::Error),
+    /// An error planning a device map (bm-plan), e.g. an unusable config.
+    Plan(bigmodel::plan::Error),
+    /// An error loading or running a dispatched model (bm-dispatch).
+    Dispatch(bigmodel::dispatch::Error),
 }
 
 impl fmt::Display for Error {
@@ -158,6 +162,8 @@ impl fmt::Display for Error {
             ),
             Error::Tensor(e) => e.fmt(f),
             Error::Shard(e) => e.fmt(f),
+            Error::Plan(e) => e.fmt(f),
+            Error::Dispatch(e) => e.fmt(f),
         }
     }
 }
@@ -168,6 +174,8 @@ impl std::error::Error for Error {
             Error::Io { source, .. } => Some(source),
             Error::Tensor(e) => Some(e),
             Error::Shard(e) => Some(e),
+            Error::Plan(e) => Some(e),
+            Error::Dispatch(e) => Some(e),
             _ => None,
         }
     }
@@ -182,5 +190,17 @@ impl From<bm_tensor::Error> for Error {
 impl From<bm_shard::Error> for Error {
     fn from(e: bm_shard::Error) -> Self {
         Error::Shard(e)
+    }
+}
+
+impl From<bigmodel::plan::Error> for Error {
+    fn from(e: bigmodel::plan::Error) -> Self {
+        Error::Plan(e)
+    }
+}
+
+impl From<bigmodel::dispatch::Error> for Error {
+    fn from(e: bigmodel::dispatch::Error) -> Self {
+        Error::Dispatch(e)
     }
 }

@@ -32,6 +32,12 @@
 //! * [`FolderWeights`] is the simplest source: a Hugging Face folder's
 //!   safetensors (single or sharded) read through `bm_shard::Checkpoint`,
 //!   zero-copy from the mmap when no cast is needed.
+//! * [`DispatchedWeights`] is the source over a dispatched `bigmodel`
+//!   model: each block is one `enter`/`exit` of the model's hooks, so
+//!   offloaded weights stream in (with prefetch) around every decoder
+//!   layer. [`open_causal_lm`] and [`open_sentence_embedder`] open a
+//!   folder under a device map, strategy, budgets and offload folder, as
+//!   Accelerate's `load_checkpoint_and_dispatch` does.
 //!
 //! Known limits: batch size 1 (embeddings run text by text, so no padding
 //! is needed); rotary scaling other than none is refused; Qwen2's
@@ -43,6 +49,7 @@
 mod config;
 mod cpu;
 mod decoder;
+mod dispatched;
 mod encoder;
 mod error;
 pub mod ops;
@@ -54,6 +61,7 @@ pub use decoder::{
     CausalLm, Decoder, DecoderArch, DecoderConfig, GenerateOptions, Generation, KvCache, Logits,
     SUPPORTED_DECODERS,
 };
+pub use dispatched::{Dispatched, DispatchedWeights, open_causal_lm, open_sentence_embedder};
 pub use encoder::{Encoder, EncoderConfig, SUPPORTED_ENCODERS, SentenceEmbedder};
 pub use error::Error;
 pub use tensor::{Backend, HostBytes, Tensor};

@@ -1,0 +1,356 @@
+//! The reference models running on a dispatched `bigmodel` model: a
+//! [`WeightSource`] over [`bigmodel::dispatch::Model`], and the "open a
+//! Hugging Face folder with a device map" path that builds one.
+//!
+//! Each block the models run (`model.layers.3`, `lm_head`, ...) becomes one
+//! forward pass of the dispatched model: `begin_block` is
+//! [`Model::enter`] (the hook brings offloaded weights to the execution
+//! device and starts prefetching the next block), `tensor` is
+//! [`Forward::weight`], and `end_block` is [`Forward::exit`] (the weights
+//! are released). Host weights (resident buffers and mapped checkpoint or
+//! offload files) reach the ops without a copy: the tensor holds the
+//! dispatch layer's `Arc` of the bytes.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::thread::ThreadId;
+
+use bigmodel::device::DeviceSet;
+use bigmodel::dispatch::{Activations, Bytes, Forward, Model, Placement, Weight};
+use bigmodel::tensor::{DType, HostBuffer};
+
+use crate::tensor::{HostBytes, is_compute_dtype};
+use crate::weights::{FolderWeights, WeightSource};
+use crate::{CausalLm, DecoderConfig, EncoderConfig, Error, SentenceEmbedder, Tensor, config, ops};
+
+/// A block entered by one thread and not yet exited.
+struct OpenBlock {
+    name: String,
+    guard: Forward<'static>,
+}
+
+struct Inner {
+    // Declared before `model` so that the guards, which borrow it, are
+    // dropped first.
+    open: Mutex<HashMap<ThreadId, Vec<OpenBlock>>>,
+    model: Arc<Model>,
+    dtype: DType,
+    streamed: AtomicU64,
+    fetches: AtomicU64,
+    exit_error: Mutex<Option<bigmodel::dispatch::Error>>,
+}
+
+/// A [`WeightSource`] over a dispatched model. Cheap to clone (clones
+/// share the model and the counters), and usable from many threads at
+/// once: each thread's open blocks are kept apart.
+#[derive(Clone)]
+pub struct DispatchedWeights {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for DispatchedWeights {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DispatchedWeights")
+            .field("model", &self.inner.model)
+            .field("dtype", &self.inner.dtype)
+            .finish()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic elsewhere leaves the maps consistent (entries are moved
+    // whole), so a poisoned lock is still usable.
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl DispatchedWeights {
+    /// A source over `model` whose float weights are handed out in `dtype`
+    /// (weights loaded in another dtype, e.g. `keep_in_fp32_modules`, are
+    /// converted on each fetch).
+    pub fn new(model: Arc<Model>, dtype: DType) -> Result<DispatchedWeights, Error> {
+        ops::check_compute_dtype("dispatched compute dtype", dtype)?;
+        Ok(DispatchedWeights {
+            inner: Arc::new(Inner {
+                open: Mutex::new(HashMap::new()),
+                model,
+                dtype,
+                streamed: AtomicU64::new(0),
+                fetches: AtomicU64::new(0),
+                exit_error: Mutex::new(None),
+            }),
+        })
+    }
+
+    /// The dispatched model (its `hf_device_map`, placements, settings).
+    pub fn model(&self) -> &Model {
+        &self.inner.model
+    }
+
+    /// Bytes of offloaded weights (CPU- or disk-offloaded) handed to blocks
+    /// so far: what was brought to the execution device.
+    pub fn streamed_bytes(&self) -> u64 {
+        self.inner.streamed.load(Ordering::Relaxed)
+    }
+
+    /// Tensors handed to blocks so far.
+    pub fn fetches(&self) -> u64 {
+        self.inner.fetches.load(Ordering::Relaxed)
+    }
+
+    /// Takes this thread's innermost open block out of the table (so the
+    /// lock is not held while weights load) and puts it back after `f`.
+    fn with_open_block<T>(
+        &self,
+        f: impl FnOnce(&mut OpenBlock) -> Result<T, Error>,
+    ) -> Result<T, Error> {
+        let me = std::thread::current().id();
+        let mut block = lock(&self.inner.open)
+            .get_mut(&me)
+            .and_then(Vec::pop)
+            .ok_or(Error::BadOperands {
+                op: "dispatched weights",
+                message: "a tensor was requested outside any block".into(),
+            })?;
+        let out = f(&mut block);
+        lock(&self.inner.open).entry(me).or_default().push(block);
+        out
+    }
+
+    /// The name of tensor `name` below `block`: `name` without the block
+    /// prefix, or, for a tied tensor owned elsewhere (`lm_head` reading
+    /// `model.embed_tokens.weight`), the name of its alias in the block.
+    fn local_name(&self, block: &str, name: &str) -> Result<String, Error> {
+        let prefix = if block.is_empty() {
+            String::new()
+        } else {
+            format!("{block}.")
+        };
+        if let Some(local) = name.strip_prefix(&prefix) {
+            return Ok(local.to_string());
+        }
+        let model = &self.inner.model;
+        model
+            .tree()
+            .tensors()
+            .iter()
+            .filter_map(|t| t.name.strip_prefix(&prefix).map(|l| (&t.name, l)))
+            .find(|(full, _)| model.shares_storage(full, name).unwrap_or(false))
+            .map(|(_, local)| local.to_string())
+            .ok_or_else(|| Error::MissingTensor {
+                name: format!("{name} (not in block {block} nor tied to one of its tensors)"),
+            })
+    }
+
+    /// The ops' tensor over a dispatch weight: the same bytes for host
+    /// memory, a host copy for GPU or page-locked memory.
+    fn to_tensor(&self, name: &str, weight: Weight) -> Result<Arc<Tensor>, Error> {
+        let bytes = match weight.bytes.as_ref() {
+            Bytes::Host(_) | Bytes::Mmap(_) => {
+                HostBytes::Shared(Arc::new(HostWeight(weight.bytes)))
+            }
+            other => HostBytes::Owned(HostBuffer::from_bytes(
+                &other.to_host().map_err(Error::Dispatch)?,
+            )?),
+        };
+        let tensor = Tensor::from_host(weight.meta, bytes, name)?;
+        if tensor.dtype() != self.inner.dtype && is_compute_dtype(tensor.dtype()) {
+            return Ok(Arc::new(tensor.to_dtype(self.inner.dtype)?));
+        }
+        Ok(Arc::new(tensor))
+    }
+}
+
+/// A host-memory dispatch weight seen as bytes. Only built for
+/// [`Bytes::Host`] and [`Bytes::Mmap`].
+struct HostWeight(Arc<Bytes>);
+
+impl AsRef<[u8]> for HostWeight {
+    fn as_ref(&self) -> &[u8] {
+        self.0.host().unwrap_or(&[])
+    }
+}
+
+impl WeightSource for DispatchedWeights {
+    fn tensor(&self, name: &str) -> Result<Arc<Tensor>, Error> {
+        let weight = self.with_open_block(|block| {
+            let local = self.local_name(&block.name, name)?;
+            block.guard.weight(&local).map_err(|e| match e {
+                bigmodel::dispatch::Error::UnknownName(_)
+                | bigmodel::dispatch::Error::NotLoaded(_) => Error::MissingTensor {
+                    name: name.to_string(),
+                },
+                other => Error::Dispatch(other),
+            })
+        })?;
+        if matches!(
+            self.inner.model.placement(name),
+            Ok(Placement::Offloaded(_))
+        ) {
+            self.inner
+                .streamed
+                .fetch_add(weight.bytes.len() as u64, Ordering::Relaxed);
+        }
+        self.inner.fetches.fetch_add(1, Ordering::Relaxed);
+        self.to_tensor(name, weight)
+    }
+
+    fn begin_block(&self, block: &str) -> Result<(), Error> {
+        if let Some(e) = lock(&self.inner.exit_error).take() {
+            return Err(Error::Dispatch(e));
+        }
+        let guard = self
+            .inner
+            .model
+            .enter(block, Activations::default())
+            .map_err(|e| match e {
+                bigmodel::dispatch::Error::UnknownName(_) => Error::BadOperands {
+                    op: "dispatched weights",
+                    message: format!("block {block} is not a module of the dispatched model"),
+                },
+                other => Error::Dispatch(other),
+            })?;
+        // SAFETY: the guard borrows the model behind `self.inner.model`, an
+        // `Arc` whose pointee never moves and lives as long as `Inner`. The
+        // guard is stored only in `Inner::open`, which is dropped before
+        // `Inner::model` (field order), and never leaves `Inner` except to
+        // be exited or dropped within a method of `self`.
+        let guard = unsafe { std::mem::transmute::<Forward<'_>, Forward<'static>>(guard) };
+        lock(&self.inner.open)
+            .entry(std::thread::current().id())
+            .or_default()
+            .push(OpenBlock {
+                name: block.to_string(),
+                guard,
+            });
+        Ok(())
+    }
+
+    fn end_block(&self, block: &str) {
+        let me = std::thread::current().id();
+        let open = {
+            let mut table = lock(&self.inner.open);
+            let stack = table.entry(me).or_default();
+            let open = stack
+                .iter()
+                .rposition(|b| b.name == block)
+                .map(|i| stack.remove(i));
+            if stack.is_empty() {
+                table.remove(&me);
+            }
+            open
+        };
+        // end_block cannot fail; an exit error is reported by the next
+        // begin_block instead of being lost.
+        if let Some(open) = open {
+            if let Err(e) = open.guard.exit(Activations::default()) {
+                lock(&self.inner.exit_error).get_or_insert(e);
+            }
+        }
+    }
+}
+
+/// A reference model opened over a dispatched model, with the source it
+/// reads through (for the device map and the streaming counters).
+pub struct Dispatched<M> {
+    /// The model ([`CausalLm`] or [`SentenceEmbedder`]).
+    pub model: M,
+    /// Its weight source.
+    pub weights: DispatchedWeights,
+}
+
+impl<M> std::fmt::Debug for Dispatched<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Dispatched")
+            .field("weights", &self.weights)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The compute dtype: the requested one, else the stored dtype of `probe`
+/// (transformers' `dtype="auto"`), F32 when that is not a float.
+fn pick_dtype(weights: &FolderWeights, probe: &str, requested: Option<DType>) -> DType {
+    requested.unwrap_or_else(|| {
+        weights
+            .meta(probe)
+            .map(|m| m.dtype)
+            .filter(|d| is_compute_dtype(*d))
+            .unwrap_or(DType::F32)
+    })
+}
+
+/// Loads `dir`'s checkpoint onto `tree` under `options` (with `dtype` and
+/// the family's no-split classes filled in) and dispatches it.
+fn dispatch(
+    dir: &Path,
+    tree: bigmodel::plan::ModuleTree,
+    no_split: Vec<String>,
+    devices: Arc<DeviceSet>,
+    options: &bigmodel::Options,
+    dtype: DType,
+) -> Result<DispatchedWeights, Error> {
+    let mut options = options.clone();
+    options.dtype = Some(dtype);
+    if options.no_split_module_classes.is_empty() {
+        options.no_split_module_classes = no_split;
+    }
+    let model = bigmodel::load_checkpoint_and_dispatch(tree, dir, devices, &options)?;
+    DispatchedWeights::new(Arc::new(model), dtype)
+}
+
+/// Opens the decoder folder `dir` (config.json, safetensors, optional
+/// tokenizer.json) as Accelerate's `load_checkpoint_and_dispatch` would:
+/// the module tree from config.json, every tensor loaded straight to where
+/// `options` (a device map or a strategy with `max_memory`, an offload
+/// folder) puts it, hooks on every map entry. Computes in `options.dtype`,
+/// or in the stored dtype of the embedding.
+pub fn open_causal_lm(
+    dir: impl AsRef<Path>,
+    devices: Arc<DeviceSet>,
+    options: &bigmodel::Options,
+) -> Result<Dispatched<CausalLm>, Error> {
+    let dir = dir.as_ref();
+    let config = DecoderConfig::from_dir(dir)?;
+    let probe = FolderWeights::open(dir, None)?;
+    let dtype = pick_dtype(&probe, "model.embed_tokens.weight", options.dtype);
+    let hf = bigmodel::plan::hf::tree_from_config(&config::read_json(&dir.join("config.json"))?)?;
+    let weights = dispatch(dir, hf.tree, hf.no_split, devices, options, dtype)?;
+    let model = CausalLm::with_weights(dir, config, dtype, Box::new(weights.clone()))?;
+    Ok(Dispatched { model, weights })
+}
+
+/// Opens the sentence-transformers or BERT folder `dir` over a dispatched
+/// model, as [`open_causal_lm`] does for decoders. A checkpoint saved from
+/// a task model (`bert.` names) gets its module tree from the checkpoint.
+pub fn open_sentence_embedder(
+    dir: impl AsRef<Path>,
+    devices: Arc<DeviceSet>,
+    options: &bigmodel::Options,
+) -> Result<Dispatched<SentenceEmbedder>, Error> {
+    let dir = dir.as_ref();
+    let config = EncoderConfig::from_dir(dir)?;
+    let probe = FolderWeights::open(dir, None)?;
+    let prefix = if probe.contains("bert.embeddings.word_embeddings.weight") {
+        "bert."
+    } else {
+        ""
+    };
+    let dtype = pick_dtype(
+        &probe,
+        &format!("{prefix}embeddings.word_embeddings.weight"),
+        options.dtype,
+    );
+    let (tree, no_split) = if prefix.is_empty() {
+        let hf =
+            bigmodel::plan::hf::tree_from_config(&config::read_json(&dir.join("config.json"))?)?;
+        (hf.tree, hf.no_split)
+    } else {
+        let tree = bigmodel::plan::checkpoint::tree_from_checkpoint(dir)?;
+        (tree, Vec::new())
+    };
+    let weights = dispatch(dir, tree, no_split, devices, options, dtype)?;
+    let model =
+        SentenceEmbedder::with_weights(dir, config, dtype, prefix, Box::new(weights.clone()))?;
+    Ok(Dispatched { model, weights })
+}
