@@ -732,7 +732,6 @@ impl Suite {
     }
 
     fn load_rows(&self) -> Vec<Row> {
-        const S: &str = "Load + first forward, CPU + disk offload (CPU)";
         eprintln!("== bench: load + first forward");
         let runs = if self.quick { 1 } else { 3 };
         let new_tokens = 4;
@@ -745,15 +744,6 @@ impl Suite {
         }
         let ours = self.bigmodel_run(&map, "cpu-disk", new_tokens, runs);
         let theirs = self.accelerate_load(&map, "cpu-disk", new_tokens, runs);
-        let field = |r: &Result<Value, String>, key: &str| -> Result<f64, String> {
-            let v = r.as_ref().map_err(Clone::clone)?;
-            v[key]
-                .as_f64()
-                .ok_or_else(|| format!("not available: no `{key}` in the answer"))
-        };
-        let sum = |r: &Result<Value, String>| -> Result<f64, String> {
-            Ok(field(r, "load_seconds")? + field(r, "first_forward_seconds")?)
-        };
         let model = match &self.model {
             Ok((_, bytes)) => format!(
                 "{}-layer Llama, {:.0} MB F32",
@@ -762,58 +752,7 @@ impl Suite {
             ),
             Err(_) => "Llama".into(),
         };
-        let tokens = match (&ours, &theirs) {
-            (Ok(a), Ok(b)) => {
-                let ours = a["generated_ids"]
-                    .as_array()
-                    .and_then(|ids| ids.iter().rev().nth(new_tokens - 1))
-                    .cloned()
-                    .unwrap_or(Value::Null);
-                let agree = if ours == b["next_token"] {
-                    "agree"
-                } else {
-                    "DISAGREE"
-                };
-                format!(
-                    "first generated token: bigmodel {ours}, Accelerate {} ({agree})",
-                    b["next_token"]
-                )
-            }
-            _ => String::new(),
-        };
-        let runs_note = format!("{model}; half the layers on disk; median of {runs} run(s)");
-        let baseline = "Accelerate load_checkpoint_and_dispatch, same map";
-        vec![
-            Row::new(S, "load (plan, read, offload to disk)", Unit::Seconds)
-                .bigmodel(Cell::from(field(&ours, "load_seconds")))
-                .baseline(baseline, Cell::from(field(&theirs, "load_seconds")))
-                .note(runs_note.clone()),
-            Row::new(S, "first forward (32-token prompt)", Unit::Seconds)
-                .bigmodel(Cell::from(field(&ours, "first_forward_seconds")))
-                .baseline(
-                    baseline,
-                    Cell::from(field(&theirs, "first_forward_seconds")),
-                )
-                .note(tokens),
-            Row::new(S, "load + first forward", Unit::Seconds)
-                .bigmodel(Cell::from(sum(&ours)))
-                .baseline(baseline, Cell::from(sum(&theirs)))
-                .note(runs_note),
-            Row::new(S, "time per generated token (KV cache)", Unit::Seconds)
-                .bigmodel(Cell::from(field(&ours, "seconds_per_token")))
-                .baseline(baseline, Cell::from(field(&theirs, "seconds_per_token")))
-                .note(format!("median over {} decode steps", new_tokens - 1)),
-            Row::new(S, "peak resident memory (VmHWM)", Unit::Bytes)
-                .bigmodel(Cell::from(field(&ours, "peak_host_bytes")))
-                .baseline(baseline, Cell::from(field(&theirs, "peak_host_bytes")))
-                .note(match field(&theirs, "host_bytes_after_imports") {
-                    Ok(b) => format!(
-                        "the Python process holds {} after importing torch/transformers/accelerate",
-                        Unit::Bytes.format(b)
-                    ),
-                    Err(_) => String::new(),
-                }),
-        ]
+        load_rows_from(&ours, &theirs, &model, runs, new_tokens)
     }
 
     fn gpu_rows(&self) -> Vec<Row> {
@@ -929,6 +868,76 @@ impl Suite {
                 .note(share(&our_stream, &their_stream)),
         ]
     }
+}
+
+/// The CPU load rows from the two sides' answers (`bigmodel run --json`
+/// keys of the CLI contract; `bench_accelerate.py load` keys).
+fn load_rows_from(
+    ours: &Result<Value, String>,
+    theirs: &Result<Value, String>,
+    model: &str,
+    runs: usize,
+    new_tokens: usize,
+) -> Vec<Row> {
+    const S: &str = "Load + first forward, CPU + disk offload (CPU)";
+    let field = |r: &Result<Value, String>, key: &str| -> Result<f64, String> {
+        let v = r.as_ref().map_err(Clone::clone)?;
+        v[key]
+            .as_f64()
+            .ok_or_else(|| format!("not available: no `{key}` in the answer"))
+    };
+    let sum = |r: &Result<Value, String>| -> Result<f64, String> {
+        Ok(field(r, "load_seconds")? + field(r, "first_forward_seconds")?)
+    };
+    let tokens = match (ours, theirs) {
+        (Ok(a), Ok(b)) => {
+            let ours = a["generated_ids"]
+                .as_array()
+                .and_then(|ids| ids.iter().rev().nth(new_tokens - 1))
+                .cloned()
+                .unwrap_or(Value::Null);
+            let agree = if ours == b["next_token"] {
+                "agree"
+            } else {
+                "DISAGREE"
+            };
+            format!(
+                "first generated token: bigmodel {ours}, Accelerate {} ({agree})",
+                b["next_token"]
+            )
+        }
+        _ => String::new(),
+    };
+    let runs_note = format!("{model}; half the layers on disk; median of {runs} run(s)");
+    let baseline = "Accelerate load_checkpoint_and_dispatch, same map";
+    vec![
+        Row::new(S, "load (plan, read, offload to disk)", Unit::Seconds)
+            .bigmodel(Cell::from(field(ours, "load_seconds")))
+            .baseline(baseline, Cell::from(field(theirs, "load_seconds")))
+            .note(runs_note.clone()),
+        Row::new(S, "first forward (32-token prompt)", Unit::Seconds)
+            .bigmodel(Cell::from(field(ours, "first_forward_seconds")))
+            .baseline(baseline, Cell::from(field(theirs, "first_forward_seconds")))
+            .note(tokens),
+        Row::new(S, "load + first forward", Unit::Seconds)
+            .bigmodel(Cell::from(sum(ours)))
+            .baseline(baseline, Cell::from(sum(theirs)))
+            .note(runs_note),
+        Row::new(S, "time per generated token (KV cache)", Unit::Seconds)
+            .bigmodel(Cell::from(field(ours, "seconds_per_token")))
+            .baseline(baseline, Cell::from(field(theirs, "seconds_per_token")))
+            .note(format!("median over {} decode steps", new_tokens - 1)),
+        Row::new(S, "peak resident memory (VmHWM)", Unit::Bytes)
+            .bigmodel(Cell::from(field(ours, "peak_host_bytes")))
+            .baseline(baseline, Cell::from(field(theirs, "peak_host_bytes")))
+            .note(match field(theirs, "host_bytes_after_imports") {
+                Ok(b) => format!(
+                    "the Python process holds {} after importing torch/transformers/accelerate",
+                    Unit::Bytes.format(b)
+                ),
+                Err(_) => String::new(),
+            }),
+    ]
 }
 
 /// The measured host-to-device ceiling of the h2d bench.
@@ -1647,6 +1656,44 @@ mod tests {
         assert_eq!(share.ratio(), Some(0.9));
         let missing = Row::new("s", "t", Unit::Bytes).bigmodel(Cell::Value(1.0));
         assert_eq!(missing.ratio(), None);
+    }
+
+    #[test]
+    fn load_rows_read_the_cli_contract_keys() {
+        // `bigmodel run --json` as shared/spec/cli.md lists its keys.
+        let ours = Ok(json!({
+            "generated_ids": [11, 12, 13, 14],
+            "device_map": {"model.embed_tokens": "cpu"},
+            "load_seconds": 0.5,
+            "first_forward_seconds": 0.25,
+            "seconds_per_token": 0.1,
+            "bytes_streamed_per_token": 1000,
+            "peak_host_bytes": 100.0,
+        }));
+        let theirs = Ok(json!({
+            "load_seconds": 2.0,
+            "first_forward_seconds": 0.5,
+            "seconds_per_token": 0.2,
+            "next_token": 11,
+            "peak_host_bytes": 400.0,
+            "host_bytes_after_imports": 300.0,
+        }));
+        let rows = load_rows_from(&ours, &theirs, "m", 1, 4);
+        let ratios: Vec<Option<f64>> = rows.iter().map(Row::ratio).collect();
+        assert_eq!(
+            ratios,
+            [Some(4.0), Some(2.0), Some(2.5 / 0.75), Some(2.0), Some(4.0)]
+        );
+        assert!(
+            rows[1].note.contains("bigmodel 11, Accelerate 11 (agree)"),
+            "{}",
+            rows[1].note
+        );
+
+        let missing: Result<Value, String> = Err("not available: no run".into());
+        let rows = load_rows_from(&missing, &theirs, "m", 1, 4);
+        assert!(rows.iter().all(|r| r.ratio().is_none()));
+        assert!(matches!(&rows[0].bigmodel, Cell::Missing(why) if why == "not available: no run"));
     }
 
     #[test]
