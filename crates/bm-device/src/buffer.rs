@@ -111,11 +111,27 @@ impl DeviceBuffer {
     }
 
     /// Orders `stream` after the last copy involving this buffer.
-    fn order_after_pending(&self, stream: &Stream) -> Result<()> {
+    pub(crate) fn order_after_pending(&self, stream: &Stream) -> Result<()> {
         let pending = self.pending.lock().clone();
         match pending {
             Some(e) => stream.wait(&e),
             None => Ok(()),
+        }
+    }
+
+    /// Makes `event` (the end of a kernel or copy using this buffer) the
+    /// last use that later work and the drop wait for.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn set_pending(&self, event: Event) {
+        *self.pending.lock() = Some(event);
+    }
+
+    /// The device address of a CUDA buffer (`None` for an emulated one).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn cuda_ptr(&self) -> Option<cudarc::driver::sys::CUdeviceptr> {
+        match &self.mem {
+            Mem::Cuda { ptr, .. } => Some(*ptr),
+            Mem::Emulated(_) => None,
         }
     }
 
@@ -424,7 +440,7 @@ impl DeviceBuffer {
 }
 
 #[cfg(feature = "cuda")]
-fn stream_cuda(stream: &Stream) -> Result<&cudarc::driver::CudaStream> {
+pub(crate) fn stream_cuda(stream: &Stream) -> Result<&cudarc::driver::CudaStream> {
     match &stream.imp {
         crate::stream::StreamImpl::Cuda { stream, .. } => Ok(stream),
         crate::stream::StreamImpl::Emulated => Err(Error::WrongDevice {

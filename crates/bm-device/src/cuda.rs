@@ -128,10 +128,13 @@ BM_SPIN:
 }
 "#;
 
-/// One CUDA GPU: its primary context and the lazily loaded busy-wait kernel.
+/// One CUDA GPU: its primary context and the lazily loaded busy-wait
+/// kernel, compute kernels and cuBLAS handle.
 pub(crate) struct CudaGpu {
     pub ctx: Arc<CudaContext>,
     busy_wait: OnceLock<std::result::Result<CudaFunction, String>>,
+    pub(crate) kernels: crate::cuda_compute::Lazy<crate::cuda_compute::Kernels>,
+    pub(crate) blas: crate::cuda_compute::Lazy<parking_lot::Mutex<cudarc::cublas::CudaBlas>>,
 }
 
 impl CudaGpu {
@@ -139,6 +142,8 @@ impl CudaGpu {
         CudaGpu {
             ctx,
             busy_wait: OnceLock::new(),
+            kernels: OnceLock::new(),
+            blas: OnceLock::new(),
         }
     }
 

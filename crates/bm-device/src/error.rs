@@ -98,6 +98,20 @@ pub enum Error {
         /// Bytes requested.
         bytes: u64,
     },
+    /// Compute kernels were asked of a GPU that cannot run them (emulated
+    /// GPUs hold bytes only; their models compute on the host).
+    ComputeUnsupported {
+        /// The device.
+        device: Device,
+    },
+    /// A compute operation given sizes that do not fit together or exceed
+    /// what its kernel supports.
+    BadComputeArgs {
+        /// The operation.
+        operation: &'static str,
+        /// What is wrong.
+        message: String,
+    },
     /// A host file (cgroup limits, /proc/meminfo) could not be read or parsed.
     HostMemoryInfo {
         /// The file.
@@ -182,6 +196,12 @@ impl std::fmt::Display for Error {
                 ),
                 None => write!(f, "CUDA driver error in {operation}: {message}"),
             },
+            Error::ComputeUnsupported { device } => write!(
+                f,
+                "compute is not supported on emulated device {device}: run the model's \
+                 compute on the host"
+            ),
+            Error::BadComputeArgs { operation, message } => write!(f, "{operation}: {message}"),
             Error::HostAlloc { bytes } => {
                 write!(f, "could not allocate {bytes} bytes of host memory")
             }

@@ -71,12 +71,26 @@
 //! are cut into [`COPY_CHUNK`] pieces; copies between GPUs go peer to peer
 //! where [`DeviceSet::enable_peer_access`] could enable it.
 //!
+//! # Compute
+//!
+//! Each CUDA GPU also computes: [`Gpu::gemm`] (cuBLAS, f32 accumulation)
+//! and the kernels a transformer needs (norms, rotary, softmax, fused
+//! attention, activations, casts), compiled at run time with NVRTC and
+//! cached per GPU, all on the compute stream and ordered after the copies
+//! that fill their buffers. Emulated GPUs refuse compute with
+//! [`Error::ComputeUnsupported`]: models whose weights sit on one compute on
+//! the host. See the `compute` module's documentation on [`GemmShape`] and
+//! the methods of [`Gpu`].
+//!
 //! **Architecture invariant:** this is the only crate of the workspace that
-//! names cudarc, and only in the `cuda` module.
+//! names cudarc, and only in the `cuda` and `cuda_compute` modules.
 
 mod buffer;
+mod compute;
 #[cfg(feature = "cuda")]
 mod cuda;
+#[cfg(feature = "cuda")]
+mod cuda_compute;
 mod device;
 mod error;
 mod gpu;
@@ -88,6 +102,7 @@ mod set;
 mod stream;
 
 pub use buffer::{COPY_CHUNK, DeviceBuffer};
+pub use compute::{AttentionMask, AttentionShape, FloatType, GemmShape, MAX_ATTENTION_KEYS};
 pub use device::{Device, ParseDeviceError};
 pub use error::{Error, Result};
 pub use gpu::{Gpu, GpuKind};

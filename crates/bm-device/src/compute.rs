@@ -1,0 +1,948 @@
+//! Compute on a GPU: the few kernels a transformer needs, on
+//! [`DeviceBuffer`]s, enqueued on the GPU's compute stream.
+//!
+//! * [`Gpu::gemm`]: `C = A · Bᵀ` in row-major order (the product of
+//!   `nn.Linear`, whose weight is stored `[out, in]`), optionally strided
+//!   batched, through cuBLAS with f32 accumulation. A and B share one type;
+//!   C is that type or F32.
+//! * Kernels compiled at run time with NVRTC (no toolkit at build time) and
+//!   loaded once per GPU: cast, add, mul, SiLU, exact GELU, the bias
+//!   epilogue of a linear layer, embedding gather, RMSNorm, LayerNorm,
+//!   rotary embedding (`rotate_half`), softmax and a fused attention with
+//!   bidirectional, causal or sliding-window masks and grouped-query heads.
+//!   Every kernel computes in f32 and rounds once when storing, the rule
+//!   PyTorch's kernels follow.
+//!
+//! Element types are [`FloatType`]s; sizes are element counts and every
+//! buffer is checked to hold what the kernel touches before anything is
+//! enqueued ([`Error::OutOfBounds`] otherwise).
+//!
+//! # Ordering
+//!
+//! Every operation first makes the compute stream wait for the last copy
+//! or kernel using each of its buffers, then records one event after the
+//! launch as every operand's last use. So a weight uploaded on the copy
+//! stream is read only once its copy finished, a buffer is freed (or
+//! overwritten by a later copy) only after the kernels reading it, and
+//! reading a result back ([`DeviceBuffer::copy_to_host`]) waits for the
+//! kernel that wrote it.
+//!
+//! # Emulated GPUs
+//!
+//! Emulated GPUs hold bytes but do not compute: every operation here fails
+//! on them with [`Error::ComputeUnsupported`] (after the same argument
+//! checks, so those are tested without a GPU). A model whose weights sit on
+//! an emulated GPU computes on the host, as its CPU kernels are the
+//! reference the CUDA ones are tested against.
+
+use crate::gpu::Backend;
+use crate::{DeviceBuffer, Error, Gpu, Result};
+
+/// Element type of a compute operand.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum FloatType {
+    /// IEEE single precision.
+    F32,
+    /// IEEE half precision.
+    F16,
+    /// bfloat16.
+    BF16,
+}
+
+impl FloatType {
+    /// Bytes per element.
+    pub fn size_in_bytes(self) -> usize {
+        match self {
+            FloatType::F32 => 4,
+            FloatType::F16 | FloatType::BF16 => 2,
+        }
+    }
+
+    /// Kernel name suffix.
+    fn suffix(self) -> &'static str {
+        match self {
+            FloatType::F32 => "f32",
+            FloatType::F16 => "f16",
+            FloatType::BF16 => "bf16",
+        }
+    }
+}
+
+/// Sizes of a row-major `C[m, n] = A[m, k] · B[n, k]ᵀ`, repeated `batch`
+/// times with the given element strides between consecutive matrices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GemmShape {
+    /// Rows of A and C.
+    pub m: usize,
+    /// Rows of B, columns of C.
+    pub n: usize,
+    /// Columns of A and B.
+    pub k: usize,
+    /// Number of products.
+    pub batch: usize,
+    /// Elements from one A to the next.
+    pub stride_a: usize,
+    /// Elements from one B to the next (0 shares one B).
+    pub stride_b: usize,
+    /// Elements from one C to the next.
+    pub stride_c: usize,
+}
+
+impl GemmShape {
+    /// One product of dense matrices.
+    pub fn new(m: usize, n: usize, k: usize) -> GemmShape {
+        GemmShape {
+            m,
+            n,
+            k,
+            batch: 1,
+            stride_a: m * k,
+            stride_b: n * k,
+            stride_c: m * n,
+        }
+    }
+
+    /// `batch` products with the given element strides.
+    pub fn batched(self, batch: usize, stride_a: usize, stride_b: usize, stride_c: usize) -> Self {
+        GemmShape {
+            batch,
+            stride_a,
+            stride_b,
+            stride_c,
+            ..self
+        }
+    }
+}
+
+/// Which keys each query attends to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttentionMask {
+    /// Every key.
+    Bidirectional,
+    /// Keys at or before the query's position.
+    Causal,
+    /// Causal, within the last `n` positions including the query's own.
+    SlidingWindow(usize),
+}
+
+/// Geometry of one attention call: `queries` new positions (the last ones)
+/// against `keys` positions, grouped-query heads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttentionShape {
+    /// Query rows (the last `queries` of the `keys` positions).
+    pub queries: usize,
+    /// Cached positions, the queries' own included.
+    pub keys: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads; divides `heads`.
+    pub kv_heads: usize,
+    /// Width of one head.
+    pub head_dim: usize,
+    /// The mask.
+    pub mask: AttentionMask,
+}
+
+/// Most keys one query may see: the fused attention kernel keeps a query's
+/// scores in 48 KiB of shared memory.
+pub const MAX_ATTENTION_KEYS: usize = 12 * 1024;
+
+/// Threads per block of the elementwise, row and attention kernels.
+const THREADS: u32 = 256;
+const ATTENTION_THREADS: u32 = 128;
+
+/// A kernel argument before it is turned into a device address.
+// Without CUDA nothing reads the values: every launch is refused.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+enum Arg<'a> {
+    /// A buffer, from its first byte.
+    Buf(&'a DeviceBuffer),
+    /// A buffer, from a byte offset.
+    BufAt(&'a DeviceBuffer, usize),
+    /// A null pointer (an absent optional operand).
+    Null,
+    U32(u32),
+    U64(u64),
+    F32(f32),
+}
+
+fn bad(operation: &'static str, message: String) -> Error {
+    Error::BadComputeArgs { operation, message }
+}
+
+/// Fails unless `buffer` holds `count` elements of `ty` from element `start`.
+fn need(
+    operation: &'static str,
+    buffer: &DeviceBuffer,
+    ty: FloatType,
+    start: usize,
+    count: usize,
+) -> Result<()> {
+    let size = ty.size_in_bytes();
+    let (offset, len) = match (start.checked_mul(size), count.checked_mul(size)) {
+        (Some(o), Some(l)) => (o, l),
+        _ => (usize::MAX, usize::MAX),
+    };
+    crate::buffer::check_range(operation, offset, len, buffer.len())
+}
+
+fn product(operation: &'static str, dims: &[usize]) -> Result<usize> {
+    dims.iter()
+        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+        .ok_or_else(|| bad(operation, format!("sizes {dims:?} overflow")))
+}
+
+fn to_u32(operation: &'static str, what: &str, v: usize) -> Result<u32> {
+    u32::try_from(v).map_err(|_| bad(operation, format!("{what} {v} exceeds 2^32 - 1")))
+}
+
+/// Blocks for a grid-stride loop over `n` elements.
+fn grid_for(n: usize) -> (u32, u32, u32) {
+    let blocks = n.div_ceil(THREADS as usize).clamp(1, 1 << 20);
+    (blocks as u32, 1, 1)
+}
+
+impl Gpu {
+    fn check_owned(&self, operation: &'static str, buffer: &DeviceBuffer) -> Result<()> {
+        if buffer.gpu().id() == self.id() {
+            Ok(())
+        } else {
+            Err(Error::WrongDevice {
+                operation,
+                expected: self.device(),
+                found: buffer.device(),
+            })
+        }
+    }
+
+    /// Enqueues kernel `name` on the compute stream after every buffer's
+    /// last use, and records the launch as their new last use.
+    fn launch(
+        &self,
+        operation: &'static str,
+        name: String,
+        grid: (u32, u32, u32),
+        block: u32,
+        shared_bytes: u32,
+        args: &[Arg<'_>],
+    ) -> Result<()> {
+        let buffers = || {
+            args.iter().filter_map(|a| match a {
+                Arg::Buf(b) | Arg::BufAt(b, _) => Some(*b),
+                _ => None,
+            })
+        };
+        for b in buffers() {
+            self.check_owned(operation, b)?;
+        }
+        match &self.inner.backend {
+            Backend::Emulated => {
+                // Keeps every argument kind used in builds without CUDA.
+                let _ = (name, grid, block, shared_bytes);
+                Err(Error::ComputeUnsupported {
+                    device: self.device(),
+                })
+            }
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(g) => {
+                use crate::cuda_compute::{LaunchShape, RawArg};
+                let stream = self.compute_stream();
+                for b in buffers() {
+                    b.order_after_pending(stream)?;
+                }
+                let ptr = |b: &DeviceBuffer, offset: usize| {
+                    RawArg::Ptr(b.cuda_ptr().unwrap_or(0) + offset as u64)
+                };
+                let raw: Vec<RawArg> = args
+                    .iter()
+                    .map(|a| match a {
+                        Arg::Buf(b) => ptr(b, 0),
+                        Arg::BufAt(b, offset) => ptr(b, *offset),
+                        Arg::Null => RawArg::Ptr(0),
+                        Arg::U32(v) => RawArg::U32(*v),
+                        Arg::U64(v) => RawArg::U64(*v),
+                        Arg::F32(v) => RawArg::F32(*v),
+                    })
+                    .collect();
+                let shape = LaunchShape {
+                    grid,
+                    block,
+                    shared_bytes,
+                };
+                // SAFETY: every public operation below checks its buffers
+                // against the element counts its kernel touches, and passes
+                // the arguments in the kernel's order and types (kernels.cu).
+                unsafe { g.launch(crate::buffer::stream_cuda(stream)?, &name, shape, &raw)? };
+                let done = stream.record()?;
+                for b in buffers() {
+                    b.set_pending(done.clone());
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Enqueues a copy of `src` into `dst` at byte `offset` on the compute
+    /// stream, so the kernels enqueued after it see the bytes. `src` may be
+    /// pageable: it has been read when this returns. Emulated GPUs copy
+    /// at once.
+    pub fn write_for_compute(
+        &self,
+        dst: &mut DeviceBuffer,
+        offset: usize,
+        src: &[u8],
+    ) -> Result<()> {
+        const OP: &str = "write for compute";
+        self.check_owned(OP, dst)?;
+        crate::buffer::check_range(OP, offset, src.len(), dst.len())?;
+        match &self.inner.backend {
+            Backend::Emulated => dst.copy_from_host(offset, src),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(g) => {
+                if src.is_empty() {
+                    return Ok(());
+                }
+                let stream = self.compute_stream();
+                dst.order_after_pending(stream)?;
+                let ptr = dst.cuda_ptr().unwrap_or(0) + offset as u64;
+                // SAFETY: the range was checked against the allocation; a
+                // pageable source is consumed before the call returns.
+                unsafe {
+                    g.htod_async(
+                        ptr,
+                        src.as_ptr(),
+                        src.len(),
+                        crate::buffer::stream_cuda(stream)?,
+                    )?
+                };
+                dst.set_pending(stream.record()?);
+                Ok(())
+            }
+        }
+    }
+
+    /// `c = a · bᵀ` per [`GemmShape`] (row-major), through cuBLAS with f32
+    /// accumulation. `a` and `b` hold `input` elements; `c` holds `output`
+    /// elements, which must be `input` or F32.
+    pub fn gemm(
+        &self,
+        a: &DeviceBuffer,
+        b: &DeviceBuffer,
+        c: &mut DeviceBuffer,
+        input: FloatType,
+        output: FloatType,
+        shape: GemmShape,
+    ) -> Result<()> {
+        const OP: &str = "gemm";
+        if output != input && output != FloatType::F32 {
+            return Err(bad(
+                OP,
+                format!(
+                    "a {input:?} product cannot be written as {output:?} (only as {input:?} or F32)"
+                ),
+            ));
+        }
+        let GemmShape { m, n, k, batch, .. } = shape;
+        if m == 0 || n == 0 || k == 0 || batch == 0 {
+            return Err(bad(OP, format!("empty product {shape:?}")));
+        }
+        // The last matrix of each operand must fit: (batch - 1) strides past
+        // the first, plus one matrix.
+        let span = |stride: usize, rows: usize, cols: usize| -> Result<usize> {
+            let last = product(OP, &[batch - 1, stride])?;
+            last.checked_add(product(OP, &[rows, cols])?)
+                .ok_or_else(|| bad(OP, format!("sizes of {shape:?} overflow")))
+        };
+        need(OP, a, input, 0, span(shape.stride_a, m, k)?)?;
+        need(OP, b, input, 0, span(shape.stride_b, n, k)?)?;
+        need(OP, c, output, 0, span(shape.stride_c, m, n)?)?;
+        for buffer in [a, b, &*c] {
+            self.check_owned(OP, buffer)?;
+        }
+        match &self.inner.backend {
+            Backend::Emulated => Err(Error::ComputeUnsupported {
+                device: self.device(),
+            }),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(g) => {
+                let stream = self.compute_stream();
+                let crate::stream::StreamImpl::Cuda { stream: cuda, .. } = &stream.imp else {
+                    return Err(Error::ComputeUnsupported {
+                        device: self.device(),
+                    });
+                };
+                for buffer in [a, b, &*c] {
+                    buffer.order_after_pending(stream)?;
+                }
+                let ptrs = (
+                    a.cuda_ptr().unwrap_or(0),
+                    b.cuda_ptr().unwrap_or(0),
+                    c.cuda_ptr().unwrap_or(0),
+                );
+                // SAFETY: all three buffers were checked to hold every
+                // matrix of the batch in their types.
+                unsafe { g.gemm(cuda, &shape, input, output, ptrs)? };
+                let done = stream.record()?;
+                for buffer in [a, b, &*c] {
+                    buffer.set_pending(done.clone());
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Converts `count` elements of `src` (from its start) into `dst` from
+    /// element `dst_start`, rounding to nearest even.
+    pub fn cast(
+        &self,
+        src: &DeviceBuffer,
+        src_type: FloatType,
+        dst: &mut DeviceBuffer,
+        dst_type: FloatType,
+        count: usize,
+        dst_start: usize,
+    ) -> Result<()> {
+        const OP: &str = "cast";
+        need(OP, src, src_type, 0, count)?;
+        need(OP, dst, dst_type, dst_start, count)?;
+        let name = format!("bm_cast_{}_{}", src_type.suffix(), dst_type.suffix());
+        let offset = dst_start * dst_type.size_in_bytes();
+        self.launch(
+            OP,
+            name,
+            grid_for(count),
+            THREADS,
+            0,
+            &[
+                Arg::Buf(src),
+                Arg::BufAt(dst, offset),
+                Arg::U64(count as u64),
+            ],
+        )
+    }
+
+    fn binary(
+        &self,
+        op: &'static str,
+        a: &DeviceBuffer,
+        b: &DeviceBuffer,
+        out: &mut DeviceBuffer,
+        ty: FloatType,
+        count: usize,
+    ) -> Result<()> {
+        for buffer in [a, b, &*out] {
+            need(op, buffer, ty, 0, count)?;
+        }
+        self.launch(
+            op,
+            format!("bm_{op}_{}", ty.suffix()),
+            grid_for(count),
+            THREADS,
+            0,
+            &[
+                Arg::Buf(a),
+                Arg::Buf(b),
+                Arg::Buf(out),
+                Arg::U64(count as u64),
+            ],
+        )
+    }
+
+    /// `out = a + b` elementwise over `count` elements.
+    pub fn add(
+        &self,
+        a: &DeviceBuffer,
+        b: &DeviceBuffer,
+        out: &mut DeviceBuffer,
+        ty: FloatType,
+        count: usize,
+    ) -> Result<()> {
+        self.binary("add", a, b, out, ty, count)
+    }
+
+    /// `out = a * b` elementwise over `count` elements.
+    pub fn mul(
+        &self,
+        a: &DeviceBuffer,
+        b: &DeviceBuffer,
+        out: &mut DeviceBuffer,
+        ty: FloatType,
+        count: usize,
+    ) -> Result<()> {
+        self.binary("mul", a, b, out, ty, count)
+    }
+
+    fn unary(
+        &self,
+        op: &'static str,
+        x: &DeviceBuffer,
+        out: &mut DeviceBuffer,
+        ty: FloatType,
+        count: usize,
+    ) -> Result<()> {
+        need(op, x, ty, 0, count)?;
+        need(op, out, ty, 0, count)?;
+        self.launch(
+            op,
+            format!("bm_{op}_{}", ty.suffix()),
+            grid_for(count),
+            THREADS,
+            0,
+            &[Arg::Buf(x), Arg::Buf(out), Arg::U64(count as u64)],
+        )
+    }
+
+    /// SiLU, `x · sigmoid(x)`, elementwise.
+    pub fn silu(
+        &self,
+        x: &DeviceBuffer,
+        out: &mut DeviceBuffer,
+        ty: FloatType,
+        count: usize,
+    ) -> Result<()> {
+        self.unary("silu", x, out, ty, count)
+    }
+
+    /// Exact GELU, `0.5 x (1 + erf(x / √2))`, elementwise.
+    pub fn gelu(
+        &self,
+        x: &DeviceBuffer,
+        out: &mut DeviceBuffer,
+        ty: FloatType,
+        count: usize,
+    ) -> Result<()> {
+        self.unary("gelu", x, out, ty, count)
+    }
+
+    /// The end of a linear layer: `out[r, c] = acc[r, c] + bias[c]` where
+    /// `acc` is the F32 product (`rows × cols`) and `bias`, if any, holds
+    /// `cols` elements of `ty`; the sum is rounded once to `ty`.
+    pub fn bias_epilogue(
+        &self,
+        acc: &DeviceBuffer,
+        bias: Option<&DeviceBuffer>,
+        out: &mut DeviceBuffer,
+        ty: FloatType,
+        rows: usize,
+        cols: usize,
+    ) -> Result<()> {
+        const OP: &str = "linear bias";
+        let count = product(OP, &[rows, cols])?;
+        need(OP, acc, FloatType::F32, 0, count)?;
+        need(OP, out, ty, 0, count)?;
+        if let Some(b) = bias {
+            need(OP, b, ty, 0, cols)?;
+        }
+        let bias_arg = bias.map_or(Arg::Null, Arg::Buf);
+        self.launch(
+            OP,
+            format!("bm_bias_epilogue_{}", ty.suffix()),
+            grid_for(count),
+            THREADS,
+            0,
+            &[
+                Arg::Buf(acc),
+                bias_arg,
+                Arg::Buf(out),
+                Arg::U64(rows as u64),
+                Arg::U64(cols as u64),
+            ],
+        )
+    }
+
+    /// Rows of `table` (`vocab × hidden`, `table_type`) picked by `ids`,
+    /// written to `out` (`ids.len() × hidden`, `out_type`). Ids are checked
+    /// against `vocab` on the host.
+    #[allow(clippy::too_many_arguments)]
+    pub fn embedding(
+        &self,
+        table: &DeviceBuffer,
+        table_type: FloatType,
+        vocab: usize,
+        hidden: usize,
+        ids: &[u32],
+        out: &mut DeviceBuffer,
+        out_type: FloatType,
+    ) -> Result<()> {
+        const OP: &str = "embedding";
+        if let Some(&id) = ids.iter().find(|&&id| id as usize >= vocab) {
+            return Err(bad(
+                OP,
+                format!("token id {id} is out of the vocabulary (size {vocab})"),
+            ));
+        }
+        if ids.is_empty() || hidden == 0 {
+            return Err(bad(OP, "no ids or an empty hidden size".into()));
+        }
+        need(OP, table, table_type, 0, product(OP, &[vocab, hidden])?)?;
+        let count = product(OP, &[ids.len(), hidden])?;
+        need(OP, out, out_type, 0, count)?;
+        self.check_owned(OP, table)?;
+        if matches!(self.inner.backend, Backend::Emulated) {
+            return Err(Error::ComputeUnsupported {
+                device: self.device(),
+            });
+        }
+        let id_bytes: Vec<u8> = ids.iter().flat_map(|id| id.to_le_bytes()).collect();
+        let mut staged = self.alloc(id_bytes.len())?;
+        self.write_for_compute(&mut staged, 0, &id_bytes)?;
+        self.launch(
+            OP,
+            format!("bm_embedding_{}_{}", table_type.suffix(), out_type.suffix()),
+            grid_for(count),
+            THREADS,
+            0,
+            &[
+                Arg::Buf(table),
+                Arg::Buf(&staged),
+                Arg::Buf(out),
+                Arg::U64(ids.len() as u64),
+                Arg::U64(hidden as u64),
+            ],
+        )
+    }
+
+    fn check_rows(op: &'static str, rows: usize, cols: usize) -> Result<u32> {
+        if rows == 0 || cols == 0 {
+            return Err(bad(op, format!("empty input of {rows} × {cols}")));
+        }
+        to_u32(op, "row count", rows)
+    }
+
+    /// Llama's RMSNorm of `rows` rows of `cols`: `w · round(x / rms(x))`,
+    /// with the normalised value rounded to `ty` before the weight
+    /// multiplies it (as transformers does).
+    #[allow(clippy::too_many_arguments)]
+    pub fn rms_norm(
+        &self,
+        x: &DeviceBuffer,
+        weight: &DeviceBuffer,
+        out: &mut DeviceBuffer,
+        ty: FloatType,
+        rows: usize,
+        cols: usize,
+        eps: f32,
+    ) -> Result<()> {
+        const OP: &str = "rms_norm";
+        let grid_rows = Self::check_rows(OP, rows, cols)?;
+        let count = product(OP, &[rows, cols])?;
+        need(OP, x, ty, 0, count)?;
+        need(OP, out, ty, 0, count)?;
+        need(OP, weight, ty, 0, cols)?;
+        self.launch(
+            OP,
+            format!("bm_rms_norm_{}", ty.suffix()),
+            (grid_rows, 1, 1),
+            THREADS,
+            0,
+            &[
+                Arg::Buf(x),
+                Arg::Buf(weight),
+                Arg::Buf(out),
+                Arg::U64(cols as u64),
+                Arg::F32(eps),
+            ],
+        )
+    }
+
+    /// LayerNorm (biased variance) of `rows` rows of `cols`, with weight and bias.
+    #[allow(clippy::too_many_arguments)]
+    pub fn layer_norm(
+        &self,
+        x: &DeviceBuffer,
+        weight: &DeviceBuffer,
+        bias: &DeviceBuffer,
+        out: &mut DeviceBuffer,
+        ty: FloatType,
+        rows: usize,
+        cols: usize,
+        eps: f32,
+    ) -> Result<()> {
+        const OP: &str = "layer_norm";
+        let grid_rows = Self::check_rows(OP, rows, cols)?;
+        let count = product(OP, &[rows, cols])?;
+        need(OP, x, ty, 0, count)?;
+        need(OP, out, ty, 0, count)?;
+        need(OP, weight, ty, 0, cols)?;
+        need(OP, bias, ty, 0, cols)?;
+        self.launch(
+            OP,
+            format!("bm_layer_norm_{}", ty.suffix()),
+            (grid_rows, 1, 1),
+            THREADS,
+            0,
+            &[
+                Arg::Buf(x),
+                Arg::Buf(weight),
+                Arg::Buf(bias),
+                Arg::Buf(out),
+                Arg::U64(cols as u64),
+                Arg::F32(eps),
+            ],
+        )
+    }
+
+    /// Softmax over each of `rows` rows of `cols`, computed in f32.
+    pub fn softmax(
+        &self,
+        x: &DeviceBuffer,
+        out: &mut DeviceBuffer,
+        ty: FloatType,
+        rows: usize,
+        cols: usize,
+    ) -> Result<()> {
+        const OP: &str = "softmax";
+        let grid_rows = Self::check_rows(OP, rows, cols)?;
+        let count = product(OP, &[rows, cols])?;
+        need(OP, x, ty, 0, count)?;
+        need(OP, out, ty, 0, count)?;
+        self.launch(
+            OP,
+            format!("bm_softmax_{}", ty.suffix()),
+            (grid_rows, 1, 1),
+            THREADS,
+            0,
+            &[Arg::Buf(x), Arg::Buf(out), Arg::U64(cols as u64)],
+        )
+    }
+
+    /// Llama's rotary embedding (`rotate_half`, unscaled frequencies
+    /// `1 / theta^(2i / head_dim)`) of `rows` rows of `width` (whole heads
+    /// of `head_dim`), row r at position `start_pos + r`. cos and sin are
+    /// rounded to `ty` before use, as transformers does.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rotary(
+        &self,
+        x: &DeviceBuffer,
+        out: &mut DeviceBuffer,
+        ty: FloatType,
+        rows: usize,
+        width: usize,
+        head_dim: usize,
+        start_pos: usize,
+        theta: f32,
+    ) -> Result<()> {
+        const OP: &str = "rotary";
+        if head_dim == 0 || head_dim % 2 != 0 || width == 0 || width % head_dim != 0 {
+            return Err(bad(
+                OP,
+                format!("width {width} is not a whole number of heads of even size {head_dim}"),
+            ));
+        }
+        let count = product(OP, &[rows, width])?;
+        need(OP, x, ty, 0, count)?;
+        need(OP, out, ty, 0, count)?;
+        self.launch(
+            OP,
+            format!("bm_rotary_{}", ty.suffix()),
+            grid_for(count / 2),
+            THREADS,
+            0,
+            &[
+                Arg::Buf(x),
+                Arg::Buf(out),
+                Arg::U64(rows as u64),
+                Arg::U64(width as u64),
+                Arg::U64(head_dim as u64),
+                Arg::U64(start_pos as u64),
+                Arg::F32(theta),
+            ],
+        )
+    }
+
+    /// Scaled dot-product attention (scale `1/√head_dim`, softmax in f32)
+    /// of `q` (`queries × heads·head_dim`, `ty`) against F32 `keys` and
+    /// `values` (`keys × kv_heads·head_dim`); query head h reads key/value
+    /// head `h / (heads / kv_heads)`. Writes `out` like `q`.
+    pub fn attention(
+        &self,
+        q: &DeviceBuffer,
+        keys: &DeviceBuffer,
+        values: &DeviceBuffer,
+        out: &mut DeviceBuffer,
+        ty: FloatType,
+        shape: AttentionShape,
+    ) -> Result<()> {
+        const OP: &str = "attention";
+        let AttentionShape {
+            queries,
+            keys: t,
+            heads,
+            kv_heads,
+            head_dim,
+            mask,
+        } = shape;
+        if queries == 0 || head_dim == 0 || kv_heads == 0 || heads % kv_heads != 0 {
+            return Err(bad(OP, format!("unusable geometry {shape:?}")));
+        }
+        if queries > t {
+            return Err(bad(
+                OP,
+                format!("{queries} queries but only {t} cached positions"),
+            ));
+        }
+        let (mask_kind, window) = match mask {
+            AttentionMask::Bidirectional => (0u32, 0usize),
+            AttentionMask::Causal => (1, 0),
+            AttentionMask::SlidingWindow(0) => {
+                return Err(bad(OP, "a sliding window of 0 positions".into()));
+            }
+            AttentionMask::SlidingWindow(w) => (2, w),
+        };
+        let visible = if mask_kind == 2 { t.min(window) } else { t };
+        if visible > MAX_ATTENTION_KEYS {
+            return Err(bad(
+                OP,
+                format!("{visible} visible positions exceed the kernel's {MAX_ATTENTION_KEYS}"),
+            ));
+        }
+        let q_count = product(OP, &[queries, heads, head_dim])?;
+        let kv_count = product(OP, &[t, kv_heads, head_dim])?;
+        need(OP, q, ty, 0, q_count)?;
+        need(OP, out, ty, 0, q_count)?;
+        need(OP, keys, FloatType::F32, 0, kv_count)?;
+        need(OP, values, FloatType::F32, 0, kv_count)?;
+        let scale = 1.0 / (head_dim as f32).sqrt();
+        let u = |what, v| to_u32(OP, what, v);
+        self.launch(
+            OP,
+            format!("bm_attention_{}", ty.suffix()),
+            (u("query count", queries)?, u("head count", heads)?, 1),
+            ATTENTION_THREADS,
+            (visible * 4) as u32,
+            &[
+                Arg::Buf(q),
+                Arg::Buf(keys),
+                Arg::Buf(values),
+                Arg::Buf(out),
+                Arg::U32(u("query count", queries)?),
+                Arg::U32(u("key count", t)?),
+                Arg::U32(u("head count", heads)?),
+                Arg::U32(u("key/value head count", kv_heads)?),
+                Arg::U32(u("head size", head_dim)?),
+                Arg::U32(mask_kind),
+                Arg::U32(u("window", window)?),
+                Arg::F32(scale),
+            ],
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::DeviceSet;
+
+    fn emulated() -> DeviceSet {
+        DeviceSet::emulated(&[1 << 20, 1 << 20])
+    }
+
+    #[test]
+    fn emulated_gpus_refuse_compute_after_checking_arguments() {
+        let set = emulated();
+        let g = set.gpu(0).unwrap();
+        let a = g.alloc(64).unwrap();
+        let mut out = g.alloc(64).unwrap();
+        let err = g.silu(&a, &mut out, FloatType::F32, 16).unwrap_err();
+        assert!(matches!(err, Error::ComputeUnsupported { .. }), "{err}");
+        assert!(err.to_string().contains("emulated device 0"), "{err}");
+        // 17 f32 do not fit 64 bytes: the size check comes first.
+        let err = g.silu(&a, &mut out, FloatType::F32, 17).unwrap_err();
+        assert!(matches!(err, Error::OutOfBounds { .. }), "{err}");
+        // 32 bf16 do fit.
+        let err = g.add(&a, &a, &mut out, FloatType::BF16, 32).unwrap_err();
+        assert!(matches!(err, Error::ComputeUnsupported { .. }), "{err}");
+    }
+
+    #[test]
+    fn buffers_of_another_gpu_are_refused() {
+        let set = emulated();
+        let (g0, g1) = (set.gpu(0).unwrap(), set.gpu(1).unwrap());
+        let a = g1.alloc(64).unwrap();
+        let mut out = g0.alloc(64).unwrap();
+        let err = g0.silu(&a, &mut out, FloatType::F32, 16).unwrap_err();
+        assert!(matches!(err, Error::WrongDevice { .. }), "{err}");
+    }
+
+    #[test]
+    fn gemm_checks_every_matrix_of_the_batch() {
+        let set = emulated();
+        let g = set.gpu(0).unwrap();
+        let a = g.alloc(2 * 3 * 4 * 2).unwrap();
+        let b = g.alloc(5 * 3 * 4 * 2).unwrap();
+        let mut c = g.alloc(2 * 5 * 4 * 2).unwrap();
+        let one = GemmShape::new(2, 5, 3);
+        let err = g
+            .gemm(
+                &a,
+                &b,
+                &mut c,
+                FloatType::F32,
+                FloatType::F32,
+                one.batched(2, 6, 15, 10),
+            )
+            .unwrap_err();
+        assert!(matches!(err, Error::ComputeUnsupported { .. }), "{err}");
+        let err = g
+            .gemm(
+                &a,
+                &b,
+                &mut c,
+                FloatType::F32,
+                FloatType::F32,
+                one.batched(3, 6, 15, 10),
+            )
+            .unwrap_err();
+        assert!(matches!(err, Error::OutOfBounds { .. }), "{err}");
+        let err = g
+            .gemm(&a, &b, &mut c, FloatType::F32, FloatType::BF16, one)
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("cannot be written as BF16"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn attention_and_embedding_reject_bad_geometry() {
+        let set = emulated();
+        let g = set.gpu(0).unwrap();
+        let q = g.alloc(1024).unwrap();
+        let kv = g.alloc(1024).unwrap();
+        let mut out = g.alloc(1024).unwrap();
+        let shape = AttentionShape {
+            queries: 2,
+            keys: 1,
+            heads: 2,
+            kv_heads: 1,
+            head_dim: 4,
+            mask: AttentionMask::Causal,
+        };
+        let err = g
+            .attention(&q, &kv, &kv, &mut out, FloatType::F32, shape)
+            .unwrap_err();
+        assert!(err.to_string().contains("2 queries but only 1"), "{err}");
+        let grouped = AttentionShape {
+            kv_heads: 3,
+            keys: 2,
+            ..shape
+        };
+        assert!(
+            g.attention(&q, &kv, &kv, &mut out, FloatType::F32, grouped)
+                .is_err()
+        );
+        let long = AttentionShape {
+            keys: MAX_ATTENTION_KEYS + 1,
+            queries: 1,
+            ..shape
+        };
+        let err = g
+            .attention(&q, &kv, &kv, &mut out, FloatType::F32, long)
+            .unwrap_err();
+        assert!(err.to_string().contains("visible positions"), "{err}");
+        let err = g
+            .embedding(&q, FloatType::F32, 4, 8, &[1, 4], &mut out, FloatType::F32)
+            .unwrap_err();
+        assert!(err.to_string().contains("token id 4"), "{err}");
+    }
+}

@@ -1,0 +1,311 @@
+//! The CUDA half of [`compute`](crate::compute): NVRTC-compiled kernels and
+//! cuBLAS GEMMs on raw device pointers. With `cuda.rs`, the only code of the
+//! workspace that names cudarc.
+//!
+//! The kernel source (`kernels.cu`) is compiled once per process to PTX,
+//! which each GPU's driver JIT-compiles when the module is loaded (once per
+//! GPU, on first use). NVRTC and cuBLAS are loaded at run time; a machine
+//! without them gets an error naming the missing library, never a panic.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, OnceLock};
+
+use cudarc::cublas::{CudaBlas, result as blas, sys as blas_sys};
+use cudarc::driver::{CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::nvrtc::{CompileOptions, Ptx, compile_ptx_with_opts};
+use parking_lot::Mutex;
+
+use crate::compute::{FloatType, GemmShape};
+use crate::cuda::{CudaGpu, driver_error};
+use crate::{Device, Error, Result};
+
+/// The kernels' CUDA C++ source.
+const SOURCE: &str = include_str!("kernels.cu");
+
+/// A kernel argument, as the kernel receives it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum RawArg {
+    /// A device pointer (0 for a null pointer).
+    Ptr(u64),
+    /// `u32`.
+    U32(u32),
+    /// `u64`.
+    U64(u64),
+    /// `float`.
+    F32(f32),
+}
+
+/// Grid, block and dynamic shared memory of a launch.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct LaunchShape {
+    pub grid: (u32, u32, u32),
+    pub block: u32,
+    pub shared_bytes: u32,
+}
+
+/// One GPU's loaded kernel module, with functions looked up once by name.
+pub(crate) struct Kernels {
+    module: Arc<CudaModule>,
+    functions: Mutex<HashMap<String, CudaFunction>>,
+}
+
+/// A loaded library (kernels or cuBLAS), or why it could not be loaded.
+pub(crate) type Lazy<T> = OnceLock<std::result::Result<T, String>>;
+
+/// Runs `f`, turning a panic (cudarc panics when a library or symbol is
+/// missing) into an error message.
+fn no_panic<T>(
+    what: &str,
+    f: impl FnOnce() -> std::result::Result<T, String>,
+) -> Result<T, String> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(payload) => Err(payload
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| format!("{what} failed"))),
+    }
+}
+
+/// The kernels compiled to PTX, once per process.
+fn ptx() -> std::result::Result<&'static Ptx, String> {
+    static PTX: Lazy<Ptx> = OnceLock::new();
+    PTX.get_or_init(|| {
+        // SAFETY: only tries to open the library by name.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            return Err(
+                "the NVRTC library (libnvrtc.so) was not found; GPU compute compiles its \
+                 kernels with it at run time"
+                    .into(),
+            );
+        }
+        no_panic("NVRTC", || {
+            let options = CompileOptions {
+                // No FMA contraction: results then match the CPU kernels'
+                // separate multiply and add.
+                fmad: Some(false),
+                name: Some("bm_kernels.cu".into()),
+                ..Default::default()
+            };
+            compile_ptx_with_opts(SOURCE, options).map_err(|e| e.to_string())
+        })
+    })
+    .as_ref()
+    .map_err(Clone::clone)
+}
+
+impl CudaGpu {
+    fn compute_error(&self, operation: &'static str, message: String) -> Error {
+        Error::Driver {
+            operation,
+            device: Some(Device::Gpu(self.ctx.ordinal())),
+            message,
+        }
+    }
+
+    /// This GPU's kernel module, loaded on first use.
+    fn kernels(&self) -> Result<&Kernels> {
+        self.kernels
+            .get_or_init(|| {
+                let ptx = ptx()?.clone();
+                let module = self
+                    .ctx
+                    .load_module(ptx)
+                    .map_err(|e| driver_error("cuModuleLoadData", None, e).to_string())?;
+                Ok(Kernels {
+                    module,
+                    functions: Mutex::new(HashMap::new()),
+                })
+            })
+            .as_ref()
+            .map_err(|m| self.compute_error("loading the compute kernels", m.clone()))
+    }
+
+    /// Enqueues kernel `name` on `stream`.
+    ///
+    /// # Safety
+    /// `args` match the kernel's parameters in number and type, and every
+    /// pointer is device memory of this GPU large enough for what the
+    /// kernel reads or writes under `shape`.
+    pub(crate) unsafe fn launch(
+        &self,
+        stream: &CudaStream,
+        name: &str,
+        shape: LaunchShape,
+        args: &[RawArg],
+    ) -> Result<()> {
+        let kernels = self.kernels()?;
+        let func = {
+            let mut functions = kernels.functions.lock();
+            match functions.get(name) {
+                Some(f) => f.clone(),
+                None => {
+                    let f = kernels
+                        .module
+                        .load_function(name)
+                        .map_err(self.err_for("cuModuleGetFunction"))?;
+                    functions.insert(name.to_string(), f.clone());
+                    f
+                }
+            }
+        };
+        let mut launch = stream.launch_builder(&func);
+        for arg in args {
+            match arg {
+                RawArg::Ptr(v) | RawArg::U64(v) => launch.arg(v),
+                RawArg::U32(v) => launch.arg(v),
+                RawArg::F32(v) => launch.arg(v),
+            };
+        }
+        let cfg = LaunchConfig {
+            grid_dim: shape.grid,
+            block_dim: (shape.block, 1, 1),
+            shared_mem_bytes: shape.shared_bytes,
+        };
+        // SAFETY: per this function's contract.
+        unsafe { launch.launch(cfg) }
+            .map(|_| ())
+            .map_err(self.err_for("cuLaunchKernel"))
+    }
+
+    fn err_for(
+        &self,
+        operation: &'static str,
+    ) -> impl FnOnce(cudarc::driver::DriverError) -> Error {
+        let device = Device::Gpu(self.ctx.ordinal());
+        move |e| driver_error(operation, Some(device), e)
+    }
+
+    /// This GPU's cuBLAS handle, bound to `stream` (the compute stream) on
+    /// first use.
+    fn blas(&self, stream: &Arc<CudaStream>) -> Result<&Mutex<CudaBlas>> {
+        self.blas
+            .get_or_init(|| {
+                // SAFETY: only tries to open the library by name.
+                if !unsafe { blas_sys::is_culib_present() } {
+                    return Err("the cuBLAS library (libcublas.so) was not found".into());
+                }
+                no_panic("cuBLAS", || {
+                    CudaBlas::new(Arc::clone(stream))
+                        .map(Mutex::new)
+                        .map_err(|e| e.to_string())
+                })
+            })
+            .as_ref()
+            .map_err(|m| self.compute_error("creating the cuBLAS handle", m.clone()))
+    }
+
+    /// Enqueues `C = A · Bᵀ` (row-major, see [`GemmShape`]) on `stream`,
+    /// accumulating in f32.
+    ///
+    /// # Safety
+    /// `a`, `b` and `c` are device memory of this GPU holding the matrices
+    /// `shape` describes (every batch), in the given types.
+    pub(crate) unsafe fn gemm(
+        &self,
+        stream: &Arc<CudaStream>,
+        shape: &GemmShape,
+        input: FloatType,
+        output: FloatType,
+        (a, b, c): (u64, u64, u64),
+    ) -> Result<()> {
+        let blas_handle = self.blas(stream)?.lock();
+        self.ctx
+            .bind_to_thread()
+            .map_err(self.err_for("binding the context"))?;
+        let to_int = |v: usize| {
+            i32::try_from(v).map_err(|_| Error::BadComputeArgs {
+                operation: "gemm",
+                message: format!("dimension {v} is beyond cuBLAS's 32-bit limit"),
+            })
+        };
+        let (m, n, k) = (to_int(shape.m)?, to_int(shape.n)?, to_int(shape.k)?);
+        let in_type = data_type(input);
+        let out_type = data_type(output);
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let alpha = &alpha as *const f32 as *const c_void;
+        let beta = &beta as *const f32 as *const c_void;
+        // cuBLAS is column-major: row-major C[m, n] = A[m, k] · B[n, k]ᵀ is
+        // column-major Cᵀ (n×m, ld n) = Bᵀ-as-stored transposed · A-as-stored:
+        // B's bytes read column-major are k×n (ld k), transposed to n×k; A's
+        // are k×m (ld k), used as they are.
+        let op_t = blas_sys::cublasOperation_t::CUBLAS_OP_T;
+        let op_n = blas_sys::cublasOperation_t::CUBLAS_OP_N;
+        let compute = blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F;
+        let algo = blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT;
+        let handle = *blas_handle.handle();
+        let status = if shape.batch == 1 {
+            // SAFETY: per this function's contract; alpha/beta are host f32
+            // as CUBLAS_COMPUTE_32F with the default pointer mode expects.
+            unsafe {
+                blas::gemm_ex(
+                    handle,
+                    op_t,
+                    op_n,
+                    n,
+                    m,
+                    k,
+                    alpha,
+                    b as *const c_void,
+                    in_type,
+                    k,
+                    a as *const c_void,
+                    in_type,
+                    k,
+                    beta,
+                    c as *mut c_void,
+                    out_type,
+                    n,
+                    compute,
+                    algo,
+                )
+            }
+        } else {
+            let stride = |v: usize| {
+                i64::try_from(v).map_err(|_| Error::BadComputeArgs {
+                    operation: "gemm",
+                    message: format!("stride {v} does not fit 64 bits"),
+                })
+            };
+            // SAFETY: as above, for every batch.
+            unsafe {
+                blas::gemm_strided_batched_ex(
+                    handle,
+                    op_t,
+                    op_n,
+                    n,
+                    m,
+                    k,
+                    alpha,
+                    b as *const c_void,
+                    in_type,
+                    k,
+                    stride(shape.stride_b)?,
+                    a as *const c_void,
+                    in_type,
+                    k,
+                    stride(shape.stride_a)?,
+                    beta,
+                    c as *mut c_void,
+                    out_type,
+                    n,
+                    stride(shape.stride_c)?,
+                    to_int(shape.batch)?,
+                    compute,
+                    algo,
+                )
+            }
+        };
+        status.map_err(|e| self.compute_error("cublasGemmEx", e.to_string()))
+    }
+}
+
+fn data_type(t: FloatType) -> blas_sys::cudaDataType {
+    match t {
+        FloatType::F32 => blas_sys::cudaDataType::CUDA_R_32F,
+        FloatType::F16 => blas_sys::cudaDataType::CUDA_R_16F,
+        FloatType::BF16 => blas_sys::cudaDataType::CUDA_R_16BF,
+    }
+}

@@ -1,0 +1,346 @@
+// Compute kernels of bm-device, compiled at run time with NVRTC (so the
+// build needs no CUDA toolkit). No headers: F16/BF16 travel as raw 16-bit
+// words and are converted by hand (PTX cvt for F16, bit rounding for BF16),
+// and every value is computed in f32, rounded once when stored.
+//
+// Launch conventions (see compute.rs):
+// * elementwise kernels: 1-D grid-stride loops over `n` elements;
+// * row kernels (norms, softmax): one block per row, a multiple of 32 threads;
+// * attention: one block per (query, head), a multiple of 32 threads, the
+//   scores of its visible keys in dynamic shared memory.
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+
+// -inf without math.h (NVRTC has no headers here).
+#define NEG_INF (__uint_as_float(0xff800000u))
+
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ u16 f32_to_f16(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+__device__ __forceinline__ float bf16_to_f32(u16 h) {
+    return __uint_as_float(((u32)h) << 16);
+}
+
+// Round to nearest even, NaN kept quiet: the `half` crate's and PyTorch's rule.
+__device__ __forceinline__ u16 f32_to_bf16(float f) {
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        return (u16)((u >> 16) | 0x40u);
+    }
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (u16)(u >> 16);
+}
+
+struct F32 {
+    typedef float T;
+    static __device__ __forceinline__ float load(const T* p, u64 i) { return p[i]; }
+    static __device__ __forceinline__ void store(T* p, u64 i, float v) { p[i] = v; }
+    static __device__ __forceinline__ float round(float v) { return v; }
+};
+
+struct F16 {
+    typedef u16 T;
+    static __device__ __forceinline__ float load(const T* p, u64 i) { return f16_to_f32(p[i]); }
+    static __device__ __forceinline__ void store(T* p, u64 i, float v) { p[i] = f32_to_f16(v); }
+    static __device__ __forceinline__ float round(float v) { return f16_to_f32(f32_to_f16(v)); }
+};
+
+struct BF16 {
+    typedef u16 T;
+    static __device__ __forceinline__ float load(const T* p, u64 i) { return bf16_to_f32(p[i]); }
+    static __device__ __forceinline__ void store(T* p, u64 i, float v) { p[i] = f32_to_bf16(v); }
+    static __device__ __forceinline__ float round(float v) { return bf16_to_f32(f32_to_bf16(v)); }
+};
+
+__device__ __forceinline__ u64 grid_start() {
+    return (u64)blockIdx.x * blockDim.x + threadIdx.x;
+}
+
+__device__ __forceinline__ u64 grid_stride() {
+    return (u64)gridDim.x * blockDim.x;
+}
+
+// Sum (or max) over the block; every thread gets the result. `scratch`
+// holds one float per warp; blockDim.x is a multiple of 32.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    const int warps = blockDim.x / 32;
+    float total = 0.0f;
+    for (int w = 0; w < warps; ++w) total += scratch[w];
+    return total;
+}
+
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    const int warps = blockDim.x / 32;
+    float best = scratch[0];
+    for (int w = 1; w < warps; ++w) best = fmaxf(best, scratch[w]);
+    return best;
+}
+
+template <typename S, typename D>
+__device__ void cast(const typename S::T* x, typename D::T* y, u64 n) {
+    for (u64 i = grid_start(); i < n; i += grid_stride()) D::store(y, i, S::load(x, i));
+}
+
+template <typename D>
+__device__ void add(const typename D::T* a, const typename D::T* b, typename D::T* y, u64 n) {
+    for (u64 i = grid_start(); i < n; i += grid_stride()) D::store(y, i, D::load(a, i) + D::load(b, i));
+}
+
+template <typename D>
+__device__ void mul(const typename D::T* a, const typename D::T* b, typename D::T* y, u64 n) {
+    for (u64 i = grid_start(); i < n; i += grid_stride()) D::store(y, i, D::load(a, i) * D::load(b, i));
+}
+
+template <typename D>
+__device__ void silu(const typename D::T* x, typename D::T* y, u64 n) {
+    for (u64 i = grid_start(); i < n; i += grid_stride()) {
+        const float v = D::load(x, i);
+        D::store(y, i, v / (1.0f + expf(-v)));
+    }
+}
+
+// Exact GELU, 0.5 x (1 + erf(x / sqrt 2)), evaluated in double.
+template <typename D>
+__device__ void gelu(const typename D::T* x, typename D::T* y, u64 n) {
+    for (u64 i = grid_start(); i < n; i += grid_stride()) {
+        const double v = (double)D::load(x, i);
+        D::store(y, i, (float)(0.5 * v * (1.0 + erf(v * 0.70710678118654752440))));
+    }
+}
+
+// out[r, c] = acc[r, c] + bias[c]: the end of a linear layer whose product
+// cuBLAS left in f32, rounded once to the output dtype.
+template <typename D>
+__device__ void bias_epilogue(const float* acc, const typename D::T* bias, typename D::T* y,
+                              u64 rows, u64 cols) {
+    const u64 n = rows * cols;
+    for (u64 i = grid_start(); i < n; i += grid_stride()) {
+        float v = acc[i];
+        if (bias != 0) v += D::load(bias, i % cols);
+        D::store(y, i, v);
+    }
+}
+
+// out[i, :] = table[ids[i], :]; ids were checked against the vocabulary.
+template <typename S, typename D>
+__device__ void embedding(const typename S::T* table, const u32* ids, typename D::T* y, u64 count,
+                          u64 hidden) {
+    const u64 n = count * hidden;
+    for (u64 i = grid_start(); i < n; i += grid_stride()) {
+        const u64 row = i / hidden, col = i % hidden;
+        D::store(y, i, S::load(table, (u64)ids[row] * hidden + col));
+    }
+}
+
+// Llama's RMSNorm: w * round(x / rms(x)), normalised value rounded to the
+// activation dtype before the weight multiplies it (as transformers does).
+template <typename D>
+__device__ void rms_norm(const typename D::T* x, const typename D::T* w, typename D::T* y,
+                         u64 cols, float eps) {
+    __shared__ float scratch[32];
+    const u64 base = (u64)blockIdx.x * cols;
+    float sq = 0.0f;
+    for (u64 c = threadIdx.x; c < cols; c += blockDim.x) {
+        const float v = D::load(x, base + c);
+        sq += v * v;
+    }
+    const float inv = 1.0f / sqrtf(block_sum(sq, scratch) / (float)cols + eps);
+    for (u64 c = threadIdx.x; c < cols; c += blockDim.x) {
+        D::store(y, base + c, D::load(w, c) * D::round(D::load(x, base + c) * inv));
+    }
+}
+
+// LayerNorm with biased variance, two passes over the row.
+template <typename D>
+__device__ void layer_norm(const typename D::T* x, const typename D::T* w,
+                           const typename D::T* b, typename D::T* y, u64 cols, float eps) {
+    __shared__ float scratch[32];
+    const u64 base = (u64)blockIdx.x * cols;
+    float s = 0.0f;
+    for (u64 c = threadIdx.x; c < cols; c += blockDim.x) s += D::load(x, base + c);
+    const float mean = block_sum(s, scratch) / (float)cols;
+    float sq = 0.0f;
+    for (u64 c = threadIdx.x; c < cols; c += blockDim.x) {
+        const float d = D::load(x, base + c) - mean;
+        sq += d * d;
+    }
+    const float inv = 1.0f / sqrtf(block_sum(sq, scratch) / (float)cols + eps);
+    for (u64 c = threadIdx.x; c < cols; c += blockDim.x) {
+        const float v = (D::load(x, base + c) - mean) * inv;
+        D::store(y, base + c, v * D::load(w, c) + D::load(b, c));
+    }
+}
+
+// Softmax over rows, max subtracted first.
+template <typename D>
+__device__ void softmax(const typename D::T* x, typename D::T* y, u64 cols) {
+    __shared__ float scratch[32];
+    const u64 base = (u64)blockIdx.x * cols;
+    float m = NEG_INF;
+    for (u64 c = threadIdx.x; c < cols; c += blockDim.x) m = fmaxf(m, D::load(x, base + c));
+    m = block_max(m, scratch);
+    float s = 0.0f;
+    for (u64 c = threadIdx.x; c < cols; c += blockDim.x) s += expf(D::load(x, base + c) - m);
+    s = block_sum(s, scratch);
+    for (u64 c = threadIdx.x; c < cols; c += blockDim.x) {
+        D::store(y, base + c, expf(D::load(x, base + c) - m) / s);
+    }
+}
+
+// Rotary embedding, rotate_half convention: dimension i of a head pairs
+// with i + head_dim / 2, at frequency 1 / theta^(2i / head_dim); row r is at
+// position start_pos + r. cos/sin are rounded to the activation dtype before
+// use, as transformers casts them.
+template <typename D>
+__device__ void rotary(const typename D::T* x, typename D::T* y, u64 rows, u64 width,
+                       u64 head_dim, u64 start_pos, float theta) {
+    const u64 half = head_dim / 2;
+    const u64 pairs_per_row = width / 2;
+    const u64 n = rows * pairs_per_row;
+    for (u64 p = grid_start(); p < n; p += grid_stride()) {
+        const u64 row = p / pairs_per_row, rem = p % pairs_per_row;
+        const u64 head = rem / half, i = rem % half;
+        const float inv_freq = 1.0f / powf(theta, (float)(2 * i) / (float)head_dim);
+        const float angle = (float)(start_pos + row) * inv_freq;
+        const float c = D::round(cosf(angle)), s = D::round(sinf(angle));
+        const u64 at = row * width + head * head_dim + i;
+        const float a = D::load(x, at), b = D::load(x, at + half);
+        D::store(y, at, a * c - b * s);
+        D::store(y, at + half, b * c + a * s);
+    }
+}
+
+// Scaled dot-product attention of query block (blockIdx.x = query row,
+// blockIdx.y = head) over f32 keys/values [t, kv_heads * head_dim]; the
+// queries are the last `s` of the `t` positions. mask: 0 every key,
+// 1 causal, 2 causal within the last `window` positions.
+template <typename D>
+__device__ void attention(const typename D::T* q, const float* k, const float* v, typename D::T* y,
+                          u32 s, u32 t, u32 heads, u32 kv_heads, u32 head_dim, u32 mask,
+                          u32 window, float scale) {
+    extern __shared__ float scores[];
+    __shared__ float scratch[32];
+    const u32 i = blockIdx.x, h = blockIdx.y;
+    const u32 g = h / (heads / kv_heads);
+    const u32 pos = t - s + i;
+    u32 lo = 0, hi = t;
+    if (mask >= 1) hi = pos + 1;
+    if (mask == 2) lo = (pos + 1 > window) ? pos + 1 - window : 0;
+    const u64 q_width = (u64)heads * head_dim, kv_width = (u64)kv_heads * head_dim;
+    const u64 q_at = (u64)i * q_width + (u64)h * head_dim;
+
+    float m = NEG_INF;
+    for (u32 j = lo + threadIdx.x; j < hi; j += blockDim.x) {
+        const float* kj = k + (u64)j * kv_width + (u64)g * head_dim;
+        float dot = 0.0f;
+        for (u32 d = 0; d < head_dim; ++d) dot += D::load(q, q_at + d) * kj[d];
+        dot *= scale;
+        scores[j - lo] = dot;
+        m = fmaxf(m, dot);
+    }
+    m = block_max(m, scratch);
+    float sum = 0.0f;
+    for (u32 j = lo + threadIdx.x; j < hi; j += blockDim.x) {
+        const float e = expf(scores[j - lo] - m);
+        scores[j - lo] = e;
+        sum += e;
+    }
+    sum = block_sum(sum, scratch);
+    for (u32 j = lo + threadIdx.x; j < hi; j += blockDim.x) scores[j - lo] /= sum;
+    __syncthreads();
+    for (u32 d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float acc = 0.0f;
+        for (u32 j = lo; j < hi; ++j) acc += scores[j - lo] * v[(u64)j * kv_width + (u64)g * head_dim + d];
+        D::store(y, q_at + d, acc);
+    }
+}
+
+#define CAST(S, D, name)                                                                  \
+    extern "C" __global__ void bm_cast_##name(const S::T* x, D::T* y, u64 n) { cast<S, D>(x, y, n); }
+
+#define EMBED(S, D, name)                                                                \
+    extern "C" __global__ void bm_embedding_##name(const S::T* table, const u32* ids, D::T* y, \
+                                                   u64 count, u64 hidden) {              \
+        embedding<S, D>(table, ids, y, count, hidden);                                    \
+    }
+
+#define SAME_TYPE(D, name)                                                                        \
+    extern "C" __global__ void bm_add_##name(const D::T* a, const D::T* b, D::T* y, u64 n) {        \
+        add<D>(a, b, y, n);                                                                      \
+    }                                                                                            \
+    extern "C" __global__ void bm_mul_##name(const D::T* a, const D::T* b, D::T* y, u64 n) {        \
+        mul<D>(a, b, y, n);                                                                      \
+    }                                                                                            \
+    extern "C" __global__ void bm_silu_##name(const D::T* x, D::T* y, u64 n) { silu<D>(x, y, n); } \
+    extern "C" __global__ void bm_gelu_##name(const D::T* x, D::T* y, u64 n) { gelu<D>(x, y, n); } \
+    extern "C" __global__ void bm_bias_epilogue_##name(const float* acc, const D::T* bias, D::T* y, \
+                                                       u64 rows, u64 cols) {                     \
+        bias_epilogue<D>(acc, bias, y, rows, cols);                                              \
+    }                                                                                            \
+    extern "C" __global__ void bm_rms_norm_##name(const D::T* x, const D::T* w, D::T* y, u64 cols, \
+                                                  float eps) {                                   \
+        rms_norm<D>(x, w, y, cols, eps);                                                         \
+    }                                                                                            \
+    extern "C" __global__ void bm_layer_norm_##name(const D::T* x, const D::T* w, const D::T* b,   \
+                                                    D::T* y, u64 cols, float eps) {              \
+        layer_norm<D>(x, w, b, y, cols, eps);                                                    \
+    }                                                                                            \
+    extern "C" __global__ void bm_softmax_##name(const D::T* x, D::T* y, u64 cols) {              \
+        softmax<D>(x, y, cols);                                                                  \
+    }                                                                                            \
+    extern "C" __global__ void bm_rotary_##name(const D::T* x, D::T* y, u64 rows, u64 width,      \
+                                                u64 head_dim, u64 start_pos, float theta) {      \
+        rotary<D>(x, y, rows, width, head_dim, start_pos, theta);                                \
+    }                                                                                            \
+    extern "C" __global__ void bm_attention_##name(const D::T* q, const float* k, const float* v,   \
+                                                   D::T* y, u32 s, u32 t, u32 heads, u32 kv_heads, \
+                                                   u32 head_dim, u32 mask, u32 window,           \
+                                                   float scale) {                                \
+        attention<D>(q, k, v, y, s, t, heads, kv_heads, head_dim, mask, window, scale);          \
+    }
+
+CAST(F32, F32, f32_f32)
+CAST(F32, F16, f32_f16)
+CAST(F32, BF16, f32_bf16)
+CAST(F16, F32, f16_f32)
+CAST(F16, F16, f16_f16)
+CAST(F16, BF16, f16_bf16)
+CAST(BF16, F32, bf16_f32)
+CAST(BF16, F16, bf16_f16)
+CAST(BF16, BF16, bf16_bf16)
+
+EMBED(F32, F32, f32_f32)
+EMBED(F32, F16, f32_f16)
+EMBED(F32, BF16, f32_bf16)
+EMBED(F16, F32, f16_f32)
+EMBED(F16, F16, f16_f16)
+EMBED(F16, BF16, f16_bf16)
+EMBED(BF16, F32, bf16_f32)
+EMBED(BF16, F16, bf16_f16)
+EMBED(BF16, BF16, bf16_bf16)
+
+SAME_TYPE(F32, f32)
+SAME_TYPE(F16, f16)
+SAME_TYPE(BF16, bf16)
