@@ -331,10 +331,14 @@ pub fn run(root: &Path, options: Options) -> Result<(), String> {
     fs::create_dir_all(&data).map_err(|e| format!("creating {}: {e}", data.display()))?;
     let started = Instant::now();
 
-    let cli = build_cli(root, &cargo);
-    let (gpus, gpu_absent) = match &cli {
-        Ok(cli) => find_gpus(cli),
-        Err(e) => (Vec::new(), format!("unknown: {e}")),
+    let (cli, cuda_failure) = build_cli(root, &cargo);
+    let (gpus, gpu_absent) = match (&cli, cuda_failure) {
+        (_, Some(why)) => (
+            Vec::new(),
+            format!("not detected: the CUDA build of the CLI failed: {why}"),
+        ),
+        (Ok(cli), None) => find_gpus(cli),
+        (Err(e), None) => (Vec::new(), format!("unknown: {e}")),
     };
     let python = baseline_python(root, options.with_accelerate);
     let shape = LlamaShape::for_run(options.quick);
@@ -442,9 +446,7 @@ impl Suite {
         // Criterion's file times have at least second resolution everywhere.
         let since = SystemTime::now() - Duration::from_secs(2);
         capture(&mut cmd, CARGO_LIMIT)?;
-        let target = std::env::var_os("CARGO_TARGET_DIR")
-            .map_or_else(|| self.root.join("target"), PathBuf::from);
-        let parsed = criterion_results(&target.join("criterion"), since);
+        let parsed = criterion_results(&target_dir(&self.root).join("criterion"), since);
         if parsed.is_empty() {
             return Err(format!(
                 "not available: `cargo bench --bench {bench}` wrote no criterion results"
@@ -1194,29 +1196,40 @@ fn error_line(stderr: &str) -> String {
 }
 
 /// Builds the release CLI with the cuda feature (so GPUs are found when
-/// present; CUDA is loaded at run time, no toolkit needed).
-fn build_cli(root: &Path, cargo: &str) -> Result<PathBuf, String> {
+/// present; CUDA is loaded at run time, no toolkit needed). When that build
+/// fails it builds without CUDA, so the CPU rows still run, and says why.
+fn build_cli(root: &Path, cargo: &str) -> (Result<PathBuf, String>, Option<String>) {
     eprintln!("== bench: building the release bigmodel CLI");
-    capture(
-        Command::new(cargo).current_dir(root).args([
-            "build",
-            "--release",
-            "-p",
-            "bigmodel-cli",
-            "--features",
-            "cuda",
-        ]),
-        CARGO_LIMIT,
-    )?;
-    let exe = root
-        .join("target")
+    let build = |features: &[&str]| {
+        capture(
+            Command::new(cargo)
+                .current_dir(root)
+                .args(["build", "--release", "-p", "bigmodel-cli"])
+                .args(features),
+            CARGO_LIMIT,
+        )
+    };
+    let cuda_failure = build(&["--features", "cuda"]).err();
+    if let Some(why) = &cuda_failure {
+        eprintln!("== bench: the CUDA build of the CLI failed ({why}); building without CUDA");
+        if let Err(e) = build(&[]) {
+            return (Err(e), cuda_failure);
+        }
+    }
+    let exe = target_dir(root)
         .join("release")
         .join(format!("bigmodel{}", std::env::consts::EXE_SUFFIX));
     if exe.is_file() {
-        Ok(exe)
+        (Ok(exe), cuda_failure)
     } else {
-        Err(format!("not available: {} was not built", exe.display()))
+        let why = format!("not available: {} was not built", exe.display());
+        (Err(why), cuda_failure)
     }
+}
+
+/// Cargo's target folder.
+fn target_dir(root: &Path) -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from)
 }
 
 /// GPU descriptions from `bigmodel devices --json`, or why there are none.
