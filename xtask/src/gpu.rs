@@ -2,9 +2,10 @@
 //! built here and shipped as one folder.
 //!
 //! The GPU machine has no Rust toolchain and no network, so the bundle
-//! holds ready-to-run binaries: every `tests/gpu.rs` integration test of
-//! the workspace, every bench, and the `bigmodel` CLI, all built in release
-//! mode with the `cuda` feature and stripped, plus `run.sh`, which runs
+//! holds ready-to-run binaries: every `tests/gpu.rs` and
+//! `tests/gpu_compute.rs` integration test of the workspace, every bench,
+//! and the `bigmodel` CLI, all built in release mode with the `cuda`
+//! feature and stripped, plus `run.sh`, which runs
 //! them with `BM_GPU_TESTS=1` (a missing GPU is then a failure, not a skip)
 //! and writes `report.md`.
 
@@ -112,6 +113,8 @@ pub fn bundle(root: &Path) -> Result<PathBuf, String> {
         "--no-run",
         "--test",
         "gpu",
+        "--test",
+        "gpu_compute",
     ]))?;
     let benches = executables(base("bench").args([
         "--workspace",
