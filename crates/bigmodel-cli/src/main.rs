@@ -26,6 +26,12 @@ enum Command {
     Plan(cmd::plan::Args),
     /// List the devices found and their memory.
     Devices(cmd::devices::Args),
+    /// Load a decoder folder under a device map and generate greedily.
+    Run(cmd::run::Args),
+    /// Sentence embeddings from a BERT-family folder under a device map.
+    Embed(cmd::embed::Args),
+    /// Create a ~1 GB model, run it offloaded and check it against RAM.
+    Demo(cmd::demo::Args),
 }
 
 fn main() -> ExitCode {
@@ -35,6 +41,9 @@ fn main() -> ExitCode {
         Command::Shard(a) => cmd::shard::run(a),
         Command::Plan(a) => cmd::plan::run(a),
         Command::Devices(a) => cmd::devices::run(a),
+        Command::Run(a) => cmd::run::run(a),
+        Command::Embed(a) => cmd::embed::run(a),
+        Command::Demo(a) => cmd::demo::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

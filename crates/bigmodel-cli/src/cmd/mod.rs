@@ -1,8 +1,11 @@
 //! One module per command.
 
+pub mod demo;
 pub mod devices;
+pub mod embed;
 pub mod inspect;
 pub mod plan;
+pub mod run;
 pub mod shard;
 
 /// The error every command returns: printed as one paragraph on stderr.

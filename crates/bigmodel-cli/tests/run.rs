@@ -1,0 +1,315 @@
+//! `bigmodel run` on the tiny Llama fixture of bm-models: JSON keys, the
+//! logits dump against transformers' logits, a CPU + disk map streaming
+//! weights with the same output, and bad input.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::{Value, json};
+
+fn tiny_llama() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../bm-models/tests/fixtures/tiny-llama")
+}
+
+fn bigmodel(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_bigmodel"))
+        .args(args)
+        .output()
+        .expect("run bigmodel")
+}
+
+fn json_of(out: &Output) -> Value {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("one JSON document on stdout")
+}
+
+/// Tensors of a safetensors file: name -> (shape, bytes).
+fn read_safetensors(path: &Path) -> Vec<(String, Vec<usize>, Vec<u8>)> {
+    let bytes = std::fs::read(path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let data = &bytes[8 + n..];
+    header
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(k, _)| *k != "__metadata__")
+        .map(|(k, v)| {
+            let shape = v["shape"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|d| d.as_u64().unwrap() as usize)
+                .collect();
+            let (a, b) = (
+                v["data_offsets"][0].as_u64().unwrap() as usize,
+                v["data_offsets"][1].as_u64().unwrap() as usize,
+            );
+            (k.clone(), shape, data[a..b].to_vec())
+        })
+        .collect()
+}
+
+fn reference(name: &str) -> (Vec<usize>, Vec<u8>) {
+    read_safetensors(&tiny_llama().join("reference.safetensors"))
+        .into_iter()
+        .find(|(k, _, _)| k == name)
+        .map(|(_, s, b)| (s, b))
+        .unwrap()
+}
+
+fn reference_ids(name: &str) -> Vec<u64> {
+    reference(name)
+        .1
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u64)
+        .collect()
+}
+
+fn floats(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+fn ids_arg(ids: &[u64]) -> String {
+    ids.iter().map(u64::to_string).collect::<Vec<_>>().join(",")
+}
+
+#[test]
+fn json_has_every_key_and_greedy_ids_match_transformers() {
+    let prompt = ids_arg(&reference_ids("prompt.0"));
+    let want = reference_ids("generated.0");
+    let dir = tempfile::tempdir().unwrap();
+    let dump = dir.path().join("logits.safetensors");
+    let out = bigmodel(&[
+        "run",
+        tiny_llama().to_str().unwrap(),
+        "--prompt-ids",
+        &prompt,
+        "--max-new-tokens",
+        "8",
+        "--dump-logits",
+        dump.to_str().unwrap(),
+        "--json",
+    ]);
+    let v = json_of(&out);
+    for key in [
+        "generated_ids",
+        "text",
+        "device_map",
+        "load_seconds",
+        "first_forward_seconds",
+        "seconds_per_token",
+        "bytes_streamed_per_token",
+        "peak_host_bytes",
+    ] {
+        assert!(v.get(key).is_some(), "missing {key}: {v}");
+    }
+    let got: Vec<u64> = v["generated_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i.as_u64().unwrap())
+        .collect();
+    // Generation stops early at eos (2); transformers' run did not.
+    assert!(!got.is_empty() && got.len() <= want.len());
+    assert_eq!(got[..], want[..got.len()]);
+    assert!(got.len() == want.len() || got.last() == Some(&2));
+    assert_eq!(v["bytes_streamed_per_token"], 0);
+    assert!(v["peak_host_bytes"].as_u64().unwrap() > 0);
+
+    let dumped = read_safetensors(&dump);
+    assert_eq!(dumped.len(), 1);
+    let (name, shape, bytes) = &dumped[0];
+    assert_eq!((name.as_str(), shape.as_slice()), ("logits", &[5, 256][..]));
+    let (want_shape, want_bytes) = reference("logits.0");
+    assert_eq!(shape, &want_shape);
+    let diff = floats(bytes)
+        .iter()
+        .zip(floats(&want_bytes))
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(diff <= 1e-4, "max |diff| {diff}");
+}
+
+#[test]
+fn a_cpu_and_disk_map_streams_weights_and_gives_the_same_tokens() {
+    let dir = tempfile::tempdir().unwrap();
+    let map = json!({
+        "model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
+        "model.layers.2": "disk", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "disk",
+    });
+    let map_path = dir.path().join("map.json");
+    std::fs::write(&map_path, map.to_string()).unwrap();
+    let offload = dir.path().join("offload");
+    let model = tiny_llama();
+    let common = [
+        "run",
+        model.to_str().unwrap(),
+        "--prompt",
+        "Hello, wörld!",
+        "--max-new-tokens",
+        "6",
+        "--json",
+    ];
+    let in_ram = json_of(&bigmodel(&common));
+    let mut args = common.to_vec();
+    args.extend([
+        "--device-map",
+        map_path.to_str().unwrap(),
+        "--offload-folder",
+        offload.to_str().unwrap(),
+    ]);
+    let offloaded = json_of(&bigmodel(&args));
+    assert_eq!(offloaded["generated_ids"], in_ram["generated_ids"]);
+    assert_eq!(offloaded["text"], in_ram["text"]);
+    assert_eq!(offloaded["device_map"], map);
+    // Layers 1 and 2 and lm_head, F32, per forward pass.
+    let layer = 4 * (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128 + 2 * 64);
+    assert_eq!(
+        offloaded["bytes_streamed_per_token"],
+        2 * layer + 4 * 256 * 64
+    );
+
+    // Human output: the device map table and the timings.
+    let human = bigmodel(
+        &args[..args.len()]
+            .iter()
+            .filter(|a| **a != "--json")
+            .copied()
+            .collect::<Vec<_>>(),
+    );
+    assert!(human.status.success());
+    let text = String::from_utf8_lossy(&human.stdout);
+    assert!(
+        text.contains("model.layers.1") && text.contains("disk") && text.contains("s/token"),
+        "{text}"
+    );
+}
+
+fn fails_with(args: &[&str], needle: &str) {
+    let out = bigmodel(args);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{args:?} succeeded");
+    assert!(
+        stderr.contains(needle),
+        "{args:?}: {stderr:?} lacks {needle:?}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+#[test]
+fn bad_input_is_a_clear_error() {
+    let model = tiny_llama();
+    let model = model.to_str().unwrap();
+    let empty = tempfile::tempdir().unwrap();
+    let e = empty.path().to_str().unwrap();
+    fails_with(&["run", e, "--prompt-ids", "1"], "config.json");
+
+    // config.json but no weights.
+    let no_weights = tempfile::tempdir().unwrap();
+    std::fs::copy(
+        tiny_llama().join("config.json"),
+        no_weights.path().join("config.json"),
+    )
+    .unwrap();
+    fails_with(
+        &[
+            "run",
+            no_weights.path().to_str().unwrap(),
+            "--prompt-ids",
+            "1",
+        ],
+        "no weights",
+    );
+
+    // Unsupported architecture, and a config disagreeing with the weights.
+    let mut config: Value =
+        serde_json::from_str(&std::fs::read_to_string(tiny_llama().join("config.json")).unwrap())
+            .unwrap();
+    std::fs::copy(
+        tiny_llama().join("model.safetensors"),
+        no_weights.path().join("model.safetensors"),
+    )
+    .unwrap();
+    config["model_type"] = json!("gpt_neox");
+    std::fs::write(no_weights.path().join("config.json"), config.to_string()).unwrap();
+    fails_with(
+        &[
+            "run",
+            no_weights.path().to_str().unwrap(),
+            "--prompt-ids",
+            "1",
+        ],
+        "supported are llama, mistral, qwen2",
+    );
+    config["model_type"] = json!("llama");
+    config["hidden_size"] = json!(96);
+    config["head_dim"] = json!(24);
+    std::fs::write(no_weights.path().join("config.json"), config.to_string()).unwrap();
+    fails_with(
+        &[
+            "run",
+            no_weights.path().to_str().unwrap(),
+            "--prompt-ids",
+            "1",
+        ],
+        "model.embed_tokens.weight",
+    );
+
+    fails_with(&["run", model, "--prompt", ""], "--prompt is empty");
+    fails_with(&["run", model, "--prompt-ids", ""], "--prompt-ids is empty");
+    fails_with(
+        &["run", model, "--prompt-ids", "1,x"],
+        "\"x\" is not a token id",
+    );
+    fails_with(
+        &["run", model, "--prompt-ids", "1,999"],
+        "token id 999 is out of the vocabulary (size 256)",
+    );
+    fails_with(
+        &["run", model, "--prompt-ids", "1", "--dtype", "i8"],
+        "--dtype",
+    );
+    fails_with(
+        &[
+            "run",
+            model,
+            "--prompt-ids",
+            "1",
+            "--device-map",
+            "/no/such/map.json",
+        ],
+        "--device-map",
+    );
+    fails_with(
+        &[
+            "run",
+            model,
+            "--prompt-ids",
+            "1",
+            "--max-memory",
+            "cpu=lots",
+        ],
+        "--max-memory",
+    );
+    let map = empty.path().join("disk.json");
+    std::fs::write(&map, r#"{"model": "cpu", "lm_head": "disk"}"#).unwrap();
+    fails_with(
+        &[
+            "run",
+            model,
+            "--prompt-ids",
+            "1",
+            "--device-map",
+            map.to_str().unwrap(),
+        ],
+        "offload_folder",
+    );
+}
