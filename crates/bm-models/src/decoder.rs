@@ -464,7 +464,7 @@ impl Decoder {
             };
             let logits = self.forward(src, &input, &mut cache, want)?;
             let rows = logits.shape()[0];
-            let next = argmax(&logits.f32_rows(rows - 1, rows));
+            let next = argmax(&logits.rows(rows - 1, rows)?.to_host()?.f32_values());
             if want == Logits::All {
                 prompt_logits = Some(logits);
             }

@@ -106,6 +106,8 @@ pub enum Error {
     Plan(bigmodel::plan::Error),
     /// An error loading or running a dispatched model (bm-dispatch).
     Dispatch(bigmodel::dispatch::Error),
+    /// A device, its memory or its compute failed.
+    Device(bigmodel::device::Error),
 }
 
 impl fmt::Display for Error {
@@ -164,6 +166,7 @@ impl fmt::Display for Error {
             Error::Shard(e) => e.fmt(f),
             Error::Plan(e) => e.fmt(f),
             Error::Dispatch(e) => e.fmt(f),
+            Error::Device(e) => e.fmt(f),
         }
     }
 }
@@ -176,6 +179,7 @@ impl std::error::Error for Error {
             Error::Shard(e) => Some(e),
             Error::Plan(e) => Some(e),
             Error::Dispatch(e) => Some(e),
+            Error::Device(e) => Some(e),
             _ => None,
         }
     }
@@ -202,5 +206,11 @@ impl From<bigmodel::plan::Error> for Error {
 impl From<bigmodel::dispatch::Error> for Error {
     fn from(e: bigmodel::dispatch::Error) -> Self {
         Error::Dispatch(e)
+    }
+}
+
+impl From<bigmodel::device::Error> for Error {
+    fn from(e: bigmodel::device::Error) -> Self {
+        Error::Device(e)
     }
 }

@@ -6,11 +6,15 @@
 //! place just before it runs and released after. This crate holds the
 //! compute half of that:
 //!
-//! * [`Tensor`] is a dense F32/F16/BF16 tensor on one [`Backend`]. Only the
-//!   CPU backend exists; CUDA (through `bm-device`, the only crate that
-//!   names cudarc) is meant to slot in as a second variant without changing
-//!   the op signatures. Host tensors may borrow a memory-mapped checkpoint
-//!   (no copy) or own an aligned buffer.
+//! * [`Tensor`] is a dense F32/F16/BF16 tensor on one [`Backend`]: the CPU
+//!   (host memory, which may borrow a memory-mapped checkpoint or own an
+//!   aligned buffer), or a CUDA GPU (a `bm_device::DeviceBuffer`, with the
+//!   `cuda` feature). Every op runs on the GPU of its first GPU operand and
+//!   uploads host operands for it (an offloaded weight streamed to the
+//!   execution device), through bm-device's compute: cuBLAS GEMMs and NVRTC
+//!   kernels. Emulated GPUs do not compute: weights placed on them are used
+//!   from host copies by the CPU kernels, which are also the reference the
+//!   CUDA kernels are tested against.
 //! * [`ops`] has what the two architectures need: matmul (`linear`, on the
 //!   `gemm` crate's kernels with rayon threads over weight-row blocks),
 //!   embedding lookup, RMSNorm, LayerNorm, rotary embedding, attention with
@@ -48,6 +52,7 @@
 
 mod config;
 mod cpu;
+mod cuda;
 mod decoder;
 mod dispatched;
 mod encoder;

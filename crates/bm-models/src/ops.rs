@@ -10,7 +10,7 @@ use bm_tensor::DType;
 use half::{bf16, f16};
 
 use crate::tensor::is_compute_dtype;
-use crate::{Backend, Error, Tensor, cpu};
+use crate::{Backend, Error, Tensor, cpu, cuda};
 
 /// Attention geometry: query heads, key/value heads (fewer under
 /// grouped-query attention) and the width of one head.
@@ -37,15 +37,20 @@ pub enum Mask {
     SlidingWindow(usize),
 }
 
-fn backend_of(op: &'static str, tensors: &[&Tensor]) -> Result<Backend, Error> {
-    let first = tensors[0].backend();
-    if tensors.iter().any(|t| t.backend() != first) {
-        return Err(Error::BadOperands {
-            op,
-            message: "operands are on different backends".into(),
-        });
-    }
-    Ok(first)
+/// Where an op runs: on the GPU of its first GPU operand (host operands
+/// are uploaded for it, as an offloaded weight is streamed to the execution
+/// device), on the CPU when every operand is there.
+fn backend_of(tensors: &[&Tensor]) -> Backend {
+    tensors
+        .iter()
+        .map(|t| t.backend())
+        .find(|b| *b != Backend::Cpu)
+        .unwrap_or(Backend::Cpu)
+}
+
+/// The GPU an op placed by [`backend_of`] on `Backend::Cuda` runs on.
+fn gpu_for(tensors: &[&Tensor]) -> bigmodel::device::Gpu {
+    cuda::gpu_of(tensors).expect("backend_of found a GPU operand")
 }
 
 fn bad(op: &'static str, message: String) -> Error {
@@ -81,7 +86,9 @@ fn rounding(dtype: DType) -> fn(f32) -> f32 {
 /// `[out_features, in_features]` as in every checkpoint. `x` is
 /// `[..., in_features]`; the result `[..., out_features]`.
 pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor, Error> {
-    let backend = backend_of("linear", &[x, weight])?;
+    let mut operands = vec![x, weight];
+    operands.extend(bias);
+    let backend = backend_of(&operands);
     let (m, k) = rows_cols(x);
     if weight.shape().len() != 2 || weight.shape()[1] != k {
         return Err(bad(
@@ -100,6 +107,7 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
     let mut shape = x.shape().to_vec();
     *shape.last_mut().expect("input has a last dimension") = n;
     match backend {
+        Backend::Cuda(_) => cuda::linear(&gpu_for(&operands), x, weight, bias, (m, k, n), &shape),
         Backend::Cpu => {
             let xs = x.f32_values();
             let bs = bias.map(|b| b.f32_values());
@@ -126,6 +134,7 @@ pub fn embedding(ids: &[u32], table: &Tensor, dtype: DType) -> Result<Tensor, Er
         });
     }
     match table.backend() {
+        Backend::Cuda(_) => cuda::embedding(ids, table, dtype),
         Backend::Cpu => Tensor::build(dtype, &[ids.len(), hidden], |out| {
             for (row, &id) in out.chunks_exact_mut(hidden).zip(ids) {
                 row.copy_from_slice(&table.f32_rows(id as usize, id as usize + 1));
@@ -136,10 +145,11 @@ pub fn embedding(ids: &[u32], table: &Tensor, dtype: DType) -> Result<Tensor, Er
 
 /// Llama's RMSNorm over the last dimension.
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor, Error> {
-    let backend = backend_of("rms_norm", &[x, weight])?;
+    let backend = backend_of(&[x, weight]);
     let (_, cols) = rows_cols(x);
     expect_vector("rms_norm", weight, cols, "weight")?;
     match backend {
+        Backend::Cuda(_) => cuda::rms_norm(&gpu_for(&[x, weight]), x, weight, eps),
         Backend::Cpu => {
             let (xs, ws) = (x.f32_values(), weight.f32_values());
             let round = rounding(x.dtype());
@@ -152,11 +162,12 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor, Error> 
 
 /// LayerNorm over the last dimension, with weight and bias.
 pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f32) -> Result<Tensor, Error> {
-    let backend = backend_of("layer_norm", &[x, weight, bias])?;
+    let backend = backend_of(&[x, weight, bias]);
     let (_, cols) = rows_cols(x);
     expect_vector("layer_norm", weight, cols, "weight")?;
     expect_vector("layer_norm", bias, cols, "bias")?;
     match backend {
+        Backend::Cuda(_) => cuda::layer_norm(&gpu_for(&[x, weight, bias]), x, weight, bias, eps),
         Backend::Cpu => {
             let (xs, ws, bs) = (x.f32_values(), weight.f32_values(), bias.f32_values());
             Tensor::build(x.dtype(), x.shape(), |out| {
@@ -171,6 +182,7 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f32) -> Resul
 #[derive(Clone, Debug)]
 pub struct Rope {
     head_dim: usize,
+    theta: f32,
     inv_freq: Vec<f32>,
 }
 
@@ -181,7 +193,11 @@ impl Rope {
         let inv_freq = (0..head_dim / 2)
             .map(|i| 1.0 / theta.powf((2 * i) as f32 / head_dim as f32))
             .collect();
-        Rope { head_dim, inv_freq }
+        Rope {
+            head_dim,
+            theta,
+            inv_freq,
+        }
     }
 
     /// Rotates every head of `x` (`[seq, heads * head_dim]`), row r being
@@ -198,6 +214,9 @@ impl Rope {
                 ),
             ));
         }
+        if let Backend::Cuda(_) = x.backend() {
+            return cuda::rotary(x, self.head_dim, start_pos, self.theta);
+        }
         // transformers casts cos/sin to the activation dtype before use.
         let round = rounding(x.dtype());
         let half = self.head_dim / 2;
@@ -213,14 +232,10 @@ impl Rope {
                 sin.push(round(angle.sin()));
             }
         }
-        match x.backend() {
-            Backend::Cpu => {
-                let xs = x.f32_values();
-                Tensor::build(x.dtype(), x.shape(), |out| {
-                    cpu::rotary(&xs, self.head_dim, &cos, &sin, out)
-                })
-            }
-        }
+        let xs = x.f32_values();
+        Tensor::build(x.dtype(), x.shape(), |out| {
+            cpu::rotary(&xs, self.head_dim, &cos, &sin, out)
+        })
     }
 }
 
@@ -233,6 +248,8 @@ pub struct LayerCache {
     width: usize,
     keys: Vec<f32>,
     values: Vec<f32>,
+    /// The cache of a layer computed on a GPU.
+    device: Option<cuda::DeviceKv>,
 }
 
 impl LayerCache {
@@ -243,17 +260,20 @@ impl LayerCache {
 
     /// Positions cached so far.
     pub fn len(&self) -> usize {
-        self.keys.len().checked_div(self.width).unwrap_or(0)
+        match &self.device {
+            Some(kv) => kv.rows,
+            None => self.keys.len().checked_div(self.width).unwrap_or(0),
+        }
     }
 
     /// True when nothing is cached.
     pub fn is_empty(&self) -> bool {
-        self.keys.is_empty()
+        self.len() == 0
     }
 
     /// Appends the keys and values (`[seq, kv_heads * head_dim]`) of new positions.
     pub fn append(&mut self, keys: &Tensor, values: &Tensor) -> Result<(), Error> {
-        backend_of("kv cache append", &[keys, values])?;
+        let backend = backend_of(&[keys, values]);
         let (_, width) = rows_cols(keys);
         if keys.shape() != values.shape() || keys.shape().len() != 2 {
             return Err(bad(
@@ -271,10 +291,30 @@ impl LayerCache {
                 format!("width {width} differs from the cached {}", self.width),
             ));
         }
-        self.width = width;
-        self.keys.extend_from_slice(&keys.f32_values());
-        self.values.extend_from_slice(&values.f32_values());
-        Ok(())
+        let on_gpu = self.device.is_some();
+        match backend {
+            Backend::Cuda(_) if !self.keys.is_empty() => Err(bad(
+                "kv cache append",
+                "this layer's cache is in host memory; GPU keys cannot join it".into(),
+            )),
+            Backend::Cuda(_) => {
+                let gpu = gpu_for(&[keys, values]);
+                let keys = cuda::on_gpu(keys, &gpu, keys.dtype())?;
+                cuda::DeviceKv::append(&mut self.device, width, &keys, values)?;
+                self.width = width;
+                Ok(())
+            }
+            Backend::Cpu if on_gpu => Err(bad(
+                "kv cache append",
+                "this layer's cache is on a GPU; host keys cannot join it".into(),
+            )),
+            Backend::Cpu => {
+                self.width = width;
+                self.keys.extend_from_slice(&keys.f32_values());
+                self.values.extend_from_slice(&values.f32_values());
+                Ok(())
+            }
+        }
     }
 }
 
@@ -312,9 +352,17 @@ pub fn attention(
             format!("{s} queries but only {} cached positions", cache.len()),
         ));
     }
-    match q.backend() {
-        Backend::Cpu => {
+    match (&cache.device, q.backend()) {
+        (Some(kv), _) => kv.attention(q, heads, mask),
+        (None, Backend::Cpu) => {
             let qs = q.f32_values();
+            Tensor::build(q.dtype(), q.shape(), |out| {
+                cpu::attention(&qs, &cache.keys, &cache.values, heads, mask, out)
+            })
+        }
+        (None, Backend::Cuda(_)) => {
+            let host = q.to_host()?;
+            let qs = host.f32_values();
             Tensor::build(q.dtype(), q.shape(), |out| {
                 cpu::attention(&qs, &cache.keys, &cache.values, heads, mask, out)
             })
@@ -326,6 +374,7 @@ pub fn attention(
 pub fn softmax(x: &Tensor) -> Result<Tensor, Error> {
     let (_, cols) = rows_cols(x);
     match x.backend() {
+        Backend::Cuda(_) => cuda::softmax(x),
         Backend::Cpu => {
             let xs = x.f32_values();
             Tensor::build(x.dtype(), x.shape(), |out| {
@@ -336,8 +385,10 @@ pub fn softmax(x: &Tensor) -> Result<Tensor, Error> {
     }
 }
 
-fn unary(x: &Tensor, f: fn(f32) -> f32) -> Result<Tensor, Error> {
+/// An elementwise function; `gelu` picks the GPU kernel (SiLU otherwise).
+fn unary(x: &Tensor, f: fn(f32) -> f32, gelu: bool) -> Result<Tensor, Error> {
     match x.backend() {
+        Backend::Cuda(_) => cuda::unary(x, gelu),
         Backend::Cpu => {
             let xs = x.f32_values();
             Tensor::build(x.dtype(), x.shape(), |out| {
@@ -351,12 +402,12 @@ fn unary(x: &Tensor, f: fn(f32) -> f32) -> Result<Tensor, Error> {
 
 /// SiLU (`x · sigmoid(x)`), elementwise.
 pub fn silu(x: &Tensor) -> Result<Tensor, Error> {
-    unary(x, cpu::silu)
+    unary(x, cpu::silu, false)
 }
 
 /// GELU in its exact erf form (BERT's `gelu`), elementwise.
 pub fn gelu(x: &Tensor) -> Result<Tensor, Error> {
-    unary(x, cpu::gelu)
+    unary(x, cpu::gelu, true)
 }
 
 fn binary(
@@ -365,7 +416,7 @@ fn binary(
     b: &Tensor,
     f: fn(f32, f32) -> f32,
 ) -> Result<Tensor, Error> {
-    let backend = backend_of(op, &[a, b])?;
+    let backend = backend_of(&[a, b]);
     if a.shape() != b.shape() {
         return Err(bad(
             op,
@@ -373,6 +424,7 @@ fn binary(
         ));
     }
     match backend {
+        Backend::Cuda(_) => cuda::binary(&gpu_for(&[a, b]), a, b, op == "mul"),
         Backend::Cpu => {
             let (xs, ys) = (a.f32_values(), b.f32_values());
             Tensor::build(a.dtype(), a.shape(), |out| {
@@ -401,7 +453,8 @@ pub fn mean_pool_normalize(x: &Tensor) -> Result<Vec<f32>, Error> {
     if rows == 0 {
         return Err(Error::EmptyInput("sequence to pool"));
     }
-    let xs = x.f32_values();
+    let host = x.to_host()?;
+    let xs = host.f32_values();
     let mut mean = vec![0f32; cols];
     for row in xs.chunks_exact(cols) {
         for (m, v) in mean.iter_mut().zip(row) {

@@ -8,12 +8,15 @@ use half::{bf16, f16};
 
 use crate::Error;
 
-/// Where a computation runs. Only the CPU exists today; a CUDA variant
-/// (through bm-device) slots in beside it without changing the op API.
+/// Where a computation runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Backend {
     /// Host memory and CPU threads.
     Cpu,
+    /// CUDA GPU `n` of a `bigmodel::device::DeviceSet`: bytes in a
+    /// `DeviceBuffer`, ops through bm-device's compute (cuBLAS and NVRTC
+    /// kernels). Emulated GPUs never hold compute tensors.
+    Cuda(usize),
 }
 
 /// Host bytes: owned and aligned, a zero-copy window of a mapped file, or
@@ -52,6 +55,7 @@ impl HostBytes {
 #[derive(Debug)]
 enum Data {
     Cpu(HostBytes),
+    Cuda(bigmodel::device::DeviceBuffer),
 }
 
 /// A dense row-major tensor with a float dtype the ops compute in
@@ -157,16 +161,77 @@ impl Tensor {
 
     /// Where the bytes are.
     pub fn backend(&self) -> Backend {
-        match self.data {
+        match &self.data {
             Data::Cpu(_) => Backend::Cpu,
+            Data::Cuda(b) => Backend::Cuda(b.gpu().ordinal()),
         }
     }
 
     /// The raw little-endian bytes of a host tensor.
+    ///
+    /// # Panics
+    /// On a GPU tensor, whose bytes are not in host memory: call
+    /// [`Tensor::to_host`] first (as with every host accessor below).
     pub fn host_bytes(&self) -> &[u8] {
         match &self.data {
             Data::Cpu(b) => b.as_bytes(),
+            Data::Cuda(b) => panic!(
+                "host bytes of a tensor on GPU {}: call to_host() first",
+                b.device()
+            ),
         }
+    }
+
+    /// A GPU tensor over `buffer`, which holds `shape` elements of `dtype`.
+    pub(crate) fn from_device(
+        dtype: DType,
+        shape: &[usize],
+        buffer: bigmodel::device::DeviceBuffer,
+    ) -> Tensor {
+        Tensor {
+            dtype,
+            shape: shape.to_vec(),
+            data: Data::Cuda(buffer),
+        }
+    }
+
+    /// The device buffer of a GPU tensor.
+    pub(crate) fn device_buffer(&self) -> Option<&bigmodel::device::DeviceBuffer> {
+        match &self.data {
+            Data::Cpu(_) => None,
+            Data::Cuda(b) => Some(b),
+        }
+    }
+
+    /// The device buffer of a GPU tensor, for writing.
+    pub(crate) fn device_buffer_mut(&mut self) -> Option<&mut bigmodel::device::DeviceBuffer> {
+        match &mut self.data {
+            Data::Cpu(_) => None,
+            Data::Cuda(b) => Some(b),
+        }
+    }
+
+    /// A copy of this tensor in host memory (a download for a GPU tensor).
+    pub fn to_host(&self) -> Result<Tensor, Error> {
+        let buf = match &self.data {
+            Data::Cuda(b) => {
+                let mut buf = HostBuffer::zeroed(b.len())?;
+                b.copy_to_host(0, buf.as_mut_bytes())?;
+                buf
+            }
+            _ => HostBuffer::from_bytes(self.host_bytes())?,
+        };
+        Ok(Tensor {
+            dtype: self.dtype,
+            shape: self.shape.clone(),
+            data: Data::Cpu(HostBytes::Owned(buf)),
+        })
+    }
+
+    /// A copy of this tensor on `gpu` (a CUDA GPU; emulated GPUs do not
+    /// compute), enqueued on its compute stream.
+    pub fn to_gpu(&self, gpu: &bigmodel::device::Gpu) -> Result<Tensor, Error> {
+        crate::cuda::to_gpu(self, gpu)
     }
 
     /// The values widened to f32: borrowed for an aligned F32 tensor,
@@ -190,8 +255,12 @@ impl Tensor {
         self.f32_values().into_owned()
     }
 
-    /// The same values in `dtype` (PyTorch's rounding); a copy.
+    /// The same values in `dtype` (PyTorch's rounding); a copy, on the
+    /// same backend.
     pub fn to_dtype(&self, dtype: DType) -> Result<Tensor, Error> {
+        if let Data::Cuda(b) = &self.data {
+            return crate::cuda::cast(self, b.gpu(), dtype);
+        }
         let values = self.f32_values();
         Tensor::build(dtype, &self.shape, |out| out.copy_from_slice(&values))
     }
@@ -205,6 +274,9 @@ impl Tensor {
             });
         }
         let row_bytes = self.shape[1] * self.dtype.size_in_bytes();
+        if let Data::Cuda(b) = &self.data {
+            return crate::cuda::rows(b, self.dtype, self.shape[1], start, end);
+        }
         let buf = HostBuffer::from_bytes(&self.host_bytes()[start * row_bytes..end * row_bytes])?;
         Ok(Tensor {
             dtype: self.dtype,

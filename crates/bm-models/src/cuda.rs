@@ -1,0 +1,396 @@
+//! The CUDA backend of the ops: tensors in `DeviceBuffer`s, computed by
+//! bm-device's compute API (cuBLAS GEMMs, NVRTC kernels) on the GPU's
+//! compute stream.
+//!
+//! Placement rule: an op runs on the GPU of its first GPU operand, and host
+//! operands are uploaded for it (a CPU-offloaded weight is streamed to the
+//! execution device, as Accelerate's hooks do). Weights in another dtype
+//! than the activations are cast on the GPU to the activation dtype, except
+//! for matmuls with one F32 side, which run in F32 so no weight is rounded.
+//! Built without the `cuda` feature the variant exists but no GPU can hold
+//! a compute tensor, so none of this runs.
+
+use bigmodel::device::{AttentionMask, AttentionShape, DeviceBuffer, FloatType, GemmShape, Gpu};
+use bm_tensor::DType;
+
+use crate::ops::{Heads, Mask};
+use crate::{Error, Tensor};
+
+pub(crate) fn float_type(dtype: DType) -> Result<FloatType, Error> {
+    match dtype {
+        DType::F32 => Ok(FloatType::F32),
+        DType::F16 => Ok(FloatType::F16),
+        DType::BF16 => Ok(FloatType::BF16),
+        other => Err(Error::UnsupportedDType {
+            what: "GPU tensor".into(),
+            dtype: other,
+        }),
+    }
+}
+
+/// The GPU of the first operand that lives on one.
+pub(crate) fn gpu_of(tensors: &[&Tensor]) -> Option<Gpu> {
+    tensors
+        .iter()
+        .find_map(|t| t.device_buffer().map(|b| b.gpu().clone()))
+}
+
+fn buffer(t: &Tensor) -> &DeviceBuffer {
+    t.device_buffer()
+        .expect("operands are brought onto the GPU before use")
+}
+
+/// An uninitialised GPU tensor (the kernel writing it fills every element).
+fn empty(gpu: &Gpu, dtype: DType, shape: &[usize]) -> Result<Tensor, Error> {
+    let numel: usize = shape.iter().product();
+    let buf = gpu.alloc((numel * dtype.size_in_bytes()).max(1))?;
+    Ok(Tensor::from_device(dtype, shape, buf))
+}
+
+pub(crate) fn to_gpu(t: &Tensor, gpu: &Gpu) -> Result<Tensor, Error> {
+    let upload = |bytes: &[u8]| -> Result<Tensor, Error> {
+        let mut buf = gpu.alloc(bytes.len().max(1))?;
+        gpu.write_for_compute(&mut buf, 0, bytes)?;
+        Ok(Tensor::from_device(t.dtype(), t.shape(), buf))
+    };
+    match t.device_buffer() {
+        None => upload(t.host_bytes()),
+        // Between GPUs through the host: simple, and rare (a block's
+        // activations crossing to the next GPU of a map).
+        Some(_) => upload(t.to_host()?.host_bytes()),
+    }
+}
+
+/// An operand brought onto the op's GPU: the caller's tensor when it
+/// already was there in the right dtype, a copy otherwise.
+pub(crate) enum Operand<'a> {
+    Borrowed(&'a Tensor),
+    Owned(Tensor),
+}
+
+impl std::ops::Deref for Operand<'_> {
+    type Target = Tensor;
+    fn deref(&self) -> &Tensor {
+        match self {
+            Operand::Borrowed(t) => t,
+            Operand::Owned(t) => t,
+        }
+    }
+}
+
+/// `t` on `gpu` in `dtype`: borrowed when it already is, else copied
+/// and/or cast.
+pub(crate) fn on_gpu<'a>(t: &'a Tensor, gpu: &Gpu, dtype: DType) -> Result<Operand<'a>, Error> {
+    let here = t
+        .device_buffer()
+        .is_some_and(|b| b.device() == gpu.device() && b.gpu().kind() == gpu.kind());
+    let moved = if here {
+        Operand::Borrowed(t)
+    } else {
+        Operand::Owned(to_gpu(t, gpu)?)
+    };
+    if moved.dtype() == dtype {
+        Ok(moved)
+    } else {
+        Ok(Operand::Owned(cast(&moved, gpu, dtype)?))
+    }
+}
+
+pub(crate) fn cast(t: &Tensor, gpu: &Gpu, dtype: DType) -> Result<Tensor, Error> {
+    let mut out = empty(gpu, dtype, t.shape())?;
+    gpu.cast(
+        buffer(t),
+        float_type(t.dtype())?,
+        out_buffer(&mut out),
+        float_type(dtype)?,
+        t.numel(),
+        0,
+    )?;
+    Ok(out)
+}
+
+fn out_buffer(t: &mut Tensor) -> &mut DeviceBuffer {
+    t.device_buffer_mut()
+        .expect("outputs are allocated on the GPU")
+}
+
+pub(crate) fn rows(
+    src: &DeviceBuffer,
+    dtype: DType,
+    cols: usize,
+    start: usize,
+    end: usize,
+) -> Result<Tensor, Error> {
+    let gpu = src.gpu().clone();
+    let row_bytes = cols * dtype.size_in_bytes();
+    let mut out = empty(&gpu, dtype, &[end - start, cols])?;
+    if end > start {
+        out_buffer(&mut out).copy_from_device(
+            0,
+            src,
+            start * row_bytes..end * row_bytes,
+            gpu.compute_stream(),
+        )?;
+    }
+    Ok(out)
+}
+
+/// `x · wᵀ + bias` with x `[m, k]` (any leading shape flattened), w `[n, k]`.
+pub(crate) fn linear(
+    gpu: &Gpu,
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    (m, k, n): (usize, usize, usize),
+    out_shape: &[usize],
+) -> Result<Tensor, Error> {
+    let dtype = x.dtype();
+    let compute = if weight.dtype() == dtype {
+        dtype
+    } else {
+        DType::F32
+    };
+    let xs = on_gpu(x, gpu, compute)?;
+    let ws = on_gpu(weight, gpu, compute)?;
+    let bs = bias.map(|b| on_gpu(b, gpu, dtype)).transpose()?;
+    let mut acc = gpu.alloc(m * n * 4)?;
+    let ft = float_type(compute)?;
+    gpu.gemm(
+        buffer(&xs),
+        buffer(&ws),
+        &mut acc,
+        ft,
+        FloatType::F32,
+        GemmShape::new(m, n, k),
+    )?;
+    let mut out = empty(gpu, dtype, out_shape)?;
+    gpu.bias_epilogue(
+        &acc,
+        bs.as_deref().map(buffer),
+        out_buffer(&mut out),
+        float_type(dtype)?,
+        m,
+        n,
+    )?;
+    Ok(out)
+}
+
+pub(crate) fn embedding(ids: &[u32], table: &Tensor, dtype: DType) -> Result<Tensor, Error> {
+    let b = buffer(table);
+    let gpu = b.gpu().clone();
+    let (vocab, hidden) = (table.shape()[0], table.shape()[1]);
+    let mut out = empty(&gpu, dtype, &[ids.len(), hidden])?;
+    gpu.embedding(
+        b,
+        float_type(table.dtype())?,
+        vocab,
+        hidden,
+        ids,
+        out_buffer(&mut out),
+        float_type(dtype)?,
+    )?;
+    Ok(out)
+}
+
+pub(crate) fn rms_norm(gpu: &Gpu, x: &Tensor, w: &Tensor, eps: f32) -> Result<Tensor, Error> {
+    let dtype = x.dtype();
+    let (xs, ws) = (on_gpu(x, gpu, dtype)?, on_gpu(w, gpu, dtype)?);
+    let cols = x.shape().last().copied().unwrap_or(1);
+    let mut out = empty(gpu, dtype, x.shape())?;
+    gpu.rms_norm(
+        buffer(&xs),
+        buffer(&ws),
+        out_buffer(&mut out),
+        float_type(dtype)?,
+        x.numel() / cols.max(1),
+        cols,
+        eps,
+    )?;
+    Ok(out)
+}
+
+pub(crate) fn layer_norm(
+    gpu: &Gpu,
+    x: &Tensor,
+    w: &Tensor,
+    b: &Tensor,
+    eps: f32,
+) -> Result<Tensor, Error> {
+    let dtype = x.dtype();
+    let xs = on_gpu(x, gpu, dtype)?;
+    let (ws, bs) = (on_gpu(w, gpu, dtype)?, on_gpu(b, gpu, dtype)?);
+    let cols = x.shape().last().copied().unwrap_or(1);
+    let mut out = empty(gpu, dtype, x.shape())?;
+    gpu.layer_norm(
+        buffer(&xs),
+        buffer(&ws),
+        buffer(&bs),
+        out_buffer(&mut out),
+        float_type(dtype)?,
+        x.numel() / cols.max(1),
+        cols,
+        eps,
+    )?;
+    Ok(out)
+}
+
+pub(crate) fn rotary(
+    x: &Tensor,
+    head_dim: usize,
+    start_pos: usize,
+    theta: f32,
+) -> Result<Tensor, Error> {
+    let b = buffer(x);
+    let gpu = b.gpu().clone();
+    let (rows, width) = (x.shape()[0], x.shape()[1]);
+    let mut out = empty(&gpu, x.dtype(), x.shape())?;
+    gpu.rotary(
+        b,
+        out_buffer(&mut out),
+        float_type(x.dtype())?,
+        rows,
+        width,
+        head_dim,
+        start_pos,
+        theta,
+    )?;
+    Ok(out)
+}
+
+pub(crate) fn softmax(x: &Tensor) -> Result<Tensor, Error> {
+    let b = buffer(x);
+    let gpu = b.gpu().clone();
+    let cols = x.shape().last().copied().unwrap_or(1);
+    let mut out = empty(&gpu, x.dtype(), x.shape())?;
+    gpu.softmax(
+        b,
+        out_buffer(&mut out),
+        float_type(x.dtype())?,
+        x.numel() / cols.max(1),
+        cols,
+    )?;
+    Ok(out)
+}
+
+/// SiLU or GELU.
+pub(crate) fn unary(x: &Tensor, gelu: bool) -> Result<Tensor, Error> {
+    let b = buffer(x);
+    let gpu = b.gpu().clone();
+    let mut out = empty(&gpu, x.dtype(), x.shape())?;
+    let (ft, n) = (float_type(x.dtype())?, x.numel());
+    if gelu {
+        gpu.gelu(b, out_buffer(&mut out), ft, n)?;
+    } else {
+        gpu.silu(b, out_buffer(&mut out), ft, n)?;
+    }
+    Ok(out)
+}
+
+/// Add or mul.
+pub(crate) fn binary(gpu: &Gpu, a: &Tensor, b: &Tensor, mul: bool) -> Result<Tensor, Error> {
+    let dtype = a.dtype();
+    let (xa, xb) = (on_gpu(a, gpu, dtype)?, on_gpu(b, gpu, dtype)?);
+    let mut out = empty(gpu, dtype, a.shape())?;
+    let (ft, n) = (float_type(dtype)?, a.numel());
+    if mul {
+        gpu.mul(buffer(&xa), buffer(&xb), out_buffer(&mut out), ft, n)?;
+    } else {
+        gpu.add(buffer(&xa), buffer(&xb), out_buffer(&mut out), ft, n)?;
+    }
+    Ok(out)
+}
+
+/// One layer's keys and values on a GPU, widened to f32 as the host cache
+/// keeps them, in buffers that double when full.
+#[derive(Debug)]
+pub(crate) struct DeviceKv {
+    keys: DeviceBuffer,
+    values: DeviceBuffer,
+    /// Rows the buffers have room for.
+    capacity: usize,
+    /// Rows filled.
+    pub(crate) rows: usize,
+}
+
+impl DeviceKv {
+    /// Appends `keys`/`values` (GPU tensors `[seq, width]`) to `kv`,
+    /// creating or growing it.
+    pub(crate) fn append(
+        kv: &mut Option<DeviceKv>,
+        width: usize,
+        keys: &Tensor,
+        values: &Tensor,
+    ) -> Result<(), Error> {
+        let gpu = buffer(keys).gpu().clone();
+        let seq = keys.shape()[0];
+        let rows = kv.as_ref().map_or(0, |c| c.rows);
+        let needed = rows + seq;
+        if kv.as_ref().is_none_or(|c| c.capacity < needed) {
+            let capacity = needed
+                .max(kv.as_ref().map_or(0, |c| 2 * c.capacity))
+                .max(64);
+            let bytes = capacity * width * 4;
+            let (mut k, mut v) = (gpu.alloc(bytes)?, gpu.alloc(bytes)?);
+            if let Some(old) = kv.as_ref().filter(|c| c.rows > 0) {
+                let used = old.rows * width * 4;
+                k.copy_from_device(0, &old.keys, 0..used, gpu.compute_stream())?;
+                v.copy_from_device(0, &old.values, 0..used, gpu.compute_stream())?;
+            }
+            *kv = Some(DeviceKv {
+                keys: k,
+                values: v,
+                capacity,
+                rows,
+            });
+        }
+        let c = kv.as_mut().expect("created above");
+        let ft = float_type(keys.dtype())?;
+        let vs = on_gpu(values, &gpu, keys.dtype())?;
+        let count = seq * width;
+        gpu.cast(
+            buffer(keys),
+            ft,
+            &mut c.keys,
+            FloatType::F32,
+            count,
+            rows * width,
+        )?;
+        gpu.cast(
+            buffer(&vs),
+            ft,
+            &mut c.values,
+            FloatType::F32,
+            count,
+            rows * width,
+        )?;
+        c.rows = needed;
+        Ok(())
+    }
+
+    pub(crate) fn attention(&self, q: &Tensor, heads: Heads, mask: Mask) -> Result<Tensor, Error> {
+        let gpu = self.keys.gpu().clone();
+        let qs = on_gpu(q, &gpu, q.dtype())?;
+        let mut out = empty(&gpu, q.dtype(), q.shape())?;
+        let shape = AttentionShape {
+            queries: q.shape()[0],
+            keys: self.rows,
+            heads: heads.heads,
+            kv_heads: heads.kv_heads,
+            head_dim: heads.head_dim,
+            mask: match mask {
+                Mask::Bidirectional => AttentionMask::Bidirectional,
+                Mask::Causal => AttentionMask::Causal,
+                Mask::SlidingWindow(w) => AttentionMask::SlidingWindow(w),
+            },
+        };
+        gpu.attention(
+            buffer(&qs),
+            &self.keys,
+            &self.values,
+            out_buffer(&mut out),
+            float_type(q.dtype())?,
+            shape,
+        )?;
+        Ok(out)
+    }
+}
