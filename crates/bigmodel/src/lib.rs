@@ -78,6 +78,10 @@ pub use bm_plan as plan;
 pub use bm_shard as shard;
 pub use bm_tensor as tensor;
 
+/// docs/guide.md, whose Rust examples run as doc tests.
+#[cfg(doctest)]
+mod guide;
+
 use bm_device::DeviceSet;
 use bm_dispatch::{DispatchOptions, LoadOptions, Model};
 use bm_plan::{Compat, DeviceMap, MaxMemory, Mode, ModuleTree, PlanOptions};
