@@ -9,6 +9,11 @@ report="$PWD/report.md"
 status=0
 bench=1
 [ "${1:-}" = "--no-bench" ] && bench=0
+# GPU compute loads libnvrtc and libcublas by name at run time: put the
+# toolkit's library folders on the search path when the machine has them.
+for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
+  [ -d "$d" ] && export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+done
 
 {
   echo "# bigmodel GPU bundle report"

@@ -144,8 +144,8 @@ pub struct AttentionShape {
 }
 
 /// Most keys one query may see: the fused attention kernel keeps a query's
-/// scores in 48 KiB of shared memory.
-pub const MAX_ATTENTION_KEYS: usize = 12 * 1024;
+/// scores in shared memory, within the 48 KiB a block gets by default.
+pub const MAX_ATTENTION_KEYS: usize = 12_000;
 
 /// Threads per block of the elementwise, row and attention kernels.
 const THREADS: u32 = 256;
