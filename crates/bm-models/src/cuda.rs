@@ -10,7 +10,9 @@
 //! Built without the `cuda` feature the variant exists but no GPU can hold
 //! a compute tensor, so none of this runs.
 
-use bigmodel::device::{AttentionMask, AttentionShape, DeviceBuffer, FloatType, GemmShape, Gpu};
+use bigmodel::device::{
+    AttentionMask, AttentionShape, DeviceBuffer, FloatType, GemmShape, Gpu, GpuKind,
+};
 use bm_tensor::DType;
 
 use crate::ops::{Heads, Mask};
@@ -48,6 +50,14 @@ fn empty(gpu: &Gpu, dtype: DType, shape: &[usize]) -> Result<Tensor, Error> {
 }
 
 pub(crate) fn to_gpu(t: &Tensor, gpu: &Gpu) -> Result<Tensor, Error> {
+    // Emulated GPUs hold bytes but run no kernels: their blocks compute on
+    // host copies, so a compute tensor never lives on one.
+    if gpu.kind() == GpuKind::Emulated {
+        return Err(bigmodel::device::Error::ComputeUnsupported {
+            device: gpu.device(),
+        }
+        .into());
+    }
     let upload = |bytes: &[u8]| -> Result<Tensor, Error> {
         let mut buf = gpu.alloc(bytes.len().max(1))?;
         gpu.write_for_compute(&mut buf, 0, bytes)?;

@@ -334,6 +334,20 @@ mod tests {
     }
 
     #[test]
+    fn emulated_gpus_hold_no_compute_tensors() {
+        let set = bigmodel::device::DeviceSet::emulated(&[1 << 20]);
+        let t = Tensor::from_f32(DType::F32, &[2], &[1.0, 2.0]).unwrap();
+        let err = t.to_gpu(set.gpu(0).unwrap()).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("compute is not supported on emulated device 0"),
+            "{err}"
+        );
+        // A host tensor's to_host is a copy of the same values.
+        assert_eq!(t.to_host().unwrap().to_f32_vec(), [1.0, 2.0]);
+    }
+
+    #[test]
     fn rows_slices_the_outer_dimension() {
         let t = Tensor::from_f32(DType::F32, &[3, 2], &[0., 1., 2., 3., 4., 5.]).unwrap();
         assert_eq!(t.rows(1, 3).unwrap().to_f32_vec(), [2., 3., 4., 5.]);
