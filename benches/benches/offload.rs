@@ -1,0 +1,202 @@
+//! One decode step of a Llama-style model (about 400 MB of F32 weights by
+//! default) fully in RAM against the same model with half its decoder
+//! layers disk-offloaded, both computed on the CPU through bm-models.
+//!
+//! * `decode_token/in_ram`: the model read through `FolderWeights` (zero
+//!   copy from the checkpoint's mapping), one token forward.
+//! * `decode_token/cpu_disk_offload`: the model dispatched by
+//!   `load_checkpoint_and_dispatch` with layers 6..12 on disk; each block
+//!   enters and exits its hooks. Its throughput is the offloaded weights
+//!   streamed per token, so criterion prints their GB/s.
+//!
+//! A summary line prints tokens/s of both and their ratio, measured in the
+//! same run. GPU rows (resident vs CPU-offloaded on a GPU) need a GPU and
+//! bm-models' CUDA compute; they print why they are skipped.
+//! `BM_BENCH_OFFLOAD_LAYERS` changes the layer count (e.g. 4 for a quick run).
+
+use std::io::Write;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+use bigmodel::device::DeviceSet;
+use bigmodel::plan::DeviceMap;
+use bigmodel::{DeviceMapSpec, Options};
+use bm_models::{CausalLm, FolderWeights, Logits, WeightSource, open_causal_lm};
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use serde_json::json;
+
+const VOCAB: usize = 16000;
+const HIDDEN: usize = 768;
+const INTERMEDIATE: usize = 2048;
+const HEADS: usize = 12;
+const KV_HEADS: usize = 4;
+
+fn layers() -> usize {
+    std::env::var("BM_BENCH_OFFLOAD_LAYERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(12)
+}
+
+/// Writes config.json and a single model.safetensors of deterministic
+/// small F32 weights (norm weights 1).
+fn write_model(dir: &Path, layers: usize) {
+    let kv = KV_HEADS * HIDDEN / HEADS;
+    let mut tensors = vec![("model.embed_tokens.weight".to_string(), vec![VOCAB, HIDDEN])];
+    for l in 0..layers {
+        let p = format!("model.layers.{l}");
+        tensors.extend([
+            (format!("{p}.self_attn.q_proj.weight"), vec![HIDDEN, HIDDEN]),
+            (format!("{p}.self_attn.k_proj.weight"), vec![kv, HIDDEN]),
+            (format!("{p}.self_attn.v_proj.weight"), vec![kv, HIDDEN]),
+            (format!("{p}.self_attn.o_proj.weight"), vec![HIDDEN, HIDDEN]),
+            (
+                format!("{p}.mlp.gate_proj.weight"),
+                vec![INTERMEDIATE, HIDDEN],
+            ),
+            (
+                format!("{p}.mlp.up_proj.weight"),
+                vec![INTERMEDIATE, HIDDEN],
+            ),
+            (
+                format!("{p}.mlp.down_proj.weight"),
+                vec![HIDDEN, INTERMEDIATE],
+            ),
+            (format!("{p}.input_layernorm.weight"), vec![HIDDEN]),
+            (format!("{p}.post_attention_layernorm.weight"), vec![HIDDEN]),
+        ]);
+    }
+    tensors.push(("model.norm.weight".to_string(), vec![HIDDEN]));
+    tensors.push(("lm_head.weight".to_string(), vec![VOCAB, HIDDEN]));
+
+    let mut header = serde_json::Map::new();
+    let mut offset = 0usize;
+    for (name, shape) in &tensors {
+        let len = 4 * shape.iter().product::<usize>();
+        header.insert(
+            name.clone(),
+            json!({"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + len]}),
+        );
+        offset += len;
+    }
+    let mut header = serde_json::Value::Object(header).to_string();
+    while !header.len().is_multiple_of(8) {
+        header.push(' ');
+    }
+    let file = std::fs::File::create(dir.join("model.safetensors")).unwrap();
+    let mut out = std::io::BufWriter::new(file);
+    out.write_all(&(header.len() as u64).to_le_bytes()).unwrap();
+    out.write_all(header.as_bytes()).unwrap();
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    for (name, shape) in &tensors {
+        let numel: usize = shape.iter().product();
+        let norm = name.ends_with("norm.weight");
+        let mut values = Vec::with_capacity(4 * numel);
+        for _ in 0..numel {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let v = if norm {
+                1.0f32
+            } else {
+                ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.1
+            };
+            values.extend_from_slice(&v.to_le_bytes());
+        }
+        out.write_all(&values).unwrap();
+    }
+    out.flush().unwrap();
+    let config = json!({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "dtype": "float32",
+        "vocab_size": VOCAB, "hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE,
+        "num_hidden_layers": layers, "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS, "rms_norm_eps": 1e-5, "eos_token_id": 2,
+    });
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+}
+
+/// One token through every block with an empty cache.
+fn one_token(lm: &CausalLm, src: &dyn WeightSource) {
+    let mut cache = lm.decoder().new_cache();
+    let logits = lm
+        .decoder()
+        .forward(src, &[17], &mut cache, Logits::Last)
+        .unwrap();
+    std::hint::black_box(logits);
+}
+
+/// Median seconds of `runs` calls of `f`.
+fn median_seconds(runs: usize, mut f: impl FnMut()) -> f64 {
+    let mut times: Vec<f64> = (0..runs)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed().as_secs_f64()
+        })
+        .collect();
+    times.sort_by(f64::total_cmp);
+    times[runs / 2]
+}
+
+fn offload(c: &mut Criterion) {
+    let layers = layers();
+    let dir = tempfile::tempdir().unwrap();
+    write_model(dir.path(), layers);
+
+    let in_ram = CausalLm::open(dir.path(), None).unwrap();
+    let folder = FolderWeights::open(dir.path(), None).unwrap();
+
+    let mut map = serde_json::Map::new();
+    map.insert("model.embed_tokens".into(), json!("cpu"));
+    for l in 0..layers {
+        let place = if l < layers / 2 { "cpu" } else { "disk" };
+        map.insert(format!("model.layers.{l}"), json!(place));
+    }
+    for name in ["model.norm", "model.rotary_emb", "lm_head"] {
+        map.insert(name.into(), json!("cpu"));
+    }
+    let options = Options {
+        device_map: Some(DeviceMapSpec::Map(
+            DeviceMap::from_json(&serde_json::Value::Object(map)).unwrap(),
+        )),
+        offload_folder: Some(dir.path().join("offload")),
+        ..Options::default()
+    };
+    let offloaded = open_causal_lm(dir.path(), Arc::new(DeviceSet::cpu_only()), &options).unwrap();
+    let before = offloaded.weights.streamed_bytes();
+    one_token(&offloaded.model, &offloaded.weights);
+    let streamed = offloaded.weights.streamed_bytes() - before;
+
+    let mut group = c.benchmark_group("decode_token");
+    group.sample_size(10);
+    group.throughput(Throughput::Elements(1));
+    group.bench_function("in_ram", |b| b.iter(|| one_token(&in_ram, &folder)));
+    group.throughput(Throughput::Bytes(streamed));
+    group.bench_function("cpu_disk_offload", |b| {
+        b.iter(|| one_token(&offloaded.model, &offloaded.weights))
+    });
+    group.finish();
+
+    let ram = median_seconds(5, || one_token(&in_ram, &folder));
+    let disk = median_seconds(5, || one_token(&offloaded.model, &offloaded.weights));
+    println!(
+        "summary: {layers} layers; in RAM {:.2} tokens/s, CPU + disk offload {:.2} tokens/s \
+         (time ratio offload/RAM {:.3}); {:.1} MB streamed per token at {:.2} GB/s",
+        1.0 / ram,
+        1.0 / disk,
+        disk / ram,
+        streamed as f64 / 1e6,
+        streamed as f64 / disk / 1e9
+    );
+    if DeviceSet::probe().gpus().is_empty() {
+        println!("gpu rows: skipped: no CUDA device");
+    } else {
+        println!(
+            "gpu rows: skipped: bm-models computes on the CPU only here; resident vs CPU-offloaded GPU rows need its CUDA backend"
+        );
+    }
+}
+
+criterion_group!(benches, offload);
+criterion_main!(benches);
