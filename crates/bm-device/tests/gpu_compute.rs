@@ -90,8 +90,15 @@ fn gemm_matches_host_product_single_and_batched() {
         .unwrap();
     assert_close("batched gemm", &download(&dc, batch * m * n), &want, 1e-5);
 
-    // BF16 inputs, F32 output: inputs rounded first, product accumulated in f32.
-    for half in [FloatType::BF16, FloatType::F16] {
+    // Half inputs, F32 output: the product of the rounded inputs,
+    // accumulated in f32.
+    for (half, round) in [
+        (
+            FloatType::BF16,
+            (|x: f32| half::bf16::from_f32(x).to_f32()) as fn(f32) -> f32,
+        ),
+        (FloatType::F16, |x: f32| half::f16::from_f32(x).to_f32()),
+    ] {
         let mut ha = g.alloc(m * k * 2).unwrap();
         let mut hb = g.alloc(n * k * 2).unwrap();
         g.cast(&da, FloatType::F32, &mut ha, half, m * k, 0)
@@ -100,11 +107,19 @@ fn gemm_matches_host_product_single_and_batched() {
             .unwrap();
         g.gemm(&ha, &hb, &mut dc, half, FloatType::F32, shape)
             .unwrap();
+        let mut want = vec![0f32; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                want[i * n + j] = (0..k)
+                    .map(|l| round(a[i * k + l]) * round(b[j * k + l]))
+                    .sum();
+            }
+        }
         assert_close(
             &format!("{half:?} gemm"),
             &download(&dc, m * n),
-            &want[..m * n],
-            2e-2,
+            &want,
+            1e-5,
         );
     }
 }
@@ -161,11 +176,11 @@ fn elementwise_ops_match_host() {
     let want: Vec<f32> = a.iter().map(|x| x / (1.0 + (-x).exp())).collect();
     assert_close("silu", &download(&out, n), &want, 1e-6);
     g.gelu(&da, &mut out, ty, n).unwrap();
-    // erf(0.5) and erf(-1) from scipy, at the points a[i] = 0.5 and -1.
     let probe = upload(g, &[0.5, -1.0]);
     let mut probe_out = g.alloc(8).unwrap();
     g.gelu(&probe, &mut probe_out, ty, 2).unwrap();
-    let want = [0.25 * (1.0 + 0.520_499_9), -0.5 * (1.0 - 0.842_700_8)];
+    // gelu(0.5) = 0.25 (1 + erf(0.3535534)), gelu(-1) = -0.5 (1 - erf(0.7071068)).
+    let want = [0.25 * (1.0 + 0.382_924_9), -0.5 * (1.0 - 0.682_689_5)];
     assert_close("gelu", &download(&probe_out, 2), &want, 1e-6);
 
     let (rows, cols) = (4, 250);
