@@ -101,6 +101,7 @@ impl Unit {
             Unit::Seconds if v < 1e-3 => format!("{:.1} µs", v * 1e6),
             Unit::Seconds if v < 1.0 => format!("{:.2} ms", v * 1e3),
             Unit::Seconds => format!("{v:.3} s"),
+            Unit::Bytes if v < (1u64 << 20) as f64 => format!("{:.1} KiB", v / 1024.0),
             Unit::Bytes => format!("{:.0} MiB", v / (1u64 << 20) as f64),
             Unit::GigabytesPerSecond => format!("{v:.2} GB/s"),
         }
@@ -684,10 +685,10 @@ impl Suite {
                 cmd.arg("--offload-folder").arg(&offload);
             }
             let out = capture(&mut cmd, COMMAND_LIMIT)?;
-            answers.push(
-                serde_json::from_str::<Value>(out.stdout.trim())
-                    .map_err(|e| format!("not available: bigmodel run --json: {e}"))?,
-            );
+            let mut answer = serde_json::from_str::<Value>(out.stdout.trim())
+                .map_err(|e| format!("not available: bigmodel run --json: {e}"))?;
+            answer["offload_folder_bytes"] = json!(dir_bytes(&offload));
+            answers.push(answer);
         }
         let _ = fs::remove_dir_all(&offload);
         Ok(median_fields(&answers))
@@ -727,7 +728,9 @@ impl Suite {
             if map_has(map, "disk") {
                 args.extend(["--offload-folder", &offload]);
             }
-            answers.push(self.baseline(&args)?);
+            let mut answer = self.baseline(&args)?;
+            answer["offload_folder_bytes"] = json!(dir_bytes(Path::new(offload.as_ref())));
+            answers.push(answer);
         }
         let _ = fs::remove_dir_all(&offload);
         Ok(median_fields(&answers))
@@ -898,7 +901,7 @@ fn load_rows_from(
                 .and_then(|ids| ids.iter().rev().nth(new_tokens - 1))
                 .cloned()
                 .unwrap_or(Value::Null);
-            let agree = if ours == b["next_token"] {
+            let agree = if ours.as_f64().is_some() && ours.as_f64() == b["next_token"].as_f64() {
                 "agree"
             } else {
                 "DISAGREE"
@@ -912,11 +915,26 @@ fn load_rows_from(
     };
     let runs_note = format!("{model}; half the layers on disk; median of {runs} run(s)");
     let baseline = "Accelerate load_checkpoint_and_dispatch, same map";
+    let offload_note = match (
+        field(ours, "offload_folder_bytes"),
+        field(theirs, "offload_folder_bytes"),
+    ) {
+        (Ok(a), Ok(b)) => format!(
+            "{runs_note}; offload folder written: bigmodel {}, Accelerate {}",
+            Unit::Bytes.format(a),
+            Unit::Bytes.format(b)
+        ),
+        _ => runs_note.clone(),
+    };
     vec![
-        Row::new(S, "load (plan, read, offload to disk)", Unit::Seconds)
-            .bigmodel(Cell::from(field(ours, "load_seconds")))
-            .baseline(baseline, Cell::from(field(theirs, "load_seconds")))
-            .note(runs_note.clone()),
+        Row::new(
+            S,
+            "load (place the weights, prepare the disk offload)",
+            Unit::Seconds,
+        )
+        .bigmodel(Cell::from(field(ours, "load_seconds")))
+        .baseline(baseline, Cell::from(field(theirs, "load_seconds")))
+        .note(offload_note),
         Row::new(S, "first forward (32-token prompt)", Unit::Seconds)
             .bigmodel(Cell::from(field(ours, "first_forward_seconds")))
             .baseline(baseline, Cell::from(field(theirs, "first_forward_seconds")))
@@ -1052,6 +1070,20 @@ fn criterion_results(dir: &Path, since: SystemTime) -> BTreeMap<String, f64> {
     found
 }
 
+/// Bytes of the files under `dir` (0 when it does not exist).
+fn dir_bytes(dir: &Path) -> u64 {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .map(|e| match e.file_type() {
+            Ok(t) if t.is_dir() => dir_bytes(&e.path()),
+            _ => e.metadata().map_or(0, |m| m.len()),
+        })
+        .sum()
+}
+
 fn map_has(map: &Value, device: &str) -> bool {
     map.as_object()
         .is_some_and(|m| m.values().any(|v| v == device))
@@ -1065,8 +1097,12 @@ fn median_fields(answers: &[Value]) -> Value {
         for (key, value) in fields.iter_mut() {
             if value.is_number() {
                 let mut all: Vec<f64> = answers.iter().filter_map(|a| a[key].as_f64()).collect();
-                if let Some(m) = median(&mut all) {
-                    *value = json!(m);
+                let integers = answers.iter().all(|a| a[key].is_i64() || a[key].is_u64());
+                match median(&mut all) {
+                    // Token ids and byte counts stay integers.
+                    Some(m) if integers && m.fract() == 0.0 => *value = json!(m as i64),
+                    Some(m) => *value = json!(m),
+                    None => {}
                 }
             }
         }
@@ -1682,13 +1718,15 @@ mod tests {
             "seconds_per_token": 0.1,
             "bytes_streamed_per_token": 1000,
             "peak_host_bytes": 100.0,
+            "offload_folder_bytes": 4096,
         }));
         let theirs = Ok(json!({
             "load_seconds": 2.0,
             "first_forward_seconds": 0.5,
             "seconds_per_token": 0.2,
-            "next_token": 11,
+            "next_token": 11.0,
             "peak_host_bytes": 400.0,
+            "offload_folder_bytes": 90 << 20,
             "host_bytes_after_imports": 300.0,
         }));
         let rows = load_rows_from(&ours, &theirs, "m", 1, 4);
@@ -1697,11 +1735,9 @@ mod tests {
             ratios,
             [Some(4.0), Some(2.0), Some(2.5 / 0.75), Some(2.0), Some(4.0)]
         );
-        assert!(
-            rows[1].note.contains("bigmodel 11, Accelerate 11 (agree)"),
-            "{}",
-            rows[1].note
-        );
+        assert!(rows[1].note.contains("(agree)"), "{}", rows[1].note);
+        let offload_note = "bigmodel 4.0 KiB, Accelerate 90 MiB";
+        assert!(rows[0].note.contains(offload_note), "{}", rows[0].note);
 
         let missing: Result<Value, String> = Err("not available: no run".into());
         let rows = load_rows_from(&missing, &theirs, "m", 1, 4);
@@ -1733,6 +1769,8 @@ mod tests {
         ];
         let m = median_fields(&answers);
         assert_eq!(m["load_seconds"], 2.0);
+        let tokens = [json!({"next_token": 7958}), json!({"next_token": 7958})];
+        assert!(median_fields(&tokens)["next_token"].is_i64());
         assert_eq!(m["generated_ids"], json!([5]));
     }
 
