@@ -5,7 +5,7 @@
 //! device" and returns, unless `BM_GPU_TESTS=1`, which makes that a failure.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use bigmodel::device::{DeviceSet, Gpu};
@@ -191,10 +191,59 @@ fn mixed_caches_are_refused_with_a_clear_error() {
     assert!(err.to_string().contains("cache is in host memory"), "{err}");
 }
 
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
+/// One fixture file, embedded in the test binary: the GPU bundle runs it on
+/// a machine without this source tree.
+macro_rules! fixture_file {
+    ($model:literal, $file:literal) => {
+        (
+            $model,
+            $file,
+            include_bytes!(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/tests/fixtures/",
+                $model,
+                "/",
+                $file
+            ))
+            .as_slice(),
+        )
+    };
+}
+
+const FIXTURES: &[(&str, &str, &[u8])] = &[
+    fixture_file!("tiny-llama", "config.json"),
+    fixture_file!("tiny-llama", "generation_config.json"),
+    fixture_file!("tiny-llama", "model.safetensors"),
+    fixture_file!("tiny-llama", "reference.safetensors"),
+    fixture_file!("tiny-llama", "tokenizer.json"),
+    fixture_file!("tiny-mistral", "config.json"),
+    fixture_file!("tiny-mistral", "generation_config.json"),
+    fixture_file!("tiny-mistral", "model.safetensors"),
+    fixture_file!("tiny-mistral", "reference.safetensors"),
+    fixture_file!("tiny-qwen2", "config.json"),
+    fixture_file!("tiny-qwen2", "generation_config.json"),
+    fixture_file!("tiny-qwen2", "model.safetensors.index.json"),
+    fixture_file!("tiny-qwen2", "model-00001-of-00009.safetensors"),
+    fixture_file!("tiny-qwen2", "model-00002-of-00009.safetensors"),
+    fixture_file!("tiny-qwen2", "model-00003-of-00009.safetensors"),
+    fixture_file!("tiny-qwen2", "model-00004-of-00009.safetensors"),
+    fixture_file!("tiny-qwen2", "model-00005-of-00009.safetensors"),
+    fixture_file!("tiny-qwen2", "model-00006-of-00009.safetensors"),
+    fixture_file!("tiny-qwen2", "model-00007-of-00009.safetensors"),
+    fixture_file!("tiny-qwen2", "model-00008-of-00009.safetensors"),
+    fixture_file!("tiny-qwen2", "model-00009-of-00009.safetensors"),
+    fixture_file!("tiny-qwen2", "reference.safetensors"),
+];
+
+/// Writes the embedded fixtures into a temporary folder per model.
+fn fixtures() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for (model, file, bytes) in FIXTURES {
+        let folder = dir.path().join(model);
+        std::fs::create_dir_all(&folder).unwrap();
+        std::fs::write(folder.join(file), bytes).unwrap();
+    }
+    dir
 }
 
 /// A folder's weights, each uploaded to one GPU on first use.
@@ -240,6 +289,8 @@ fn reference_ids(st: &SafeTensors<'_>, name: &str) -> Vec<u32> {
 fn tiny_decoders_on_gpu_match_transformers() {
     let Some(set) = cuda_set() else { return };
     let gpu = set.gpu(0).unwrap();
+    let root = fixtures();
+    let fixture = |model: &str| -> PathBuf { root.path().join(model) };
     for model in ["tiny-llama", "tiny-qwen2", "tiny-mistral"] {
         let bytes = std::fs::read(fixture(model).join("reference.safetensors")).unwrap();
         let st = SafeTensors::deserialize(&bytes).unwrap();
