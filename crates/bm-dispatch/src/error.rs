@@ -81,6 +81,18 @@ pub enum Error {
 }
 
 impl Error {
+    /// True when a device had no room (budget or driver out of memory).
+    pub fn is_out_of_device_memory(&self) -> bool {
+        matches!(
+            self,
+            Error::Device {
+                source: bm_device::Error::BudgetExceeded { .. }
+                    | bm_device::Error::OutOfMemory { .. },
+                ..
+            }
+        )
+    }
+
     pub(crate) fn device(what: impl Into<String>, source: bm_device::Error) -> Self {
         Error::Device {
             what: what.into(),

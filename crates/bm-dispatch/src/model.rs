@@ -508,7 +508,14 @@ impl Shared {
             }
         }
         drop(live);
-        let produced = self.produce(slot, device);
+        let mut produced = self.produce(slot, device);
+        if !prefetch && matches!(&produced, Err(e) if e.is_out_of_device_memory()) {
+            // Idle weights (prefetched for a block that has already run, or
+            // kept by the resident budget) are a cache: make room and retry.
+            if self.evict_unused_on(device) {
+                produced = self.produce(slot, device);
+            }
+        }
         let mut live = self.live.lock();
         let out = match produced {
             Ok(bytes) => {
@@ -578,6 +585,17 @@ impl Shared {
                 self.evict_idle(&mut live);
             }
         }
+    }
+
+    /// Drops every weight on `device` that no forward is using, prefetched
+    /// ones included. True when something was dropped.
+    fn evict_unused_on(&self, device: Device) -> bool {
+        let mut live = self.live.lock();
+        let before = live.len();
+        live.retain(|(_, d), e| {
+            *d != device || e.users > 0 || matches!(e.state, LiveState::Loading)
+        });
+        before != live.len()
     }
 
     /// Drops idle weights (no user, not prefetched) beyond the resident
@@ -700,7 +718,6 @@ impl<'m> Forward<'m> {
     pub fn load_offloaded(&mut self, subtree: bool, buffers: bool) -> Result<()> {
         let device = self.exec.unwrap_or(Device::Cpu);
         let slots = self.model.module_slots(self.module, subtree, buffers);
-        self.prefetch_next();
         for s in slots {
             let offloaded = matches!(
                 self.model.shared.slots.read()[s].state,
@@ -712,6 +729,9 @@ impl<'m> Forward<'m> {
                 }
             }
         }
+        // Only now: a prefetch started earlier could take the room this
+        // block's own weights need.
+        self.prefetch_next();
         Ok(())
     }
 

@@ -213,6 +213,41 @@ fn next_block_is_prefetched_while_one_computes() {
 }
 
 #[test]
+fn a_gpu_with_room_for_one_streamed_block_never_runs_out() {
+    // Regression: the prefetch of the next block used to be started before
+    // the running block loaded its own weights, and could take their room.
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = Checkpoint::open(write_checkpoint(dir.path())).unwrap();
+    let expected = reference(&ckpt, None);
+    let m =
+        map(serde_json::json!({"0": 0, "1": "cpu", "2": "cpu", "3": "cpu", "bn": 0, "head": 0}));
+    let resident = {
+        let folder = tempfile::tempdir().unwrap();
+        let model = dispatched(
+            DeviceSet::emulated(&[1 << 20]),
+            &ckpt,
+            &m,
+            folder.path(),
+            None,
+        );
+        model.devices().gpu(0).unwrap().live_bytes()
+    };
+    let block = (WIDTH * WIDTH + WIDTH) as u64 * 4;
+    let activations = 4 * WIDTH as u64 * 4;
+    let folder = tempfile::tempdir().unwrap();
+    let model = dispatched(
+        DeviceSet::emulated(&[resident + block + activations]),
+        &ckpt,
+        &m,
+        folder.path(),
+        None,
+    );
+    for _ in 0..50 {
+        assert_eq!(bits(&forward(&model, &input())), expected);
+    }
+}
+
+#[test]
 fn threads_running_one_model_get_identical_outputs() {
     let dir = tempfile::tempdir().unwrap();
     let ckpt = Checkpoint::open(write_checkpoint(dir.path())).unwrap();
