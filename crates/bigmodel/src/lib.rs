@@ -137,6 +137,17 @@ pub struct Options {
     pub keep_in_fp32_modules: Vec<String>,
     /// Which planner answers a strategy (bigmodel's by default).
     pub planner: Compat,
+    /// Offloaded blocks loaded ahead of the running one; `None` is
+    /// bm-dispatch's default (1). The planner keeps room for them.
+    pub prefetch_depth: Option<usize>,
+}
+
+impl Options {
+    /// The prefetch depth in effect.
+    pub fn prefetch_depth(&self) -> usize {
+        self.prefetch_depth
+            .unwrap_or(DispatchOptions::default().prefetch_depth)
+    }
 }
 
 /// Accelerate's `load_checkpoint_and_dispatch`: plans (for a strategy),
@@ -163,6 +174,7 @@ pub fn load_checkpoint_and_dispatch(
                 dtype: options.dtype,
                 mode: *mode,
                 offload_buffers: options.offload_buffers,
+                prefetch_depth: options.prefetch_depth(),
                 ..PlanOptions::default()
             };
             Some(bm_plan::plan_with(&tree, &plan_options, options.planner)?.device_map)
@@ -186,6 +198,7 @@ pub fn load_checkpoint_and_dispatch(
             skip_keys: options.skip_keys.clone(),
             preload_module_classes: options.preload_module_classes.clone(),
             force_hooks: options.force_hooks,
+            prefetch_depth: options.prefetch_depth(),
             ..DispatchOptions::default()
         };
         bm_dispatch::dispatch_model(&model, &map, &dispatch)?;

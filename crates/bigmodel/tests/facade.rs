@@ -44,7 +44,9 @@ fn auto_map_over_an_emulated_gpu_cpu_and_disk() {
         device_map: Some(DeviceMapSpec::Strategy(Mode::Sequential)),
         max_memory: Some(
             MaxMemory::new([
-                (bigmodel::plan::Device::Gpu(0), 2 * layer + 1),
+                // One resident layer plus room to stream two offloaded
+                // ones (the running layer and the prefetched next one).
+                (bigmodel::plan::Device::Gpu(0), 3 * layer + 1),
                 (bigmodel::plan::Device::Cpu, 2 * layer + 1),
             ])
             .unwrap(),

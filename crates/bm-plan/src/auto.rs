@@ -159,18 +159,34 @@ struct Fill {
     largest_offloaded: Option<usize>,
 }
 
-/// Fills devices in order with `caps` (bytes usable per device) and
-/// `reserve` held back on `exec`. Returns the item that fits nowhere on
+/// The device that executes offloaded units, and the streaming room it
+/// holds back for them.
+#[derive(Clone, Copy)]
+struct Streaming {
+    /// Index of the execution device.
+    exec: usize,
+    /// Bytes held back on it.
+    reserve: u64,
+    /// Offloaded units loaded ahead of the running one.
+    prefetch_depth: usize,
+}
+
+/// Fills devices in order with `caps` (bytes usable per device), holding
+/// back the streaming reserve. Returns the item that fits nowhere on
 /// failure.
 fn fill(
     items: &[Item],
     devices: &[Device],
     caps: &[u64],
-    exec: usize,
-    reserve: u64,
+    streaming: Streaming,
     trace: &mut Option<&mut Vec<String>>,
     tree: &ModuleTree,
 ) -> Result<Fill, (usize, Vec<u64>)> {
+    let Streaming {
+        exec,
+        reserve,
+        prefetch_depth,
+    } = streaming;
     let n = devices.len();
     let mut used = vec![0u64; n];
     let mut device_of_item = Vec::with_capacity(items.len());
@@ -226,23 +242,29 @@ fn fill(
         }
     }
     // What the execution device must hold back for streaming: the largest
-    // unit executed from a slower tier, plus the runtime bytes of all of them.
-    let mut largest = 0u64;
+    // units executed from a slower tier (the running one plus those being
+    // prefetched), plus the runtime bytes of all of them.
     let mut largest_offloaded = None;
     let mut runtime = 0u64;
+    let mut offloaded_sizes = Vec::new();
     for (i, item) in items.iter().enumerate() {
         let d = device_of_item[i];
         if tier(devices[d]) > tier(devices[exec]) {
             runtime += item.runtime;
-            if item.bytes > largest {
-                largest = item.bytes;
+            offloaded_sizes.push(item.bytes);
+            if largest_offloaded.is_none_or(|l: usize| item.bytes > items[l].bytes) {
                 largest_offloaded = Some(i);
             }
         }
     }
+    let in_flight = (1 + prefetch_depth).min(offloaded_sizes.len());
+    if in_flight > 0 {
+        offloaded_sizes.select_nth_unstable_by(in_flight - 1, |a, b| b.cmp(a));
+    }
+    let streamed: u64 = offloaded_sizes[..in_flight].iter().sum();
     Ok(Fill {
         device_of_item,
-        needed_reserve: largest + runtime,
+        needed_reserve: streamed + runtime,
         largest_offloaded,
     })
 }
@@ -394,9 +416,12 @@ pub fn plan(tree: &ModuleTree, options: &PlanOptions) -> Result<Plan, Error> {
             devices[exec]
         ));
     }
+    // Room to prefetch is worth having only while the execution device
+    // still holds something of its own: otherwise plan with less of it.
+    let mut depth = options.prefetch_depth;
     let mut reserve = 0u64;
     let mut result = None;
-    for _round in 0..64 {
+    for _round in 0..64 * (options.prefetch_depth.min(8) + 1) {
         let mut round_trace = Vec::new();
         let fill_result = {
             let mut t = if options.explain {
@@ -404,7 +429,18 @@ pub fn plan(tree: &ModuleTree, options: &PlanOptions) -> Result<Plan, Error> {
             } else {
                 None
             };
-            fill(&items, &devices, &caps, exec, reserve, &mut t, tree)
+            fill(
+                &items,
+                &devices,
+                &caps,
+                Streaming {
+                    exec,
+                    reserve,
+                    prefetch_depth: depth,
+                },
+                &mut t,
+                tree,
+            )
         };
         let filled = match fill_result {
             Ok(f) => f,
@@ -415,6 +451,20 @@ pub fn plan(tree: &ModuleTree, options: &PlanOptions) -> Result<Plan, Error> {
             }
         };
         if filled.needed_reserve <= reserve {
+            let exec_holds_nothing =
+                filled.largest_offloaded.is_some() && !filled.device_of_item.contains(&exec);
+            if depth > 0 && (exec_holds_nothing || reserve > caps[exec]) {
+                if options.explain {
+                    trace.push(format!(
+                        "room to prefetch {depth} offloaded layer(s) leaves {} nothing of its own: planning with prefetch depth {}",
+                        devices[exec],
+                        depth - 1
+                    ));
+                }
+                depth -= 1;
+                reserve = 0;
+                continue;
+            }
             if options.explain {
                 match filled.largest_offloaded {
                     Some(i) => trace.push(format!(

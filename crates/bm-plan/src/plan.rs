@@ -75,6 +75,12 @@ pub struct PlanOptions {
     /// Extra bytes a module needs at run time where it executes, e.g. the KV
     /// cache of a decoder layer (auto planner).
     pub runtime_bytes: Vec<(ModuleId, u64)>,
+    /// How many offloaded units the dispatch layer loads ahead of the one
+    /// running (its prefetch depth). The auto planner holds back room for
+    /// `1 + prefetch_depth` of the largest offloaded units on the execution
+    /// device, so prefetching can overlap copies with compute, and plans
+    /// with less depth when that room would leave the device nothing else.
+    pub prefetch_depth: usize,
 }
 
 /// A device per module (or tensor), in traversal order.

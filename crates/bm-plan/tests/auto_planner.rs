@@ -275,3 +275,41 @@ fn unknown_no_split_class_warns() {
     );
     assert!(p.warnings[0].contains("LlamaDecoderLayer"));
 }
+
+/// Layers of `seq10` (40400 bytes each) the plan puts on GPU 0.
+fn layers_on_gpu0(memory: MaxMemory, prefetch_depth: usize) -> (usize, Vec<String>) {
+    let tree = seq10();
+    let plan = plan(
+        &tree,
+        &PlanOptions {
+            prefetch_depth,
+            ..options(memory, &[], Mode::Sequential)
+        },
+    )
+    .unwrap();
+    let on_gpu = plan
+        .device_map
+        .iter()
+        .filter(|(_, d)| *d == Device::Gpu(0))
+        .count();
+    (on_gpu, plan.trace)
+}
+
+#[test]
+fn streaming_room_covers_the_prefetched_layers_unless_it_would_empty_the_gpu() {
+    let layer = 40_400;
+    let five_layers = mm(&[("0", 5 * layer), ("cpu", 100 * layer)]);
+    // One layer streams while it runs, and each prefetched one needs room too.
+    assert_eq!(layers_on_gpu0(five_layers.clone(), 0).0, 4);
+    assert_eq!(layers_on_gpu0(five_layers, 1).0, 3);
+    // Room for two streamed layers would leave GPU 0 nothing of its own:
+    // the planner gives up prefetch room rather than the GPU.
+    let (on_gpu, trace) = layers_on_gpu0(mm(&[("0", 5 * layer / 2), ("cpu", 100 * layer)]), 1);
+    assert_eq!(on_gpu, 1);
+    assert!(
+        trace
+            .iter()
+            .any(|l| l.contains("planning with prefetch depth 0")),
+        "{trace:#?}"
+    );
+}

@@ -54,6 +54,10 @@ pub struct Args {
     /// Sequences in the KV cache (with --max-seq-len).
     #[arg(long, default_value_t = 1)]
     batch_size: u64,
+    /// Offloaded layers loaded ahead of the running one at run time; the
+    /// default planner keeps room for them on the execution device.
+    #[arg(long, default_value_t = 1)]
+    prefetch_depth: usize,
     /// Print the planner's decisions.
     #[arg(long)]
     explain: bool,
@@ -250,6 +254,7 @@ pub fn run(args: Args) -> CmdResult {
         },
         explain: args.explain,
         runtime_bytes,
+        prefetch_depth: args.prefetch_depth,
         ..PlanOptions::default()
     };
     let plan = bigmodel::plan::plan_with(tree, &options, compat)?;
