@@ -69,6 +69,6 @@ pub use decoder::{
 pub use dispatched::{Dispatched, DispatchedWeights, open_causal_lm, open_sentence_embedder};
 pub use encoder::{Encoder, EncoderConfig, SUPPORTED_ENCODERS, SentenceEmbedder};
 pub use error::Error;
-pub use tensor::{Backend, HostBytes, Tensor};
+pub use tensor::{Backend, HostBytes, SharedDeviceBuffer, Tensor};
 pub use text::TextTokenizer;
 pub use weights::{FolderWeights, WeightSource};

@@ -55,7 +55,34 @@ impl HostBytes {
 #[derive(Debug)]
 enum Data {
     Cpu(HostBytes),
-    Cuda(bigmodel::device::DeviceBuffer),
+    Cuda(DeviceBytes),
+}
+
+/// A device buffer that someone else owns and keeps alive by `Arc` (a
+/// dispatched model's GPU-resident weight), seen as a `DeviceBuffer`.
+pub type SharedDeviceBuffer =
+    std::sync::Arc<dyn AsRef<bigmodel::device::DeviceBuffer> + Send + Sync>;
+
+/// The bytes of a GPU tensor: its own buffer (every op's output), or a
+/// shared one (weights used in place).
+enum DeviceBytes {
+    Owned(bigmodel::device::DeviceBuffer),
+    Shared(SharedDeviceBuffer),
+}
+
+impl DeviceBytes {
+    fn buffer(&self) -> &bigmodel::device::DeviceBuffer {
+        match self {
+            DeviceBytes::Owned(b) => b,
+            DeviceBytes::Shared(b) => (**b).as_ref(),
+        }
+    }
+}
+
+impl std::fmt::Debug for DeviceBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.buffer().fmt(f)
+    }
 }
 
 /// A dense row-major tensor with a float dtype the ops compute in
@@ -163,7 +190,7 @@ impl Tensor {
     pub fn backend(&self) -> Backend {
         match &self.data {
             Data::Cpu(_) => Backend::Cpu,
-            Data::Cuda(b) => Backend::Cuda(b.gpu().ordinal()),
+            Data::Cuda(b) => Backend::Cuda(b.buffer().gpu().ordinal()),
         }
     }
 
@@ -177,7 +204,7 @@ impl Tensor {
             Data::Cpu(b) => b.as_bytes(),
             Data::Cuda(b) => panic!(
                 "host bytes of a tensor on GPU {}: call to_host() first",
-                b.device()
+                b.buffer().device()
             ),
         }
     }
@@ -191,23 +218,58 @@ impl Tensor {
         Tensor {
             dtype,
             shape: shape.to_vec(),
-            data: Data::Cuda(buffer),
+            data: Data::Cuda(DeviceBytes::Owned(buffer)),
         }
+    }
+
+    /// A GPU tensor over a buffer another owner keeps (a dispatched model's
+    /// GPU-resident weight), used in place. Checks the dtype, that the
+    /// buffer holds `meta`'s bytes and that it is on a CUDA GPU (emulated
+    /// GPUs do not compute: use their bytes from the host). `name` is used
+    /// in errors.
+    pub fn from_shared_device(
+        meta: TensorMeta,
+        buffer: SharedDeviceBuffer,
+        name: &str,
+    ) -> Result<Tensor, Error> {
+        if !is_compute_dtype(meta.dtype) {
+            return Err(Error::UnsupportedDType {
+                what: name.to_string(),
+                dtype: meta.dtype,
+            });
+        }
+        let b = (*buffer).as_ref();
+        if b.gpu().kind() != bigmodel::device::GpuKind::Cuda {
+            return Err(bigmodel::device::Error::ComputeUnsupported { device: b.device() }.into());
+        }
+        if meta.checked_byte_len().is_none_or(|n| n.max(1) != b.len()) {
+            return Err(Error::Tensor(bm_tensor::Error::LengthMismatch {
+                what: format!("tensor {name} ({} {:?})", meta.dtype, meta.shape),
+                expected: meta.byte_len(),
+                found: b.len(),
+            }));
+        }
+        Ok(Tensor {
+            dtype: meta.dtype,
+            shape: meta.shape,
+            data: Data::Cuda(DeviceBytes::Shared(buffer)),
+        })
     }
 
     /// The device buffer of a GPU tensor.
     pub(crate) fn device_buffer(&self) -> Option<&bigmodel::device::DeviceBuffer> {
         match &self.data {
             Data::Cpu(_) => None,
-            Data::Cuda(b) => Some(b),
+            Data::Cuda(b) => Some(b.buffer()),
         }
     }
 
-    /// The device buffer of a GPU tensor, for writing.
+    /// The device buffer of a GPU tensor, for writing (only the tensors ops
+    /// create own theirs).
     pub(crate) fn device_buffer_mut(&mut self) -> Option<&mut bigmodel::device::DeviceBuffer> {
         match &mut self.data {
-            Data::Cpu(_) => None,
-            Data::Cuda(b) => Some(b),
+            Data::Cuda(DeviceBytes::Owned(b)) => Some(b),
+            _ => None,
         }
     }
 
@@ -215,8 +277,8 @@ impl Tensor {
     pub fn to_host(&self) -> Result<Tensor, Error> {
         let buf = match &self.data {
             Data::Cuda(b) => {
-                let mut buf = HostBuffer::zeroed(b.len())?;
-                b.copy_to_host(0, buf.as_mut_bytes())?;
+                let mut buf = HostBuffer::zeroed(self.numel() * self.dtype.size_in_bytes())?;
+                b.buffer().copy_to_host(0, buf.as_mut_bytes())?;
                 buf
             }
             _ => HostBuffer::from_bytes(self.host_bytes())?,
@@ -259,7 +321,7 @@ impl Tensor {
     /// same backend.
     pub fn to_dtype(&self, dtype: DType) -> Result<Tensor, Error> {
         if let Data::Cuda(b) = &self.data {
-            return crate::cuda::cast(self, b.gpu(), dtype);
+            return crate::cuda::cast(self, b.buffer().gpu(), dtype);
         }
         let values = self.f32_values();
         Tensor::build(dtype, &self.shape, |out| out.copy_from_slice(&values))
@@ -275,7 +337,7 @@ impl Tensor {
         }
         let row_bytes = self.shape[1] * self.dtype.size_in_bytes();
         if let Data::Cuda(b) = &self.data {
-            return crate::cuda::rows(b, self.dtype, self.shape[1], start, end);
+            return crate::cuda::rows(b.buffer(), self.dtype, self.shape[1], start, end);
         }
         let buf = HostBuffer::from_bytes(&self.host_bytes()[start * row_bytes..end * row_bytes])?;
         Ok(Tensor {
@@ -343,6 +405,16 @@ mod tests {
                 .contains("compute is not supported on emulated device 0"),
             "{err}"
         );
+        struct Held(bigmodel::device::DeviceBuffer);
+        impl AsRef<bigmodel::device::DeviceBuffer> for Held {
+            fn as_ref(&self) -> &bigmodel::device::DeviceBuffer {
+                &self.0
+            }
+        }
+        let shared = std::sync::Arc::new(Held(set.gpu(0).unwrap().alloc(8).unwrap()));
+        let err =
+            Tensor::from_shared_device(TensorMeta::new(DType::F32, [2]), shared, "w").unwrap_err();
+        assert!(err.to_string().contains("emulated device 0"), "{err}");
         // A host tensor's to_host is a copy of the same values.
         assert_eq!(t.to_host().unwrap().to_f32_vec(), [1.0, 2.0]);
     }
