@@ -24,13 +24,13 @@ pub trait ModelHook: Send + Sync + std::fmt::Debug {
     }
 
     /// Called before the forward; returns the inputs to use.
-    fn pre_forward(&self, fwd: &mut Forward<'_>, inputs: Activations) -> Result<Activations> {
+    fn pre_forward(&self, fwd: &mut Forward, inputs: Activations) -> Result<Activations> {
         let _ = fwd;
         Ok(inputs)
     }
 
     /// Called after the forward; returns the outputs to hand back.
-    fn post_forward(&self, fwd: &mut Forward<'_>, outputs: Activations) -> Result<Activations> {
+    fn post_forward(&self, fwd: &mut Forward, outputs: Activations) -> Result<Activations> {
         let _ = fwd;
         Ok(outputs)
     }
@@ -57,14 +57,14 @@ impl ModelHook for SequentialHook {
         self.hooks.iter().try_for_each(|h| h.init(model, module))
     }
 
-    fn pre_forward(&self, fwd: &mut Forward<'_>, mut inputs: Activations) -> Result<Activations> {
+    fn pre_forward(&self, fwd: &mut Forward, mut inputs: Activations) -> Result<Activations> {
         for h in &self.hooks {
             inputs = h.pre_forward(fwd, inputs)?;
         }
         Ok(inputs)
     }
 
-    fn post_forward(&self, fwd: &mut Forward<'_>, mut outputs: Activations) -> Result<Activations> {
+    fn post_forward(&self, fwd: &mut Forward, mut outputs: Activations) -> Result<Activations> {
         for h in &self.hooks {
             outputs = h.post_forward(fwd, outputs)?;
         }
@@ -179,7 +179,7 @@ impl ModelHook for AlignDevicesHook {
         model.move_slots(&kept, exec)
     }
 
-    fn pre_forward(&self, fwd: &mut Forward<'_>, inputs: Activations) -> Result<Activations> {
+    fn pre_forward(&self, fwd: &mut Forward, inputs: Activations) -> Result<Activations> {
         if self.io_same_device {
             fwd.set_input_device(inputs.device());
         }
@@ -194,7 +194,7 @@ impl ModelHook for AlignDevicesHook {
         inputs.to_device(exec, &devices, &self.skip_keys)
     }
 
-    fn post_forward(&self, fwd: &mut Forward<'_>, outputs: Activations) -> Result<Activations> {
+    fn post_forward(&self, fwd: &mut Forward, outputs: Activations) -> Result<Activations> {
         if self.offload {
             fwd.release();
         }
@@ -278,7 +278,7 @@ impl ModelHook for CpuOffload {
         model.to(Device::Cpu)
     }
 
-    fn pre_forward(&self, fwd: &mut Forward<'_>, inputs: Activations) -> Result<Activations> {
+    fn pre_forward(&self, fwd: &mut Forward, inputs: Activations) -> Result<Activations> {
         if let Some(prev) = &self.prev_module_hook {
             if prev.model.first_param_device() != Some(Device::Cpu) {
                 prev.offload()?;

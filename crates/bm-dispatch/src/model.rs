@@ -95,10 +95,13 @@ pub(crate) struct Shared {
 ///
 /// `Model` is `Sync`: several threads may run forward passes at once; the
 /// weights an offloaded block needs are materialised once per device and
-/// shared by every pass that needs them at the same time.
+/// shared by every pass that needs them at the same time. It is also a
+/// handle: clones are cheap and refer to the same model, which is what
+/// lets a [`Forward`] own its model and outlive the borrow it came from.
+#[derive(Clone)]
 pub struct Model {
     pub(crate) shared: Arc<Shared>,
-    prefetch: Mutex<Option<Sender<PrefetchJob>>>,
+    prefetch: Arc<Mutex<Option<Sender<PrefetchJob>>>>,
 }
 
 impl std::fmt::Debug for Model {
@@ -169,7 +172,7 @@ impl Model {
         });
         Ok(Model {
             shared,
-            prefetch: Mutex::new(None),
+            prefetch: Arc::new(Mutex::new(None)),
         })
     }
 
@@ -443,11 +446,11 @@ impl Model {
     /// weights materialised) and returns the guard through which the
     /// caller reads the moved inputs and the weights, then calls
     /// [`Forward::exit`] with the outputs.
-    pub fn enter(&self, name: &str, inputs: Activations) -> Result<Forward<'_>> {
+    pub fn enter(&self, name: &str, inputs: Activations) -> Result<Forward> {
         let module = self.module_id(name)?;
         let hook = self.shared.hooks.read()[module].clone();
         let mut fwd = Forward {
-            model: self,
+            model: self.clone(),
             module,
             hook: hook.clone(),
             exec: None,
@@ -644,8 +647,8 @@ fn spawn_prefetcher(shared: Weak<Shared>) -> Sender<PrefetchJob> {
 
 /// One module's forward pass in progress: the guard returned by
 /// [`Model::enter`], and the context hooks work on.
-pub struct Forward<'m> {
-    model: &'m Model,
+pub struct Forward {
+    model: Model,
     module: ModuleId,
     hook: Option<Arc<dyn ModelHook>>,
     exec: Option<Device>,
@@ -655,7 +658,7 @@ pub struct Forward<'m> {
     exited: bool,
 }
 
-impl std::fmt::Debug for Forward<'_> {
+impl std::fmt::Debug for Forward {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Forward")
             .field("module", &self.module_name())
@@ -664,10 +667,10 @@ impl std::fmt::Debug for Forward<'_> {
     }
 }
 
-impl<'m> Forward<'m> {
+impl Forward {
     /// The model.
-    pub fn model(&self) -> &'m Model {
-        self.model
+    pub fn model(&self) -> &Model {
+        &self.model
     }
 
     /// The module running.
@@ -845,7 +848,7 @@ impl<'m> Forward<'m> {
     }
 }
 
-impl Drop for Forward<'_> {
+impl Drop for Forward {
     fn drop(&mut self) {
         if !self.exited {
             self.release();

@@ -28,12 +28,10 @@ use crate::{CausalLm, DecoderConfig, EncoderConfig, Error, SentenceEmbedder, Ten
 /// A block entered by one thread and not yet exited.
 struct OpenBlock {
     name: String,
-    guard: Forward<'static>,
+    guard: Forward,
 }
 
 struct Inner {
-    // Declared before `model` so that the guards, which borrow it, are
-    // dropped first.
     open: Mutex<HashMap<ThreadId, Vec<OpenBlock>>>,
     model: Arc<Model>,
     dtype: DType,
@@ -211,12 +209,6 @@ impl WeightSource for DispatchedWeights {
                 },
                 other => Error::Dispatch(other),
             })?;
-        // SAFETY: the guard borrows the model behind `self.inner.model`, an
-        // `Arc` whose pointee never moves and lives as long as `Inner`. The
-        // guard is stored only in `Inner::open`, which is dropped before
-        // `Inner::model` (field order), and never leaves `Inner` except to
-        // be exited or dropped within a method of `self`.
-        let guard = unsafe { std::mem::transmute::<Forward<'_>, Forward<'static>>(guard) };
         lock(&self.inner.open)
             .entry(std::thread::current().id())
             .or_default()

@@ -161,7 +161,7 @@ fn block(
     model: &Model,
     name: &str,
     x: Tensor,
-    f: impl Fn(&mut bm_dispatch::Forward<'_>, Vec<f32>) -> Vec<f32>,
+    f: impl Fn(&mut bm_dispatch::Forward, Vec<f32>) -> Vec<f32>,
 ) -> Tensor {
     let mut g = model.enter(name, Activations::new(vec![x])).unwrap();
     let x = g.take_inputs().args.remove(0);
