@@ -18,7 +18,11 @@ fn cuda_set() -> Option<DeviceSet> {
             if std::env::var_os("BM_GPU_TESTS").is_some_and(|v| v == "1") {
                 panic!("BM_GPU_TESTS=1 but no CUDA device: {why}");
             }
-            println!("skipped: no CUDA device ({why})");
+            // Straight to stderr: libtest would capture println! and hide the skip.
+            let _ = std::io::Write::write_fmt(
+                &mut std::io::stderr(),
+                format_args!("skipped: no CUDA device ({why})\n"),
+            );
             None
         }
     }

@@ -51,7 +51,11 @@ fn model_dir() -> Option<PathBuf> {
     match std::env::var_os("BM_MINILM_DIR") {
         Some(dir) => Some(PathBuf::from(dir)),
         None => {
-            println!("skipped: BM_MINILM_DIR not set");
+            // Straight to stderr: libtest would capture println! and hide the skip.
+            let _ = std::io::Write::write_all(
+                &mut std::io::stderr(),
+                b"skipped: BM_MINILM_DIR not set\n",
+            );
             None
         }
     }

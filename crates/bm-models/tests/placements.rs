@@ -264,7 +264,9 @@ fn tiny_bert_with_half_its_layers_on_disk_equals_the_in_memory_embeddings() {
 #[test]
 fn minilm_with_half_its_layers_on_disk_matches_sentence_transformers() {
     let Some(dir) = std::env::var_os("BM_MINILM_DIR").map(PathBuf::from) else {
-        println!("skipped: BM_MINILM_DIR not set");
+        // Straight to stderr: libtest would capture println! and hide the skip.
+        let _ =
+            std::io::Write::write_all(&mut std::io::stderr(), b"skipped: BM_MINILM_DIR not set\n");
         return;
     };
     let reference: serde_json::Value = serde_json::from_str(

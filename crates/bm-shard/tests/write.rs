@@ -231,7 +231,9 @@ fn python() -> Option<String> {
     match std::env::var("BM_PYTHON") {
         Ok(p) if !p.is_empty() => Some(p),
         _ => {
-            println!("skipped: BM_PYTHON not set");
+            // Straight to stderr: libtest would capture println! and hide the skip.
+            let _ =
+                std::io::Write::write_all(&mut std::io::stderr(), b"skipped: BM_PYTHON not set\n");
             None
         }
     }
