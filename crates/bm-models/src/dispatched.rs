@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread::ThreadId;
 
-use bigmodel::device::DeviceSet;
+use bigmodel::device::{DeviceBuffer, DeviceSet, GpuKind};
 use bigmodel::dispatch::{Activations, Bytes, Forward, Model, Placement, Weight};
 use bigmodel::tensor::{DType, HostBuffer};
 
@@ -142,17 +142,26 @@ impl DispatchedWeights {
     }
 
     /// The ops' tensor over a dispatch weight: the same bytes for host
-    /// memory, a host copy for GPU or page-locked memory.
+    /// memory and for CUDA memory (the ops then run on that GPU), a host
+    /// copy for page-locked memory and emulated GPUs (which do not compute).
     fn to_tensor(&self, name: &str, weight: Weight) -> Result<Arc<Tensor>, Error> {
-        let bytes = match weight.bytes.as_ref() {
-            Bytes::Host(_) | Bytes::Mmap(_) => {
-                HostBytes::Shared(Arc::new(HostWeight(weight.bytes)))
+        let tensor = match weight.bytes.as_ref() {
+            Bytes::Device(d) if d.gpu().kind() == GpuKind::Cuda => {
+                Tensor::from_shared_device(weight.meta, Arc::new(DeviceWeight(weight.bytes)), name)?
             }
-            other => HostBytes::Owned(HostBuffer::from_bytes(
-                &other.to_host().map_err(Error::Dispatch)?,
-            )?),
+            Bytes::Host(_) | Bytes::Mmap(_) => Tensor::from_host(
+                weight.meta,
+                HostBytes::Shared(Arc::new(HostWeight(weight.bytes))),
+                name,
+            )?,
+            other => Tensor::from_host(
+                weight.meta,
+                HostBytes::Owned(HostBuffer::from_bytes(
+                    &other.to_host().map_err(Error::Dispatch)?,
+                )?),
+                name,
+            )?,
         };
-        let tensor = Tensor::from_host(weight.meta, bytes, name)?;
         if tensor.dtype() != self.inner.dtype && is_compute_dtype(tensor.dtype()) {
             return Ok(Arc::new(tensor.to_dtype(self.inner.dtype)?));
         }
@@ -167,6 +176,19 @@ struct HostWeight(Arc<Bytes>);
 impl AsRef<[u8]> for HostWeight {
     fn as_ref(&self) -> &[u8] {
         self.0.host().unwrap_or(&[])
+    }
+}
+
+/// A CUDA-resident dispatch weight seen as a device buffer. Only built for
+/// [`Bytes::Device`].
+struct DeviceWeight(Arc<Bytes>);
+
+impl AsRef<DeviceBuffer> for DeviceWeight {
+    fn as_ref(&self) -> &DeviceBuffer {
+        match self.0.as_ref() {
+            Bytes::Device(d) => d,
+            _ => unreachable!("DeviceWeight is built only over device bytes"),
+        }
     }
 }
 

@@ -338,3 +338,59 @@ fn tiny_decoders_on_gpu_match_transformers() {
         }
     }
 }
+
+/// The tiny Llama loaded through dispatch with GPU 0 as the execution
+/// device: all resident, then with one layer CPU-offloaded and one on disk
+/// (streamed to GPU 0 for their forward). Both match transformers and each
+/// other bit for bit: the same kernels run on the same weights.
+#[test]
+fn dispatched_tiny_llama_on_gpu_with_cpu_and_disk_offload_matches_transformers() {
+    use bigmodel::plan::DeviceMap;
+    use bigmodel::{DeviceMapSpec, Options};
+    use bm_models::{Dispatched, open_causal_lm};
+
+    let Some(set) = cuda_set() else { return };
+    let devices = Arc::new(set);
+    let root = fixtures();
+    let model_dir = root.path().join("tiny-llama");
+    let offload = tempfile::tempdir().unwrap();
+    let bytes = std::fs::read(model_dir.join("reference.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let placements = [
+        serde_json::json!({"": 0}),
+        serde_json::json!({
+            "model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": "cpu",
+            "model.layers.2": "disk", "model.norm": 0, "model.rotary_emb": 0, "lm_head": 0,
+        }),
+    ];
+    let mut outputs = Vec::new();
+    for map in placements {
+        let options = Options {
+            device_map: Some(DeviceMapSpec::Map(DeviceMap::from_json(&map).unwrap())),
+            offload_folder: Some(offload.path().to_path_buf()),
+            dtype: Some(DType::F32),
+            force_hooks: true,
+            ..Options::default()
+        };
+        let Dispatched { model, weights } =
+            open_causal_lm(&model_dir, Arc::clone(&devices), &options).unwrap();
+        let ids = reference_ids(&st, "prompt.1");
+        let want = reference_floats(&st, "logits.1");
+        let mut cache = model.decoder().new_cache();
+        let logits = model
+            .decoder()
+            .forward(&weights, &ids, &mut cache, Logits::All)
+            .unwrap();
+        assert_eq!(logits.backend(), Backend::Cuda(0), "{map}");
+        let got = logits.to_host().unwrap().to_f32_vec();
+        let diff = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        println!("dispatched {map}: max |diff| {diff:e}");
+        assert!(diff <= 1e-4, "{map}: max |diff| {diff}");
+        outputs.push(got.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+    }
+    assert_eq!(outputs[0], outputs[1], "offloading changed the GPU output");
+}
