@@ -140,6 +140,8 @@ pub struct Options {
     /// Offloaded blocks loaded ahead of the running one; `None` is
     /// bm-dispatch's default (1). The planner keeps room for them.
     pub prefetch_depth: Option<usize>,
+    /// Told how far loading has got (bytes loaded, bytes in all).
+    pub load_progress: Option<bm_dispatch::LoadProgress>,
 }
 
 impl Options {
@@ -189,6 +191,7 @@ pub fn load_checkpoint_and_dispatch(
         offload_state_dict: options.offload_state_dict.unwrap_or(false),
         keep_in_fp32_modules: options.keep_in_fp32_modules.clone(),
         strict: options.strict,
+        progress: options.load_progress.clone(),
     };
     bm_dispatch::load_checkpoint_in_model(&model, &checkpoint, map.as_ref(), &load)?;
     if let Some(map) = map {

@@ -72,5 +72,5 @@ pub use hooks::{
     AlignDevicesHook, CpuOffload, ModelHook, SequentialHook, UserCpuOffloadHook,
     cpu_offload_with_hook, execution_device, flatten,
 };
-pub use load::{LoadOptions, LoadReport, STAGING_BYTES, load_checkpoint_in_model};
+pub use load::{LoadOptions, LoadProgress, LoadReport, STAGING_BYTES, load_checkpoint_in_model};
 pub use model::{Forward, Model, Placement, SlotId, Tier};

@@ -38,6 +38,19 @@ pub struct LoadOptions {
     pub keep_in_fp32_modules: Vec<String>,
     /// Missing or unexpected keys are errors.
     pub strict: bool,
+    /// Told how far loading has got, for a progress bar.
+    pub progress: Option<LoadProgress>,
+}
+
+/// A callback told, after each tensor, the checkpoint bytes loaded so far
+/// and the bytes to load in all.
+#[derive(Clone)]
+pub struct LoadProgress(pub Arc<dyn Fn(u64, u64) + Send + Sync>);
+
+impl std::fmt::Debug for LoadProgress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("LoadProgress")
+    }
 }
 
 /// What a load did.
@@ -219,10 +232,21 @@ pub fn load_checkpoint_in_model(
         }
     }
 
+    let stored_bytes = |t: usize| {
+        checkpoint
+            .meta(&tree.tensor(t).name)
+            .map_or(0, |m| m.byte_len() as u64)
+    };
+    let to_load: u64 = rep.iter().flatten().map(|&t| stored_bytes(t)).sum();
+    let mut loaded = 0u64;
     let mut staged: Vec<(usize, TensorMeta, SlotState)> = Vec::new();
     let mut index: Vec<(String, OffloadEntry)> = Vec::new();
     for (s, r) in rep.iter().enumerate() {
         let Some(t) = *r else { continue };
+        if let Some(LoadProgress(report)) = &options.progress {
+            report(loaded, to_load);
+        }
+        loaded += stored_bytes(t);
         let tensor = tree.tensor(t);
         let target = target_of(tree, t, map, main, options.offload_buffers);
         let Some(stored) = checkpoint.meta(&tensor.name) else {
@@ -320,6 +344,9 @@ pub fn load_checkpoint_in_model(
     }
     if let Some(folder) = &options.offload_folder {
         save_index(folder, &index)?;
+    }
+    if let Some(LoadProgress(report)) = &options.progress {
+        report(to_load, to_load);
     }
     let mut slots = model.shared.slots.write();
     for (s, meta, state) in staged {

@@ -248,6 +248,33 @@ fn a_gpu_with_room_for_one_streamed_block_never_runs_out() {
 }
 
 #[test]
+fn loading_reports_progress_up_to_the_checkpoint_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = Checkpoint::open(write_checkpoint(dir.path())).unwrap();
+    let folder = tempfile::tempdir().unwrap();
+    let calls = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = Arc::clone(&calls);
+    let model = Model::empty(tree(), Arc::new(DeviceSet::cpu_only())).unwrap();
+    let load = LoadOptions {
+        offload_folder: Some(folder.path().to_path_buf()),
+        progress: Some(bm_dispatch::LoadProgress(Arc::new(move |done, total| {
+            seen.lock().unwrap().push((done, total))
+        }))),
+        ..LoadOptions::default()
+    };
+    let m = map(
+        serde_json::json!({"0": "cpu", "1": "disk", "2": "cpu", "3": "disk", "bn": "cpu", "head": "cpu"}),
+    );
+    load_checkpoint_in_model(&model, &ckpt, Some(&m), &load).unwrap();
+    let calls = calls.lock().unwrap();
+    let total = ckpt.total_bytes();
+    assert!(calls.len() > 2, "{calls:?}");
+    assert!(calls.iter().all(|&(_, t)| t == total), "{calls:?}");
+    assert!(calls.windows(2).all(|w| w[0].0 <= w[1].0), "{calls:?}");
+    assert_eq!(*calls.last().unwrap(), (total, total));
+}
+
+#[test]
 fn threads_running_one_model_get_identical_outputs() {
     let dir = tempfile::tempdir().unwrap();
     let ckpt = Checkpoint::open(write_checkpoint(dir.path())).unwrap();

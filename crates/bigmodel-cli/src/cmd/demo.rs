@@ -312,14 +312,15 @@ pub fn run(args: Args) -> CmdResult {
 
     let devices = Arc::new(DeviceSet::probe());
     let offload = dir.join("offload");
+    let (bar, progress) = super::run::load_progress_bar(false);
     let options = Options {
         device_map: Some(DeviceMapSpec::Strategy(Mode::Auto)),
         max_memory: Some(forcing_budget(&devices, total)?),
         dtype: Some(DType::F32),
         offload_folder: Some(offload),
+        load_progress: Some(progress),
         ..Options::default()
     };
-    let bar = spinner("loading and dispatching");
     let started = Instant::now();
     let dispatched = open_causal_lm(&dir, devices, &options)?;
     let load_seconds = started.elapsed().as_secs_f64();

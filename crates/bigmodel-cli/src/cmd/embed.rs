@@ -32,10 +32,13 @@ pub fn run(args: Args) -> CmdResult {
     if let Some(i) = args.texts.iter().position(String::is_empty) {
         return Err(format!("text {} is empty: give some text", i + 1).into());
     }
-    let options = args.placement.options(None)?;
+    let mut options = args.placement.options(None)?;
+    let (bar, progress) = super::run::load_progress_bar(args.json);
+    options.load_progress = Some(progress);
     let dispatched =
         open_sentence_embedder(&args.model_dir, Arc::new(DeviceSet::probe()), &options)
             .map_err(|e| format!("{}: {e}", args.model_dir.display()))?;
+    bar.finish_and_clear();
     let embeddings = dispatched.model.embed(&args.texts)?;
     if args.json {
         println!("{}", json!({ "embeddings": embeddings }));

@@ -10,10 +10,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use bigmodel::device::DeviceSet;
+use bigmodel::dispatch::LoadProgress;
 use bigmodel::plan::{DeviceMap, MaxMemory, Mode, human_bytes};
 use bigmodel::tensor::DType;
 use bigmodel::{DeviceMapSpec, Options};
 use bm_models::{DispatchedWeights, GenerateOptions, Generation, open_causal_lm};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::{Value, json};
 
 use super::CmdResult;
@@ -93,6 +95,27 @@ impl PlacementArgs {
             ..Options::default()
         })
     }
+}
+
+/// A byte progress bar for loading, on stderr when it is a terminal and
+/// `quiet` is off, and the callback that drives it.
+pub fn load_progress_bar(quiet: bool) -> (ProgressBar, LoadProgress) {
+    let bar = if quiet {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr())
+    };
+    if let Ok(style) = ProgressStyle::with_template(
+        "loading {bar:40} {binary_bytes}/{binary_total_bytes} {elapsed}",
+    ) {
+        bar.set_style(style);
+    }
+    let driven = bar.clone();
+    let progress = LoadProgress(Arc::new(move |done, total| {
+        driven.set_length(total);
+        driven.set_position(done);
+    }));
+    (bar, progress)
 }
 
 fn read_device_map(path: &Path) -> Result<DeviceMap, String> {
@@ -228,7 +251,7 @@ fn write_logits(path: &Path, shape: &[usize], values: &[f32]) -> Result<(), Stri
 /// Runs the command.
 pub fn run(args: Args) -> CmdResult {
     let dtype = args.dtype.as_deref().map(parse_dtype).transpose()?;
-    let options = args.placement.options(dtype)?;
+    let mut options = args.placement.options(dtype)?;
     let prompt_ids = args.prompt_ids.as_deref().map(parse_ids).transpose()?;
     if args.prompt.as_deref() == Some("") {
         return Err("--prompt is empty: give some text".into());
@@ -237,10 +260,13 @@ pub fn run(args: Args) -> CmdResult {
         return Err("--max-new-tokens must be at least 1".into());
     }
 
+    let (bar, progress) = load_progress_bar(args.json);
+    options.load_progress = Some(progress);
     let started = Instant::now();
     let dispatched = open_causal_lm(&args.model_dir, Arc::new(DeviceSet::probe()), &options)
         .map_err(|e| format!("{}: {e}", args.model_dir.display()))?;
     let load_seconds = started.elapsed().as_secs_f64();
+    bar.finish_and_clear();
     let lm = &dispatched.model;
     let weights = &dispatched.weights;
 
