@@ -83,7 +83,8 @@
 //! the methods of [`Gpu`].
 //!
 //! **Architecture invariant:** this is the only crate of the workspace that
-//! names cudarc, and only in the `cuda` and `cuda_compute` modules.
+//! names cudarc. Every call into cudarc is in the `cuda` and `cuda_compute`
+//! modules; other modules name its types only in `cuda`-gated variants.
 
 mod buffer;
 mod compute;
