@@ -1,5 +1,6 @@
-//! `cargo xtask bench [--quick] [--with-accelerate]`: the benchmark suite and
-//! its report, `target/bench-report.md` and `target/bench-report.json`.
+//! `cargo xtask bench [--quick] [--with-accelerate] [--prebuilt DIR]`: the
+//! benchmark suite and its report, `target/bench-report.md` and
+//! `target/bench-report.json`.
 //!
 //! Every figure stands next to a baseline measured in the same run (memcpy,
 //! Python safetensors, Accelerate, the measured host-to-device ceiling), with
@@ -12,6 +13,12 @@
 //! baseline runs only with `--with-accelerate`, in `target/bench-venv` (made
 //! from `tools/requirements-bench.txt`) or in the interpreter named by
 //! `BM_BENCH_PYTHON`.
+//!
+//! With `--prebuilt DIR` the suite runs from a GPU bundle (`cargo xtask
+//! gpu-bundle`) on a machine without a Rust toolchain: the bundle's CLI and
+//! bench binaries run as they are (cargo is never invoked), the baseline's
+//! scripts come from `DIR/tools/`, and everything the run writes (inputs,
+//! criterion results, the report) goes to `DIR/target/`.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -23,8 +30,10 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde_json::{Value, json};
 
+use crate::gpu;
+
 const HELP: &str = "\
-cargo xtask bench [--quick] [--with-accelerate]
+cargo xtask bench [--quick] [--with-accelerate] [--prebuilt DIR]
 
 Runs the benchmark suite and writes target/bench-report.md and
 target/bench-report.json: every figure next to its baseline from the same run.
@@ -34,6 +43,9 @@ target/bench-report.json: every figure next to its baseline from the same run.
                      safetensors) from target/bench-venv, created from PyPI with
                      tools/requirements-bench.txt; BM_BENCH_PYTHON=/path/to/python
                      uses that interpreter instead of a venv
+  --prebuilt DIR     run from a GPU bundle (cargo xtask gpu-bundle) without
+                     cargo: DIR/bin/bigmodel, the bench binaries of DIR/benches,
+                     the scripts of DIR/tools; writes under DIR/target/
 ";
 
 const SKIPPED_PYTHON: &str = "skipped: run with --with-accelerate";
@@ -45,9 +57,12 @@ const COMMAND_LIMIT: Duration = Duration::from_secs(15 * 60);
 const CARGO_LIMIT: Duration = Duration::from_secs(45 * 60);
 
 /// Options of `cargo xtask bench`.
+#[derive(Debug, PartialEq)]
 pub struct Options {
     quick: bool,
     with_accelerate: bool,
+    /// A GPU bundle folder to run from instead of the workspace.
+    prebuilt: Option<PathBuf>,
 }
 
 impl Options {
@@ -56,8 +71,23 @@ impl Options {
         let mut options = Options {
             quick: false,
             with_accelerate: false,
+            prebuilt: None,
         };
-        for arg in args {
+        let mut args = args.iter();
+        while let Some(arg) = args.next() {
+            let prebuilt = match arg.as_str() {
+                "--prebuilt" => Some(args.next().map(String::as_str).unwrap_or("")),
+                other => other.strip_prefix("--prebuilt="),
+            };
+            if let Some(dir) = prebuilt {
+                if dir.is_empty() || dir.starts_with("--") {
+                    return Err(format!(
+                        "cargo xtask bench: --prebuilt needs a bundle folder\n{HELP}"
+                    ));
+                }
+                options.prebuilt = Some(PathBuf::from(dir));
+                continue;
+            }
             match arg.as_str() {
                 "--quick" => options.quick = true,
                 "--with-accelerate" => options.with_accelerate = true,
@@ -305,10 +335,141 @@ impl LlamaShape {
     }
 }
 
+/// Where the suite's programs come from and where its files go: the
+/// workspace, built and benched by cargo, or a GPU bundle whose binaries
+/// run as they are.
+struct Layout {
+    /// The workspace, or the bundle folder.
+    root: PathBuf,
+    /// The cargo that builds and benches; `None` for a bundle, where cargo
+    /// is never invoked.
+    cargo: Option<String>,
+}
+
+impl Layout {
+    fn workspace(root: &Path) -> Layout {
+        Layout {
+            root: root.to_path_buf(),
+            cargo: Some(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into())),
+        }
+    }
+
+    /// The GPU bundle at `dir` (absolute from here on, since commands run
+    /// in other folders); fails when `dir` is not one.
+    fn bundle(dir: &Path) -> Result<Layout, String> {
+        let root = fs::canonicalize(dir)
+            .map_err(|e| format!("--prebuilt {}: cannot open the folder: {e}", dir.display()))?;
+        if !root.join(gpu::CLI).is_file() {
+            return Err(format!(
+                "--prebuilt {}: not a GPU bundle (it has no {}); make one with `cargo xtask gpu-bundle`",
+                dir.display(),
+                gpu::CLI
+            ));
+        }
+        Ok(Layout { root, cargo: None })
+    }
+
+    /// Where the run's inputs and its report go.
+    fn output(&self) -> PathBuf {
+        self.root.join("target")
+    }
+
+    /// A script of the baseline: the bundle keeps them under the same
+    /// folder name as the workspace.
+    fn tool(&self, script: &str) -> PathBuf {
+        self.root.join(gpu::TOOLS).join(script)
+    }
+
+    /// Where criterion writes the results of `bench_command`'s runs.
+    fn criterion_dir(&self) -> PathBuf {
+        match self.cargo {
+            Some(_) => target_dir(&self.root).join("criterion"),
+            None => self.output().join("criterion"),
+        }
+    }
+
+    /// The command that runs criterion bench `bench`: `cargo bench` with
+    /// `features`, or the bundle's binary (built with every CUDA feature).
+    fn bench_command(&self, bench: &str, features: &[&str], quick: bool) -> Command {
+        let mut cmd = match &self.cargo {
+            Some(cargo) => {
+                let mut c = Command::new(cargo);
+                c.args(["bench", "-p", "bigmodel-benches", "--bench", bench]);
+                if !features.is_empty() {
+                    c.args(["--features", &features.join(",")]);
+                }
+                c.arg("--");
+                c
+            }
+            None => {
+                let mut c = Command::new(self.root.join(gpu::BENCHES).join(bench));
+                // What `cargo bench` passes: measure, rather than run each
+                // benchmark once as a test.
+                c.arg("--bench");
+                // Criterion takes its folder from CRITERION_HOME before it
+                // would ask `$CARGO metadata`.
+                c.env("CRITERION_HOME", self.criterion_dir())
+                    .env_remove("CARGO");
+                c
+            }
+        };
+        cmd.current_dir(&self.root)
+            .args(["--output-format", "bencher", "--noplot"]);
+        if quick {
+            cmd.arg("--quick");
+        }
+        cmd
+    }
+
+    /// How `bench_command` reads in messages.
+    fn bench_label(&self, bench: &str) -> String {
+        match self.cargo {
+            Some(_) => format!("cargo bench --bench {bench}"),
+            None => format!("{}/{bench} --bench", gpu::BENCHES),
+        }
+    }
+
+    /// The release CLI and, when its CUDA build failed, why: built by cargo
+    /// (see `build_cli`), or the bundle's.
+    fn cli(&self) -> (Result<PathBuf, String>, Option<String>) {
+        match &self.cargo {
+            Some(cargo) => build_cli(&self.root, cargo),
+            None => (Ok(self.root.join(gpu::CLI)), None),
+        }
+    }
+
+    /// The commit measured: the workspace's HEAD, or the one the bundle
+    /// was built from.
+    fn commit(&self) -> String {
+        match self.cargo {
+            Some(_) => gpu::commit(&self.root),
+            None => fs::read_to_string(self.root.join(gpu::COMMIT))
+                .ok()
+                .map(|c| c.trim().to_string())
+                .filter(|c| !c.is_empty())
+                .unwrap_or_else(|| "unknown".into()),
+        }
+    }
+
+    /// The command line of a run, for the report.
+    fn command_line(&self, quick: bool, with_accelerate: bool) -> String {
+        let mut line = match self.cargo {
+            Some(_) => "cargo xtask bench".to_string(),
+            None => format!("xtask bench --prebuilt {}", self.root.display()),
+        };
+        if quick {
+            line.push_str(" --quick");
+        }
+        if with_accelerate {
+            line.push_str(" --with-accelerate");
+        }
+        line
+    }
+}
+
 /// Everything the rows share: where things are, what is available.
 struct Suite {
-    root: PathBuf,
-    cargo: String,
+    layout: Layout,
     quick: bool,
     data: PathBuf,
     /// The release CLI (built with the cuda feature so GPUs are seen).
@@ -326,13 +487,18 @@ struct Suite {
 }
 
 /// Runs the suite and writes the report.
+/// `root` is the workspace; `--prebuilt` replaces it with the bundle.
 pub fn run(root: &Path, options: Options) -> Result<(), String> {
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let data = root.join("target").join("bench-data");
+    let layout = match &options.prebuilt {
+        Some(dir) => Layout::bundle(dir)?,
+        None => Layout::workspace(root),
+    };
+    let target = layout.output();
+    let data = target.join("bench-data");
     fs::create_dir_all(&data).map_err(|e| format!("creating {}: {e}", data.display()))?;
     let started = Instant::now();
 
-    let (cli, cuda_failure) = build_cli(root, &cargo);
+    let (cli, cuda_failure) = layout.cli();
     let (gpus, gpu_absent) = match (&cli, cuda_failure) {
         (_, Some(why)) => (
             Vec::new(),
@@ -341,7 +507,7 @@ pub fn run(root: &Path, options: Options) -> Result<(), String> {
         (Ok(cli), None) => find_gpus(cli),
         (Err(e), None) => (Vec::new(), format!("unknown: {e}")),
     };
-    let python = baseline_python(root, options.with_accelerate);
+    let python = baseline_python(&layout, options.with_accelerate);
     let shape = LlamaShape::for_run(options.quick);
     let model = write_llama(
         &data.join(if options.quick {
@@ -353,8 +519,7 @@ pub fn run(root: &Path, options: Options) -> Result<(), String> {
     );
     let sparse = write_sparse(&data.join("sparse-64GiB.safetensors"));
     let suite = Suite {
-        root: root.to_path_buf(),
-        cargo,
+        layout,
         quick: options.quick,
         data,
         cli,
@@ -377,7 +542,6 @@ pub fn run(root: &Path, options: Options) -> Result<(), String> {
     let elapsed = started.elapsed().as_secs_f64();
     let md = markdown(&suite, &machine, &rows, elapsed);
     let js = report_json(&suite, &machine, &rows, elapsed);
-    let target = root.join("target");
     write_atomic(&target.join("bench-report.md"), md.as_bytes())?;
     write_atomic(
         &target.join("bench-report.json"),
@@ -411,9 +575,9 @@ impl Suite {
     /// Runs `tools/bench_accelerate.py ARGS` and parses its JSON.
     fn baseline(&self, args: &[&str]) -> Result<Value, String> {
         let python = self.python()?;
-        let script = self.root.join("tools").join("bench_accelerate.py");
+        let script = self.layout.tool("bench_accelerate.py");
         let mut cmd = Command::new(python);
-        cmd.arg(&script).args(args).current_dir(&self.root);
+        cmd.arg(&script).args(args).current_dir(&self.layout.root);
         let out = capture(&mut cmd, COMMAND_LIMIT)?;
         serde_json::from_str(out.stdout.trim()).map_err(|e| {
             format!(
@@ -431,26 +595,18 @@ impl Suite {
         features: &[&str],
         env: &[(&str, String)],
     ) -> Result<BTreeMap<String, f64>, String> {
-        let mut cmd = Command::new(&self.cargo);
-        cmd.current_dir(&self.root)
-            .args(["bench", "-p", "bigmodel-benches", "--bench", bench]);
-        if !features.is_empty() {
-            cmd.args(["--features", &features.join(",")]);
-        }
-        cmd.args(["--", "--output-format", "bencher", "--noplot"]);
-        if self.quick {
-            cmd.arg("--quick");
-        }
+        let mut cmd = self.layout.bench_command(bench, features, self.quick);
         for (k, v) in env {
             cmd.env(k, v);
         }
         // Criterion's file times have at least second resolution everywhere.
         let since = SystemTime::now() - Duration::from_secs(2);
         capture(&mut cmd, CARGO_LIMIT)?;
-        let parsed = criterion_results(&target_dir(&self.root).join("criterion"), since);
+        let parsed = criterion_results(&self.layout.criterion_dir(), since);
         if parsed.is_empty() {
             return Err(format!(
-                "not available: `cargo bench --bench {bench}` wrote no criterion results"
+                "not available: `{}` wrote no criterion results",
+                self.layout.bench_label(bench)
             ));
         }
         Ok(parsed)
@@ -612,7 +768,7 @@ impl Suite {
             });
             let theirs = file.clone().and_then(|f| {
                 let python = self.python()?;
-                let script = self.root.join("tools").join("bench_accelerate.py");
+                let script = self.layout.tool("bench_accelerate.py");
                 let mut answer = Value::Null;
                 let wall = median_wall(runs, || {
                     let out = capture(
@@ -1299,16 +1455,16 @@ fn find_gpus(cli: &Path) -> (Vec<String>, String) {
 
 /// The baseline interpreter: `BM_BENCH_PYTHON`, else `target/bench-venv`
 /// (created and filled from PyPI on first use).
-fn baseline_python(root: &Path, with_accelerate: bool) -> Result<PathBuf, String> {
+fn baseline_python(layout: &Layout, with_accelerate: bool) -> Result<PathBuf, String> {
     if !with_accelerate {
         return Err(SKIPPED_PYTHON.into());
     }
     let python = match std::env::var_os("BM_BENCH_PYTHON") {
         Some(p) => PathBuf::from(p),
         None => {
-            let venv = root.join("target").join("bench-venv");
+            let venv = layout.output().join("bench-venv");
             let python = venv.join("bin").join("python");
-            let requirements = root.join("tools").join("requirements-bench.txt");
+            let requirements = layout.tool("requirements-bench.txt");
             eprintln!("== bench: Python baseline in {}", venv.display());
             if !python.exists() {
                 crate::run(Command::new("python3").args(["-m", "venv"]).arg(&venv))
@@ -1512,15 +1668,6 @@ fn machine(suite: &Suite) -> Machine {
             .unwrap_or_default()
             .trim()
     );
-    let commit = Command::new("git")
-        .current_dir(&suite.root)
-        .args(["rev-parse", "--short", "HEAD"])
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map_or("unknown".into(), |o| {
-            String::from_utf8_lossy(&o.stdout).trim().to_string()
-        });
     Machine {
         cpu,
         cores,
@@ -1528,7 +1675,7 @@ fn machine(suite: &Suite) -> Machine {
         gpu,
         os,
         date: utc_now(),
-        commit,
+        commit: suite.layout.commit(),
     }
 }
 
@@ -1575,13 +1722,8 @@ fn markdown(suite: &Suite, m: &Machine, rows: &[Row], elapsed: f64) -> String {
     let _ = writeln!(s, "- GPU: {}", m.gpu);
     let _ = writeln!(
         s,
-        "- run: `cargo xtask bench{}{}`, {:.0} s; Python baseline: {}",
-        if suite.quick { " --quick" } else { "" },
-        if suite.python.is_ok() {
-            " --with-accelerate"
-        } else {
-            ""
-        },
+        "- run: `{}`, {:.0} s; Python baseline: {}",
+        suite.layout.command_line(suite.quick, suite.python.is_ok()),
         elapsed,
         match &suite.python {
             Ok(p) => p.display().to_string(),
@@ -1665,6 +1807,189 @@ fn report_json(suite: &Suite, m: &Machine, rows: &[Row], elapsed: f64) -> Value 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn strings(args: &[&str]) -> Vec<String> {
+        args.iter().map(|a| a.to_string()).collect()
+    }
+
+    /// A folder under the system's temp folder, empty, unique to `name`.
+    fn scratch(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("xtask-{name}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    fn args_of(cmd: &Command) -> Vec<String> {
+        cmd.get_args()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect()
+    }
+
+    #[test]
+    fn options_parse_prebuilt_in_both_spellings() {
+        let o = Options::parse(&strings(&["--prebuilt", "bundle", "--quick"]))
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            o,
+            Options {
+                quick: true,
+                with_accelerate: false,
+                prebuilt: Some(PathBuf::from("bundle")),
+            }
+        );
+        let o = Options::parse(&strings(&["--with-accelerate", "--prebuilt=."]))
+            .unwrap()
+            .unwrap();
+        assert_eq!(o.prebuilt, Some(PathBuf::from(".")));
+        assert!(o.with_accelerate && !o.quick);
+        let o = Options::parse(&[]).unwrap().unwrap();
+        assert_eq!(o.prebuilt, None);
+    }
+
+    #[test]
+    fn options_refuse_prebuilt_without_a_folder() {
+        for args in [
+            &["--prebuilt"][..],
+            &["--prebuilt="],
+            &["--prebuilt", "--quick"],
+        ] {
+            let e = Options::parse(&strings(args)).unwrap_err();
+            assert!(
+                e.contains("--prebuilt needs a bundle folder"),
+                "{args:?}: {e}"
+            );
+        }
+        let e = Options::parse(&strings(&["--prebuild", "x"])).unwrap_err();
+        assert!(e.contains("unknown option \"--prebuild\""), "{e}");
+    }
+
+    #[test]
+    fn a_bundle_must_hold_the_cli() {
+        let dir = scratch("not-a-bundle");
+        let e = Layout::bundle(&dir).err().unwrap();
+        assert!(
+            e.contains("not a GPU bundle") && e.contains(gpu::CLI),
+            "{e}"
+        );
+        let e = Layout::bundle(&dir.join("missing")).err().unwrap();
+        assert!(e.contains("cannot open the folder"), "{e}");
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn prebuilt_mode_runs_the_bundle_and_never_cargo() {
+        let dir = scratch("bundle");
+        fs::create_dir_all(dir.join("bin")).unwrap();
+        fs::write(dir.join(gpu::CLI), "").unwrap();
+        fs::write(dir.join(gpu::COMMIT), "abc1234\n").unwrap();
+        // A relative path works from any folder the commands run in.
+        let relative = dir.join("bin").join("..");
+        let layout = Layout::bundle(&relative).unwrap();
+        let root = fs::canonicalize(&dir).unwrap();
+        assert_eq!(layout.root, root);
+
+        let (cli, cuda_failure) = layout.cli();
+        assert_eq!(cli.unwrap(), root.join("bin").join("bigmodel"));
+        assert!(cuda_failure.is_none());
+
+        let cmd = layout.bench_command("h2d", &["bigmodel/cuda"], true);
+        assert_eq!(cmd.get_program(), root.join("benches").join("h2d"));
+        assert_eq!(
+            args_of(&cmd),
+            [
+                "--bench",
+                "--output-format",
+                "bencher",
+                "--noplot",
+                "--quick"
+            ]
+        );
+        assert_eq!(cmd.get_current_dir(), Some(root.as_path()));
+        let envs: Vec<_> = cmd.get_envs().collect();
+        let criterion = root.join("target").join("criterion");
+        assert!(envs.contains(&(
+            std::ffi::OsStr::new("CRITERION_HOME"),
+            Some(criterion.as_os_str())
+        )));
+        assert!(envs.contains(&(std::ffi::OsStr::new("CARGO"), None)));
+        assert_eq!(layout.criterion_dir(), criterion);
+
+        assert_eq!(
+            layout.tool("bench_accelerate.py"),
+            root.join("tools").join("bench_accelerate.py")
+        );
+        assert_eq!(layout.output(), root.join("target"));
+        assert_eq!(layout.commit(), "abc1234");
+        assert_eq!(
+            layout.command_line(true, false),
+            format!("xtask bench --prebuilt {} --quick", root.display())
+        );
+        fs::remove_file(dir.join(gpu::COMMIT)).unwrap();
+        assert_eq!(layout.commit(), "unknown");
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn cargo_mode_benches_through_cargo_as_before() {
+        let layout = Layout {
+            root: PathBuf::from("/ws"),
+            cargo: Some("cargo".into()),
+        };
+        let cmd = layout.bench_command("h2d", &["bigmodel/cuda"], false);
+        assert_eq!(cmd.get_program(), "cargo");
+        assert_eq!(
+            args_of(&cmd),
+            [
+                "bench",
+                "-p",
+                "bigmodel-benches",
+                "--bench",
+                "h2d",
+                "--features",
+                "bigmodel/cuda",
+                "--",
+                "--output-format",
+                "bencher",
+                "--noplot"
+            ]
+        );
+        assert_eq!(cmd.get_envs().count(), 0);
+        let plan = layout.bench_command("plan", &[], true);
+        assert_eq!(
+            args_of(&plan)[5..],
+            ["--", "--output-format", "bencher", "--noplot", "--quick"]
+        );
+        assert_eq!(layout.tool("x.py"), Path::new("/ws/tools/x.py"));
+        assert_eq!(
+            layout.command_line(true, true),
+            "cargo xtask bench --quick --with-accelerate"
+        );
+    }
+
+    #[test]
+    fn the_bundle_ships_every_script_the_baseline_runs() {
+        let tools = crate::root().join("tools");
+        for script in gpu::BENCH_TOOLS {
+            assert!(tools.join(script).is_file(), "tools/{script} is missing");
+        }
+        // The workspace scripts the baseline imports travel with it.
+        let baseline = fs::read_to_string(tools.join("bench_accelerate.py")).unwrap();
+        for line in baseline.lines() {
+            let Some(module) = line.trim().strip_prefix("import ") else {
+                continue;
+            };
+            let module = module.split([' ', ',']).next().unwrap_or("");
+            let script = format!("{module}.py");
+            if tools.join(&script).is_file() {
+                assert!(
+                    gpu::BENCH_TOOLS.contains(&script.as_str()),
+                    "bench_accelerate.py imports tools/{script}, which the bundle lacks"
+                );
+            }
+        }
+    }
 
     #[test]
     fn criterion_results_read_fresh_medians_by_full_id() {

@@ -5,9 +5,11 @@
 //! holds ready-to-run binaries: every `tests/gpu.rs` and
 //! `tests/gpu_compute.rs` integration test of the workspace, every bench,
 //! and the `bigmodel` CLI, all built in release mode with the `cuda`
-//! feature and stripped, plus `run.sh`, which runs
-//! them with `BM_GPU_TESTS=1` (a missing GPU is then a failure, not a skip)
-//! and writes `report.md`.
+//! feature and stripped; this xtask itself (release, no CUDA needed), so
+//! `./xtask bench --prebuilt .` can write the benchmark report there, with
+//! the Python scripts of its baseline under `tools/`; the commit it was
+//! built from; and `run.sh`, which runs everything with `BM_GPU_TESTS=1` (a
+//! missing GPU is then a failure, not a skip) and writes `report.md`.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -21,6 +23,27 @@ const CUDA_FEATURES: &str = "bigmodel/cuda,bigmodel-cli/cuda";
 
 /// The script that runs the bundle on the GPU machine.
 const RUN_SH: &str = include_str!("run.sh");
+
+/// Where the bundle puts things, relative to its folder (`bench --prebuilt`
+/// finds them there).
+pub const CLI: &str = "bin/bigmodel";
+/// The folder of the bench binaries, each named after its bench target.
+pub const BENCHES: &str = "benches";
+/// The folder of the Python scripts the bench baseline runs.
+pub const TOOLS: &str = "tools";
+/// The xtask binary.
+pub const XTASK: &str = "xtask";
+/// A one-line file naming the commit the bundle was built from.
+pub const COMMIT: &str = "commit";
+
+/// The files of the workspace's `tools/` that `bench --with-accelerate`
+/// needs (bench_accelerate.py imports the planner trees of
+/// bench_plan_accelerate.py; the requirements make its venv).
+pub const BENCH_TOOLS: [&str; 3] = [
+    "bench_accelerate.py",
+    "bench_plan_accelerate.py",
+    "requirements-bench.txt",
+];
 
 /// One executable cargo built, and the name it gets in the bundle.
 struct Artifact {
@@ -129,25 +152,32 @@ pub fn bundle(root: &Path) -> Result<PathBuf, String> {
         .into_iter()
         .find(|a| a.kinds.iter().any(|k| k == "bin") && a.name.ends_with("bigmodel"))
         .ok_or("cargo build reported no bigmodel binary")?;
+    // The bench report's driver: plain CPU code, so no cuda feature.
+    let xtask = executables(base("build").args(["--release", "-p", "xtask"]))?
+        .into_iter()
+        .find(|a| a.kinds.iter().any(|k| k == "bin") && a.name == "xtask")
+        .ok_or("cargo build reported no xtask binary")?;
 
     let dir = root.join("target").join("gpu-bundle");
     if dir.exists() {
         fs::remove_dir_all(&dir).map_err(|e| format!("removing {}: {e}", dir.display()))?;
     }
     let mut total = 0u64;
-    let mut copy = |a: &Artifact, sub: &str, name: &str| -> Result<(), String> {
-        let to_dir = dir.join(sub);
-        fs::create_dir_all(&to_dir).map_err(|e| format!("creating {}: {e}", to_dir.display()))?;
-        let to = to_dir.join(name);
-        total += fs::copy(&a.path, &to)
-            .map_err(|e| format!("copying {} to {}: {e}", a.path.display(), to.display()))?;
+    let mut copy = |from: &Path, to: &str| -> Result<(), String> {
+        let to = dir.join(to);
+        if let Some(parent) = to.parent() {
+            fs::create_dir_all(parent)
+                .map_err(|e| format!("creating {}: {e}", parent.display()))?;
+        }
+        total += fs::copy(from, &to)
+            .map_err(|e| format!("copying {} to {}: {e}", from.display(), to.display()))?;
         Ok(())
     };
     if tests.is_empty() {
         return Err("no tests/gpu.rs integration test found in the workspace".into());
     }
     for t in &tests {
-        copy(t, "tests", &t.name)?;
+        copy(&t.path, &format!("tests/{}", t.name))?;
     }
     // Bench targets only: `cargo bench` also builds library and binary
     // harnesses, which have nothing to run on a GPU.
@@ -155,9 +185,20 @@ pub fn bundle(root: &Path) -> Result<PathBuf, String> {
         .iter()
         .filter(|b| b.kinds.iter().any(|k| k == "bench"))
     {
-        copy(b, "benches", &b.name)?;
+        copy(&b.path, &format!("{BENCHES}/{}", b.name))?;
     }
-    copy(&cli, "bin", "bigmodel")?;
+    copy(&cli.path, CLI)?;
+    copy(&xtask.path, XTASK)?;
+    for script in BENCH_TOOLS {
+        copy(
+            &root.join("tools").join(script),
+            &format!("{TOOLS}/{script}"),
+        )?;
+    }
+    let commit = format!("{}\n", commit(root));
+    fs::write(dir.join(COMMIT), &commit)
+        .map_err(|e| format!("writing {}: {e}", dir.join(COMMIT).display()))?;
+    total += commit.len() as u64;
     let script = dir.join("run.sh");
     fs::write(&script, RUN_SH).map_err(|e| format!("writing {}: {e}", script.display()))?;
     set_executable(&script)?;
@@ -175,6 +216,19 @@ pub fn bundle(root: &Path) -> Result<PathBuf, String> {
         ));
     }
     Ok(dir)
+}
+
+/// The short hash of the workspace's HEAD, "unknown" without git.
+pub fn commit(root: &Path) -> String {
+    Command::new("git")
+        .current_dir(root)
+        .args(["rev-parse", "--short", "HEAD"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map_or("unknown".into(), |o| {
+            String::from_utf8_lossy(&o.stdout).trim().to_string()
+        })
 }
 
 #[cfg(unix)]

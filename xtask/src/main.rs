@@ -15,15 +15,17 @@ tasks:
   test     set up the Python interop environment (.venv, from PyPI) and run
            every test of the workspace, with and without the cuda feature
   gpu-bundle  build the GPU integration tests, the benches and the CLI
-           (release, stripped, cuda feature) into target/gpu-bundle/ with a
-           run.sh that runs them all and writes report.md (< 64 MiB in all)
+           (release, stripped, cuda feature) and this xtask into
+           target/gpu-bundle/ with a run.sh that runs them all, then the
+           bench report, and writes report.md (< 64 MiB in all)
   gpu-test build the bundle and run it here; fails when no GPU is present
-  bench [--quick] [--with-accelerate]
+  bench [--quick] [--with-accelerate] [--prebuilt DIR]
            run the benchmark suite and write target/bench-report.md and .json:
            every figure next to its baseline from the same run (memcpy, Python
            safetensors, Accelerate with --with-accelerate, the H2D ceiling on a
            GPU); BM_BENCH_PYTHON=/path/to/python reuses an interpreter instead
-           of creating target/bench-venv; `cargo xtask bench --help` for more
+           of creating target/bench-venv; --prebuilt runs a GPU bundle's
+           binaries without cargo; `cargo xtask bench --help` for more
   help     this text
 ";
 

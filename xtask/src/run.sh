@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# Runs every GPU test, bench and CLI check of this bundle and writes
-# report.md next to this script. Exits non-zero if anything failed or if
-# no CUDA GPU is present. Usage: ./run.sh [--no-bench]
+# Runs every GPU test, bench and CLI check of this bundle, then the
+# benchmark report (./xtask bench --prebuilt . --quick), and writes
+# report.md next to this script, with bench-report.md and .json beside it.
+# Exits non-zero if anything failed or if no CUDA GPU is present.
+# Usage: ./run.sh [--no-bench]
 set -u
 cd "$(dirname "$0")"
 export BM_GPU_TESTS=1
 report="$PWD/report.md"
 status=0
+failed=""
 bench=1
 [ "${1:-}" = "--no-bench" ] && bench=0
 # GPU compute loads libnvrtc and libcublas by name at run time: put the
@@ -42,7 +45,52 @@ step() {
     echo
     echo "exit status: $rc"
   } >> "$report"
-  [ "$rc" -eq 0 ] || status=1
+  [ "$rc" -eq 0 ] || fail "$name"
+}
+
+# fail NAME: records that step NAME failed.
+fail() {
+  status=1
+  failed="${failed:+$failed, }$1"
+}
+
+# bench_report: the benchmark report of the bundled xtask, appended to
+# report.md (headings one level down) and kept beside it; when it fails,
+# its exit status and the end of its log are recorded instead. Runs last,
+# so the test results above stand whatever happens here.
+bench_report() {
+  local args=(bench --prebuilt . --quick)
+  if python3 -c "import torch, accelerate, transformers" >/dev/null 2>&1; then
+    export BM_BENCH_PYTHON=python3
+    args+=(--with-accelerate)
+  fi
+  echo "== bench report: ./xtask ${args[*]}"
+  rm -f bench-report.md bench-report.json target/bench-report.md target/bench-report.json
+  ./xtask "${args[@]}" 2>&1 | tee bench-report.log
+  local rc=${PIPESTATUS[0]}
+  if [ "$rc" -eq 0 ] && [ -f target/bench-report.md ] && [ -f target/bench-report.json ]; then
+    cp target/bench-report.md target/bench-report.json .
+    {
+      echo
+      sed 's/^#/##/' bench-report.md
+      echo
+      echo "bench report: \`./xtask ${args[*]}\`, exit status 0 (bench-report.md, bench-report.json, log in bench-report.log)"
+    } >> "$report"
+  else
+    {
+      echo
+      echo "## bench report"
+      echo
+      echo "\`./xtask ${args[*]}\` wrote no report; the end of bench-report.log:"
+      echo
+      echo '```'
+      tail -n 40 bench-report.log
+      echo '```'
+      echo
+      echo "exit status: $rc"
+    } >> "$report"
+    fail "bench report"
+  fi
 }
 
 step "bigmodel devices" bin/bigmodel devices
@@ -58,11 +106,12 @@ if [ "$bench" -eq 1 ]; then
   for b in benches/*; do
     step "bench $(basename "$b")" "$b" --bench
   done
+  bench_report
 fi
 if [ "$status" -eq 0 ]; then
   echo "result: PASS" >> "$report"
 else
-  echo "result: FAIL" >> "$report"
+  echo "result: FAIL ($failed)" >> "$report"
 fi
 echo "report: $report"
 exit $status
