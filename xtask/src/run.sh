@@ -23,6 +23,7 @@ done
   echo
   echo "- date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo "- host: $(uname -srm)"
+  echo "- built from commit: $(cat commit 2>/dev/null || echo unknown)"
   if command -v nvidia-smi >/dev/null 2>&1; then
     echo "- GPUs: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | paste -sd ';' -)"
   fi
