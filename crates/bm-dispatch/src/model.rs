@@ -512,12 +512,15 @@ impl Shared {
         }
         drop(live);
         let mut produced = self.produce(slot, device);
-        if !prefetch && matches!(&produced, Err(e) if e.is_out_of_device_memory()) {
-            // Idle weights (prefetched for a block that has already run, or
-            // kept by the resident budget) are a cache: make room and retry.
-            if self.evict_unused_on(device) {
-                produced = self.produce(slot, device);
-            }
+        // Idle weights (prefetched for a block that has already run, or kept
+        // by the resident budget) are a cache: a forward short of room waits
+        // for prefetches in flight on the device, drops idle weights, and
+        // tries again, until nothing more can be freed.
+        while !prefetch
+            && matches!(&produced, Err(e) if e.is_out_of_device_memory())
+            && self.make_room_on(device)
+        {
+            produced = self.produce(slot, device);
         }
         let mut live = self.live.lock();
         let out = match produced {
@@ -590,10 +593,16 @@ impl Shared {
         }
     }
 
-    /// Drops every weight on `device` that no forward is using, prefetched
-    /// ones included. True when something was dropped.
-    fn evict_unused_on(&self, device: Device) -> bool {
+    /// Waits until no prefetch is loading onto `device`, then drops every
+    /// weight there that no forward is using, prefetched ones included.
+    /// True when something was dropped.
+    fn make_room_on(&self, device: Device) -> bool {
         let mut live = self.live.lock();
+        while live.iter().any(|((_, d), e)| {
+            *d == device && e.prefetched && matches!(e.state, LiveState::Loading)
+        }) {
+            self.live_changed.wait(&mut live);
+        }
         let before = live.len();
         live.retain(|(_, d), e| {
             *d != device || e.users > 0 || matches!(e.state, LiveState::Loading)
@@ -630,7 +639,11 @@ fn spawn_prefetcher(shared: Weak<Shared>) -> Sender<PrefetchJob> {
     std::thread::Builder::new()
         .name("bm-dispatch-prefetch".into())
         .spawn(move || {
-            while let Ok(job) = rx.recv() {
+            while let Ok(mut job) = rx.recv() {
+                // Forwards have moved on past the blocks of older jobs.
+                while let Ok(newer) = rx.try_recv() {
+                    job = newer;
+                }
                 let Some(shared) = shared.upgrade() else {
                     return;
                 };
