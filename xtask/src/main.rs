@@ -82,17 +82,17 @@ fn test() -> Result<(), String> {
         }
         c
     };
-    run(&mut with_env(
-        Command::new(&cargo)
-            .current_dir(root())
-            .args(["test", "--workspace"]),
-    ))?;
+    // Without CUDA support compiled in, then with it (the CLI's default).
     run(&mut with_env(
         Command::new(&cargo).current_dir(root()).args([
             "test",
             "--workspace",
-            "--features",
-            "bigmodel-cli/cuda",
+            "--no-default-features",
         ]),
+    ))?;
+    run(&mut with_env(
+        Command::new(&cargo)
+            .current_dir(root())
+            .args(["test", "--workspace"]),
     ))
 }
