@@ -228,3 +228,26 @@ fn probe_cuda() -> std::result::Result<(Vec<Gpu>, (i32, i32)), ProbeFailure> {
 fn probe_cuda() -> std::result::Result<(Vec<Gpu>, (i32, i32)), ProbeFailure> {
     Err((false, None, Error::NotCompiledWithCuda))
 }
+
+impl DeviceSet {
+    /// The CUDA devices for a GPU test: the set when CUDA shows at least one
+    /// GPU, else `None` after writing `skipped: no CUDA device (why)` to
+    /// stderr (straight to the handle, which libtest does not capture). With
+    /// `BM_GPU_TESTS=1`, as the GPU bundle runs its tests, a missing GPU
+    /// panics instead, so the bundle cannot pass by skipping.
+    pub fn cuda_for_gpu_tests() -> Option<DeviceSet> {
+        let why = match DeviceSet::cuda() {
+            Ok(set) if set.gpu_count() > 0 => return Some(set),
+            Ok(_) => "the driver shows no GPU".to_string(),
+            Err(e) => e.to_string(),
+        };
+        if std::env::var_os("BM_GPU_TESTS").is_some_and(|v| v == "1") {
+            panic!("BM_GPU_TESTS=1 but no CUDA device: {why}");
+        }
+        let _ = std::io::Write::write_fmt(
+            &mut std::io::stderr(),
+            format_args!("skipped: no CUDA device ({why})\n"),
+        );
+        None
+    }
+}

@@ -11,28 +11,6 @@ use bm_device::{Device, DeviceSet, Error, GpuKind};
 
 const MIB: usize = 1 << 20;
 
-/// The CUDA device set, or `None` after printing the skip line.
-fn cuda_set() -> Option<DeviceSet> {
-    match DeviceSet::cuda() {
-        Ok(set) if set.gpu_count() > 0 => Some(set),
-        other => {
-            let why = match other {
-                Ok(_) => "the driver shows no GPU".to_string(),
-                Err(e) => e.to_string(),
-            };
-            if std::env::var_os("BM_GPU_TESTS").is_some_and(|v| v == "1") {
-                panic!("BM_GPU_TESTS=1 but no CUDA device: {why}");
-            }
-            // Straight to stderr: libtest would capture println! and hide the skip.
-            let _ = std::io::Write::write_fmt(
-                &mut std::io::stderr(),
-                format_args!("skipped: no CUDA device ({why})\n"),
-            );
-            None
-        }
-    }
-}
-
 fn pattern(len: usize, seed: u32) -> Vec<u8> {
     (0..len as u32)
         .map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed) >> 13) as u8)
@@ -41,7 +19,9 @@ fn pattern(len: usize, seed: u32) -> Vec<u8> {
 
 #[test]
 fn probe_reports_driver_memory_and_names() {
-    let Some(set) = cuda_set() else { return };
+    let Some(set) = DeviceSet::cuda_for_gpu_tests() else {
+        return;
+    };
     let status = set.cuda_status();
     assert!(status.compiled && status.driver_found, "{status:?}");
     assert!(
@@ -67,7 +47,9 @@ fn probe_reports_driver_memory_and_names() {
 
 #[test]
 fn allocation_budget_and_accounting() {
-    let Some(set) = cuda_set() else { return };
+    let Some(set) = DeviceSet::cuda_for_gpu_tests() else {
+        return;
+    };
     let g = set.gpu(0).unwrap();
     let original = g.budget();
     g.set_budget((64 * MIB) as u64).unwrap();
@@ -104,7 +86,9 @@ fn allocation_budget_and_accounting() {
 
 #[test]
 fn driver_out_of_memory_is_typed() {
-    let Some(set) = cuda_set() else { return };
+    let Some(set) = DeviceSet::cuda_for_gpu_tests() else {
+        return;
+    };
     let g = set.gpu(0).unwrap();
     let original = g.budget();
     // Let the request through the budget so the driver itself refuses it:
@@ -129,7 +113,9 @@ fn driver_out_of_memory_is_typed() {
 
 #[test]
 fn copies_each_way() {
-    let Some(set) = cuda_set() else { return };
+    let Some(set) = DeviceSet::cuda_for_gpu_tests() else {
+        return;
+    };
     let g = set.gpu(0).unwrap();
     let copy = g.copy_stream();
     let data = pattern(10 * MIB + 3, 11);
@@ -202,7 +188,9 @@ fn copies_each_way() {
 
 #[test]
 fn events_order_copies_after_compute() {
-    let Some(set) = cuda_set() else { return };
+    let Some(set) = DeviceSet::cuda_for_gpu_tests() else {
+        return;
+    };
     let g = set.gpu(0).unwrap();
     let (compute, copy) = (g.compute_stream(), g.copy_stream());
     let data = pattern(4 * MIB, 5);
@@ -234,7 +222,9 @@ fn events_order_copies_after_compute() {
 
 #[test]
 fn staging_slots_are_reused_only_after_their_copy() {
-    let Some(set) = cuda_set() else { return };
+    let Some(set) = DeviceSet::cuda_for_gpu_tests() else {
+        return;
+    };
     let g = set.gpu(0).unwrap();
     // One slot: every chunk must wait for the previous DMA out of it, and
     // a copy stream stalled behind a kernel makes a premature reuse visible.
@@ -255,7 +245,9 @@ fn staging_slots_are_reused_only_after_their_copy() {
 
 #[test]
 fn cuda_buffers_refuse_foreign_streams() {
-    let Some(set) = cuda_set() else { return };
+    let Some(set) = DeviceSet::cuda_for_gpu_tests() else {
+        return;
+    };
     let emulated = DeviceSet::emulated(&[MIB as u64]);
     let mut buf = set.gpu(0).unwrap().alloc(MIB).unwrap();
     let pool = set.pinned_pool(MIB, 2).unwrap();

@@ -7,27 +7,6 @@ use bm_device::{
     AttentionMask, AttentionShape, DeviceBuffer, DeviceSet, FloatType, GemmShape, Gpu,
 };
 
-fn cuda_set() -> Option<DeviceSet> {
-    match DeviceSet::cuda() {
-        Ok(set) if set.gpu_count() > 0 => Some(set),
-        other => {
-            let why = match other {
-                Ok(_) => "the driver shows no GPU".to_string(),
-                Err(e) => e.to_string(),
-            };
-            if std::env::var_os("BM_GPU_TESTS").is_some_and(|v| v == "1") {
-                panic!("BM_GPU_TESTS=1 but no CUDA device: {why}");
-            }
-            // Straight to stderr: libtest would capture println! and hide the skip.
-            let _ = std::io::Write::write_fmt(
-                &mut std::io::stderr(),
-                format_args!("skipped: no CUDA device ({why})\n"),
-            );
-            None
-        }
-    }
-}
-
 /// Deterministic values in about [-1, 1).
 fn values(n: usize, seed: u32) -> Vec<f32> {
     (0..n as u32)
@@ -68,7 +47,9 @@ fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f32) {
 
 #[test]
 fn gemm_matches_host_product_single_and_batched() {
-    let Some(set) = cuda_set() else { return };
+    let Some(set) = DeviceSet::cuda_for_gpu_tests() else {
+        return;
+    };
     let g = set.gpu(0).unwrap();
     let (m, n, k, batch) = (5, 7, 33, 3);
     let a = values(batch * m * k, 1);
@@ -130,7 +111,9 @@ fn gemm_matches_host_product_single_and_batched() {
 
 #[test]
 fn casts_round_to_nearest_even_and_widen_exactly() {
-    let Some(set) = cuda_set() else { return };
+    let Some(set) = DeviceSet::cuda_for_gpu_tests() else {
+        return;
+    };
     let g = set.gpu(0).unwrap();
     let v = [
         1.0 + 1.0 / 256.0,
@@ -163,7 +146,9 @@ fn casts_round_to_nearest_even_and_widen_exactly() {
 
 #[test]
 fn elementwise_ops_match_host() {
-    let Some(set) = cuda_set() else { return };
+    let Some(set) = DeviceSet::cuda_for_gpu_tests() else {
+        return;
+    };
     let g = set.gpu(0).unwrap();
     let n = 1000;
     let (a, b) = (values(n, 3), values(n, 4));
@@ -202,7 +187,9 @@ fn elementwise_ops_match_host() {
 
 #[test]
 fn row_kernels_match_host() {
-    let Some(set) = cuda_set() else { return };
+    let Some(set) = DeviceSet::cuda_for_gpu_tests() else {
+        return;
+    };
     let g = set.gpu(0).unwrap();
     let (rows, cols) = (3, 1031);
     let x = values(rows * cols, 6);
@@ -249,7 +236,9 @@ fn row_kernels_match_host() {
 
 #[test]
 fn rotary_and_embedding_match_host() {
-    let Some(set) = cuda_set() else { return };
+    let Some(set) = DeviceSet::cuda_for_gpu_tests() else {
+        return;
+    };
     let g = set.gpu(0).unwrap();
     let (rows, heads, hd, start, theta) = (3, 2, 8, 5, 10000.0f32);
     let width = heads * hd;
@@ -298,7 +287,9 @@ fn rotary_and_embedding_match_host() {
 
 #[test]
 fn attention_matches_host_for_every_mask() {
-    let Some(set) = cuda_set() else { return };
+    let Some(set) = DeviceSet::cuda_for_gpu_tests() else {
+        return;
+    };
     let g = set.gpu(0).unwrap();
     let (s, t, heads, kv_heads, hd) = (3, 7, 4, 2, 16);
     let q = values(s * heads * hd, 11);

@@ -16,27 +16,6 @@ use bm_models::{
 use bm_tensor::DType;
 use safetensors::SafeTensors;
 
-fn cuda_set() -> Option<DeviceSet> {
-    match DeviceSet::cuda() {
-        Ok(set) if set.gpu_count() > 0 => Some(set),
-        other => {
-            let why = match other {
-                Ok(_) => "the driver shows no GPU".to_string(),
-                Err(e) => e.to_string(),
-            };
-            if std::env::var_os("BM_GPU_TESTS").is_some_and(|v| v == "1") {
-                panic!("BM_GPU_TESTS=1 but no CUDA device: {why}");
-            }
-            // Straight to stderr: libtest would capture println! and hide the skip.
-            let _ = std::io::Write::write_fmt(
-                &mut std::io::stderr(),
-                format_args!("skipped: no CUDA device ({why})\n"),
-            );
-            None
-        }
-    }
-}
-
 fn values(n: usize, seed: u32) -> Vec<f32> {
     (0..n as u32)
         .map(|i| {
@@ -81,7 +60,9 @@ fn assert_matches(what: &str, gpu: &Tensor, cpu: &Tensor) {
 
 #[test]
 fn every_op_on_a_gpu_matches_the_cpu_op() {
-    let Some(set) = cuda_set() else { return };
+    let Some(set) = DeviceSet::cuda_for_gpu_tests() else {
+        return;
+    };
     let gpu = set.gpu(0).unwrap();
     for dtype in [DType::F32, DType::F16, DType::BF16] {
         let (s, hidden, out) = (5, 64, 48);
@@ -185,7 +166,9 @@ fn every_op_on_a_gpu_matches_the_cpu_op() {
 
 #[test]
 fn mixed_caches_are_refused_with_a_clear_error() {
-    let Some(set) = cuda_set() else { return };
+    let Some(set) = DeviceSet::cuda_for_gpu_tests() else {
+        return;
+    };
     let gpu = set.gpu(0).unwrap();
     let k = host(DType::F32, &[2, 8], 1);
     let mut cache = LayerCache::new();
@@ -291,7 +274,9 @@ fn reference_ids(st: &SafeTensors<'_>, name: &str) -> Vec<u32> {
 
 #[test]
 fn tiny_decoders_on_gpu_match_transformers() {
-    let Some(set) = cuda_set() else { return };
+    let Some(set) = DeviceSet::cuda_for_gpu_tests() else {
+        return;
+    };
     let gpu = set.gpu(0).unwrap();
     let root = fixtures();
     let fixture = |model: &str| -> PathBuf { root.path().join(model) };
@@ -349,7 +334,9 @@ fn dispatched_tiny_llama_on_gpu_with_cpu_and_disk_offload_matches_transformers()
     use bigmodel::{DeviceMapSpec, Options};
     use bm_models::{Dispatched, open_causal_lm};
 
-    let Some(set) = cuda_set() else { return };
+    let Some(set) = DeviceSet::cuda_for_gpu_tests() else {
+        return;
+    };
     let devices = Arc::new(set);
     let root = fixtures();
     let model_dir = root.path().join("tiny-llama");
