@@ -229,7 +229,7 @@ impl Linear {
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor, Error> {
-        ops::linear(x, &self.weight, self.bias.as_deref())
+        Ok(ops::linear(x, &self.weight, self.bias.as_deref())?)
     }
 }
 
@@ -317,7 +317,7 @@ impl Decoder {
                 "model.embed_tokens.weight",
                 &[c.vocab_size, c.hidden_size],
             )?;
-            ops::embedding(ids, &table, self.dtype)
+            Ok(ops::embedding(ids, &table, self.dtype)?)
         })
     }
 
@@ -389,7 +389,7 @@ impl Decoder {
             let down = Linear::load(src, &format!("{mlp}.down_proj"), h, i, c.mlp_bias)?;
             let normed = ops::rms_norm(&x, &post_norm, c.rms_norm_eps)?;
             let act = ops::mul(&ops::silu(&gate.forward(&normed)?)?, &up.forward(&normed)?)?;
-            ops::add(&x, &down.forward(&act)?)
+            Ok(ops::add(&x, &down.forward(&act)?)?)
         })
     }
 
@@ -398,7 +398,7 @@ impl Decoder {
         let c = &self.config;
         in_block(src, "model.norm", || {
             let w = fetch(src, "model.norm.weight", &[c.hidden_size])?;
-            ops::rms_norm(x, &w, c.rms_norm_eps)
+            Ok(ops::rms_norm(x, &w, c.rms_norm_eps)?)
         })
     }
 
@@ -413,7 +413,7 @@ impl Decoder {
                 "lm_head.weight"
             };
             let w = fetch(src, name, &[c.vocab_size, c.hidden_size])?;
-            ops::linear(x, &w, None)
+            Ok(ops::linear(x, &w, None)?)
         })
     }
 
@@ -540,7 +540,7 @@ impl CausalLm {
             None => probe
                 .meta("model.embed_tokens.weight")
                 .map(|m| m.dtype)
-                .filter(|d| crate::tensor::is_compute_dtype(*d))
+                .filter(|d| bm_compute::is_compute_dtype(*d))
                 .unwrap_or(DType::F32),
         };
         let weights = FolderWeights::open(dir, Some(dtype))?;

@@ -21,9 +21,9 @@ use bigmodel::device::{DeviceBuffer, DeviceSet, GpuKind};
 use bigmodel::dispatch::{Activations, Bytes, Forward, Model, Placement, Weight};
 use bigmodel::tensor::{DType, HostBuffer};
 
-use crate::tensor::{HostBytes, is_compute_dtype};
 use crate::weights::{FolderWeights, WeightSource};
 use crate::{CausalLm, DecoderConfig, EncoderConfig, Error, SentenceEmbedder, Tensor, config, ops};
+use bm_compute::{HostBytes, is_compute_dtype};
 
 /// A block entered by one thread and not yet exited.
 struct OpenBlock {

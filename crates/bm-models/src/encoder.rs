@@ -158,7 +158,7 @@ impl Encoder {
                 &ops::embedding(&vec![0; ids.len()], &types, self.dtype)?,
             )?;
             let x = ops::add(&x, &ops::embedding(&positions, &pos, self.dtype)?)?;
-            ops::layer_norm(&x, &ln_w, &ln_b, c.layer_norm_eps)
+            Ok(ops::layer_norm(&x, &ln_w, &ln_b, c.layer_norm_eps)?)
         })
     }
 
@@ -172,12 +172,12 @@ impl Encoder {
                 |name: &str, out: usize, inp: usize, x: &Tensor| -> Result<Tensor, Error> {
                     let w = fetch(src, &format!("{block}.{name}.weight"), &[out, inp])?;
                     let b = fetch(src, &format!("{block}.{name}.bias"), &[out])?;
-                    ops::linear(x, &w, Some(&b))
+                    Ok(ops::linear(x, &w, Some(&b))?)
                 };
             let norm = |name: &str, x: &Tensor| -> Result<Tensor, Error> {
                 let w = fetch(src, &format!("{block}.{name}.weight"), &[h])?;
                 let b = fetch(src, &format!("{block}.{name}.bias"), &[h])?;
-                ops::layer_norm(x, &w, &b, c.layer_norm_eps)
+                Ok(ops::layer_norm(x, &w, &b, c.layer_norm_eps)?)
             };
             let q = linear("attention.self.query", h, h, x)?;
             let mut kv = LayerCache::new();
@@ -238,7 +238,7 @@ impl SentenceEmbedder {
             None => probe
                 .meta(&format!("{prefix}embeddings.word_embeddings.weight"))
                 .map(|m| m.dtype)
-                .filter(|d| crate::tensor::is_compute_dtype(*d))
+                .filter(|d| bm_compute::is_compute_dtype(*d))
                 .unwrap_or(DType::F32),
         };
         let weights = FolderWeights::open(dir, Some(dtype))?;
@@ -297,7 +297,7 @@ impl SentenceEmbedder {
     /// The embedding of one tokenised text.
     pub fn embed_ids(&self, ids: &[u32]) -> Result<Vec<f32>, Error> {
         let hidden = self.encoder.forward(self.weights.as_ref(), ids)?;
-        ops::mean_pool_normalize(&hidden)
+        Ok(ops::mean_pool_normalize(&hidden)?)
     }
 }
 

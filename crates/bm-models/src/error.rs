@@ -72,13 +72,6 @@ pub enum Error {
     },
     /// A prompt or a text list with nothing in it.
     EmptyInput(&'static str),
-    /// A token id not below the vocabulary size.
-    TokenOutOfVocab {
-        /// The id.
-        id: u32,
-        /// The vocabulary size.
-        vocab_size: usize,
-    },
     /// A sequence longer than the model's position table.
     SequenceTooLong {
         /// Tokens asked for.
@@ -98,6 +91,8 @@ pub enum Error {
         /// The model folder.
         dir: PathBuf,
     },
+    /// An operation failed (bm-compute: operands, dtypes, kernels).
+    Compute(bm_compute::Error),
     /// An error from bm-tensor (casts, buffers, mmaps).
     Tensor(bm_tensor::Error),
     /// An error reading the checkpoint (bm-shard: headers, indexes, shards).
@@ -146,10 +141,6 @@ impl fmt::Display for Error {
                 "{what}: dtype {dtype} cannot be computed with (use F32, F16 or BF16)"
             ),
             Error::EmptyInput(what) => write!(f, "{what} is empty"),
-            Error::TokenOutOfVocab { id, vocab_size } => write!(
-                f,
-                "token id {id} is out of the vocabulary (size {vocab_size})"
-            ),
             Error::SequenceTooLong { len, max } => write!(
                 f,
                 "sequence of {len} tokens is longer than the model's {max} positions"
@@ -162,6 +153,7 @@ impl fmt::Display for Error {
                 "{}: no tokenizer.json, so text cannot be used (give token ids)",
                 dir.display()
             ),
+            Error::Compute(e) => e.fmt(f),
             Error::Tensor(e) => e.fmt(f),
             Error::Shard(e) => e.fmt(f),
             Error::Plan(e) => e.fmt(f),
@@ -175,6 +167,7 @@ impl std::error::Error for Error {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
             Error::Io { source, .. } => Some(source),
+            Error::Compute(e) => Some(e),
             Error::Tensor(e) => Some(e),
             Error::Shard(e) => Some(e),
             Error::Plan(e) => Some(e),
@@ -182,6 +175,12 @@ impl std::error::Error for Error {
             Error::Device(e) => Some(e),
             _ => None,
         }
+    }
+}
+
+impl From<bm_compute::Error> for Error {
+    fn from(e: bm_compute::Error) -> Self {
+        Error::Compute(e)
     }
 }
 

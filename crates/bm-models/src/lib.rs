@@ -1,27 +1,12 @@
-//! Compute for the models bigmodel runs, and two reference architectures
-//! written the way a framework embedding bigmodel would write them.
+//! Model families written the way a framework embedding bigmodel would
+//! write them, and the "open a folder and run it" API.
 //!
 //! A loader for models larger than any device is only real when a real
 //! model runs through it, block by block, with each block's weights put in
-//! place just before it runs and released after. This crate holds the
-//! compute half of that:
+//! place just before it runs and released after. The tensors and ops come
+//! from `bm-compute` (re-exported here as [`Tensor`], [`Backend`] and
+//! [`ops`]); this crate holds the models:
 //!
-//! * [`Tensor`] is a dense F32/F16/BF16 tensor on one [`Backend`]: the CPU
-//!   (host memory, which may borrow a memory-mapped checkpoint or own an
-//!   aligned buffer), or a CUDA GPU (a `bm_device::DeviceBuffer`, with the
-//!   `cuda` feature). Every op runs on the GPU of its first GPU operand and
-//!   uploads host operands for it (an offloaded weight streamed to the
-//!   execution device), through bm-device's compute: cuBLAS GEMMs and NVRTC
-//!   kernels. Emulated GPUs do not compute: weights placed on them are used
-//!   from host copies by the CPU kernels, which are also the reference the
-//!   CUDA kernels are tested against.
-//! * [`ops`] has what the two architectures need: matmul (`linear`, on the
-//!   `gemm` crate's kernels with rayon threads over weight-row blocks),
-//!   embedding lookup, RMSNorm, LayerNorm, rotary embedding, attention with
-//!   a causal or sliding-window mask, grouped-query heads and a KV cache,
-//!   softmax, SiLU, GELU, add and mul. Half-precision values are widened to
-//!   f32, computed, and rounded once per op, as PyTorch's CPU kernels
-//!   accumulate in f32.
 //! * [`Decoder`] (Llama, Mistral, Qwen2) and [`Encoder`] (BERT) hold only a
 //!   config. Every block (`model.embed_tokens`, `model.layers.N`,
 //!   `model.norm`, `lm_head`; `embeddings`, `encoder.layer.N`) is a method
@@ -51,16 +36,15 @@
 //! window, so memory grows with the sequence.
 
 mod config;
-mod cpu;
-mod cuda;
 mod decoder;
 mod dispatched;
 mod encoder;
 mod error;
-pub mod ops;
-mod tensor;
 mod text;
 mod weights;
+
+pub use bm_compute::ops;
+pub use bm_compute::{Backend, HostBytes, SharedDeviceBuffer, Tensor};
 
 pub use decoder::{
     CausalLm, Decoder, DecoderArch, DecoderConfig, GenerateOptions, Generation, KvCache, Logits,
@@ -69,6 +53,5 @@ pub use decoder::{
 pub use dispatched::{Dispatched, DispatchedWeights, open_causal_lm, open_sentence_embedder};
 pub use encoder::{Encoder, EncoderConfig, SUPPORTED_ENCODERS, SentenceEmbedder};
 pub use error::Error;
-pub use tensor::{Backend, HostBytes, SharedDeviceBuffer, Tensor};
 pub use text::TextTokenizer;
 pub use weights::{FolderWeights, WeightSource};

@@ -8,8 +8,8 @@ use std::sync::Arc;
 use bm_shard::Checkpoint;
 use bm_tensor::{DType, TensorMeta};
 
-use crate::tensor::{HostBytes, is_compute_dtype};
 use crate::{Error, Tensor};
+use bm_compute::{HostBytes, is_compute_dtype};
 
 /// Supplies tensors by their full transformers name
 /// (`model.layers.3.self_attn.q_proj.weight`).

@@ -49,7 +49,7 @@ fn backend_of(tensors: &[&Tensor]) -> Backend {
 }
 
 /// The GPU an op placed by [`backend_of`] on `Backend::Cuda` runs on.
-fn gpu_for(tensors: &[&Tensor]) -> bigmodel::device::Gpu {
+fn gpu_for(tensors: &[&Tensor]) -> bm_device::Gpu {
     cuda::gpu_of(tensors).expect("backend_of found a GPU operand")
 }
 

@@ -2,11 +2,11 @@
 //! (one token) and of a prompt (64 tokens), against a plain single-threaded
 //! dot-product loop in the same run: the ratio is what to read.
 //!
-//! `cargo bench -p bm-models --bench ops`
+//! `cargo bench -p bm-compute --bench ops`
 
 use std::hint::black_box;
 
-use bm_models::{Tensor, ops};
+use bm_compute::{Tensor, ops};
 use bm_tensor::DType;
 use criterion::{Criterion, criterion_group, criterion_main};
 

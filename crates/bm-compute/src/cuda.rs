@@ -10,9 +10,7 @@
 //! Built without the `cuda` feature the variant exists but no GPU can hold
 //! a compute tensor, so none of this runs.
 
-use bigmodel::device::{
-    AttentionMask, AttentionShape, DeviceBuffer, FloatType, GemmShape, Gpu, GpuKind,
-};
+use bm_device::{AttentionMask, AttentionShape, DeviceBuffer, FloatType, GemmShape, Gpu, GpuKind};
 use bm_tensor::DType;
 
 use crate::ops::{Heads, Mask};
@@ -53,7 +51,7 @@ pub(crate) fn to_gpu(t: &Tensor, gpu: &Gpu) -> Result<Tensor, Error> {
     // Emulated GPUs hold bytes but run no kernels: their blocks compute on
     // host copies, so a compute tensor never lives on one.
     if gpu.kind() == GpuKind::Emulated {
-        return Err(bigmodel::device::Error::ComputeUnsupported {
+        return Err(bm_device::Error::ComputeUnsupported {
             device: gpu.device(),
         }
         .into());

@@ -13,7 +13,7 @@ use crate::Error;
 pub enum Backend {
     /// Host memory and CPU threads.
     Cpu,
-    /// CUDA GPU `n` of a `bigmodel::device::DeviceSet`: bytes in a
+    /// CUDA GPU `n` of a `bm_device::DeviceSet`: bytes in a
     /// `DeviceBuffer`, ops through bm-device's compute (cuBLAS and NVRTC
     /// kernels). Emulated GPUs never hold compute tensors.
     Cuda(usize),
@@ -60,18 +60,17 @@ enum Data {
 
 /// A device buffer that someone else owns and keeps alive by `Arc` (a
 /// dispatched model's GPU-resident weight), seen as a `DeviceBuffer`.
-pub type SharedDeviceBuffer =
-    std::sync::Arc<dyn AsRef<bigmodel::device::DeviceBuffer> + Send + Sync>;
+pub type SharedDeviceBuffer = std::sync::Arc<dyn AsRef<bm_device::DeviceBuffer> + Send + Sync>;
 
 /// The bytes of a GPU tensor: its own buffer (every op's output), or a
 /// shared one (weights used in place).
 enum DeviceBytes {
-    Owned(bigmodel::device::DeviceBuffer),
+    Owned(bm_device::DeviceBuffer),
     Shared(SharedDeviceBuffer),
 }
 
 impl DeviceBytes {
-    fn buffer(&self) -> &bigmodel::device::DeviceBuffer {
+    fn buffer(&self) -> &bm_device::DeviceBuffer {
         match self {
             DeviceBytes::Owned(b) => b,
             DeviceBytes::Shared(b) => (**b).as_ref(),
@@ -213,7 +212,7 @@ impl Tensor {
     pub(crate) fn from_device(
         dtype: DType,
         shape: &[usize],
-        buffer: bigmodel::device::DeviceBuffer,
+        buffer: bm_device::DeviceBuffer,
     ) -> Tensor {
         Tensor {
             dtype,
@@ -239,8 +238,8 @@ impl Tensor {
             });
         }
         let b = (*buffer).as_ref();
-        if b.gpu().kind() != bigmodel::device::GpuKind::Cuda {
-            return Err(bigmodel::device::Error::ComputeUnsupported { device: b.device() }.into());
+        if b.gpu().kind() != bm_device::GpuKind::Cuda {
+            return Err(bm_device::Error::ComputeUnsupported { device: b.device() }.into());
         }
         if meta.checked_byte_len().is_none_or(|n| n.max(1) != b.len()) {
             return Err(Error::Tensor(bm_tensor::Error::LengthMismatch {
@@ -257,7 +256,7 @@ impl Tensor {
     }
 
     /// The device buffer of a GPU tensor.
-    pub(crate) fn device_buffer(&self) -> Option<&bigmodel::device::DeviceBuffer> {
+    pub(crate) fn device_buffer(&self) -> Option<&bm_device::DeviceBuffer> {
         match &self.data {
             Data::Cpu(_) => None,
             Data::Cuda(b) => Some(b.buffer()),
@@ -266,7 +265,7 @@ impl Tensor {
 
     /// The device buffer of a GPU tensor, for writing (only the tensors ops
     /// create own theirs).
-    pub(crate) fn device_buffer_mut(&mut self) -> Option<&mut bigmodel::device::DeviceBuffer> {
+    pub(crate) fn device_buffer_mut(&mut self) -> Option<&mut bm_device::DeviceBuffer> {
         match &mut self.data {
             Data::Cuda(DeviceBytes::Owned(b)) => Some(b),
             _ => None,
@@ -292,7 +291,7 @@ impl Tensor {
 
     /// A copy of this tensor on `gpu` (a CUDA GPU; emulated GPUs do not
     /// compute), enqueued on its compute stream.
-    pub fn to_gpu(&self, gpu: &bigmodel::device::Gpu) -> Result<Tensor, Error> {
+    pub fn to_gpu(&self, gpu: &bm_device::Gpu) -> Result<Tensor, Error> {
         crate::cuda::to_gpu(self, gpu)
     }
 
@@ -397,7 +396,7 @@ mod tests {
 
     #[test]
     fn emulated_gpus_hold_no_compute_tensors() {
-        let set = bigmodel::device::DeviceSet::emulated(&[1 << 20]);
+        let set = bm_device::DeviceSet::emulated(&[1 << 20]);
         let t = Tensor::from_f32(DType::F32, &[2], &[1.0, 2.0]).unwrap();
         let err = t.to_gpu(set.gpu(0).unwrap()).unwrap_err();
         assert!(
@@ -405,9 +404,9 @@ mod tests {
                 .contains("compute is not supported on emulated device 0"),
             "{err}"
         );
-        struct Held(bigmodel::device::DeviceBuffer);
-        impl AsRef<bigmodel::device::DeviceBuffer> for Held {
-            fn as_ref(&self) -> &bigmodel::device::DeviceBuffer {
+        struct Held(bm_device::DeviceBuffer);
+        impl AsRef<bm_device::DeviceBuffer> for Held {
+            fn as_ref(&self) -> &bm_device::DeviceBuffer {
                 &self.0
             }
         }

@@ -1,0 +1,171 @@
+//! CUDA compute of bm-compute: every op on a GPU against the CPU op, in
+//! F32, F16 and BF16. Run for real on a GPU machine through `cargo xtask
+//! gpu-bundle`; without a GPU each test prints "skipped: no CUDA device"
+//! and returns, unless `BM_GPU_TESTS=1`, which makes that a failure.
+
+use bm_compute::ops::{self, Heads, LayerCache, Mask, Rope};
+use bm_compute::{Backend, Tensor};
+use bm_device::DeviceSet;
+use bm_tensor::DType;
+
+fn values(n: usize, seed: u32) -> Vec<f32> {
+    (0..n as u32)
+        .map(|i| {
+            let h = i
+                .wrapping_mul(2_654_435_761)
+                .wrapping_add(seed.wrapping_mul(97));
+            ((h >> 8) % 2000) as f32 / 1000.0 - 1.0
+        })
+        .collect()
+}
+
+fn host(dtype: DType, shape: &[usize], seed: u32) -> Tensor {
+    Tensor::from_f32(dtype, shape, &values(shape.iter().product(), seed)).unwrap()
+}
+
+/// Compares a GPU result with the CPU op's, in units of the dtype's precision.
+fn assert_matches(what: &str, gpu: &Tensor, cpu: &Tensor) {
+    assert!(
+        matches!(gpu.backend(), Backend::Cuda(0)),
+        "{what} ran on {:?}",
+        gpu.backend()
+    );
+    assert_eq!(
+        (gpu.shape(), gpu.dtype()),
+        (cpu.shape(), cpu.dtype()),
+        "{what}"
+    );
+    let tol = match cpu.dtype() {
+        DType::F32 => 1e-5,
+        DType::F16 => 2e-3,
+        _ => 1.6e-2,
+    };
+    let (g, c) = (gpu.to_host().unwrap().to_f32_vec(), cpu.to_f32_vec());
+    for (i, (a, b)) in g.iter().zip(&c).enumerate() {
+        assert!(
+            (a - b).abs() <= tol * (1.0 + b.abs()),
+            "{what} {}[{i}]: GPU {a}, CPU {b}",
+            cpu.dtype()
+        );
+    }
+}
+
+#[test]
+fn every_op_on_a_gpu_matches_the_cpu_op() {
+    let Some(set) = DeviceSet::cuda_for_gpu_tests() else {
+        return;
+    };
+    let gpu = set.gpu(0).unwrap();
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        let (s, hidden, out) = (5, 64, 48);
+        let x = host(dtype, &[s, hidden], 1);
+        let w = host(dtype, &[out, hidden], 2);
+        let bias = host(dtype, &[out], 3);
+        let norm_w = host(dtype, &[hidden], 4);
+        let norm_b = host(dtype, &[hidden], 5);
+        let (gx, gw) = (x.to_gpu(gpu).unwrap(), w.to_gpu(gpu).unwrap());
+        let gbias = bias.to_gpu(gpu).unwrap();
+
+        assert_matches(
+            "linear",
+            &ops::linear(&gx, &gw, Some(&gbias)).unwrap(),
+            &ops::linear(&x, &w, Some(&bias)).unwrap(),
+        );
+        // A host weight with a GPU activation: uploaded for the op.
+        assert_matches(
+            "linear with a host weight",
+            &ops::linear(&gx, &w, None).unwrap(),
+            &ops::linear(&x, &w, None).unwrap(),
+        );
+        let gnw = norm_w.to_gpu(gpu).unwrap();
+        assert_matches(
+            "rms_norm",
+            &ops::rms_norm(&gx, &gnw, 1e-6).unwrap(),
+            &ops::rms_norm(&x, &norm_w, 1e-6).unwrap(),
+        );
+        assert_matches(
+            "layer_norm",
+            &ops::layer_norm(&gx, &gnw, &norm_b.to_gpu(gpu).unwrap(), 1e-12).unwrap(),
+            &ops::layer_norm(&x, &norm_w, &norm_b, 1e-12).unwrap(),
+        );
+        let rope = Rope::new(16, 10000.0);
+        assert_matches(
+            "rotary",
+            &rope.apply(&gx, 7).unwrap(),
+            &rope.apply(&x, 7).unwrap(),
+        );
+        assert_matches(
+            "softmax",
+            &ops::softmax(&gx).unwrap(),
+            &ops::softmax(&x).unwrap(),
+        );
+        assert_matches("silu", &ops::silu(&gx).unwrap(), &ops::silu(&x).unwrap());
+        assert_matches("gelu", &ops::gelu(&gx).unwrap(), &ops::gelu(&x).unwrap());
+        let y = host(dtype, &[s, hidden], 6);
+        let gy = y.to_gpu(gpu).unwrap();
+        assert_matches(
+            "add",
+            &ops::add(&gx, &gy).unwrap(),
+            &ops::add(&x, &y).unwrap(),
+        );
+        assert_matches(
+            "mul",
+            &ops::mul(&gx, &gy).unwrap(),
+            &ops::mul(&x, &y).unwrap(),
+        );
+        let table = host(dtype, &[11, hidden], 7);
+        let gtable = table.to_gpu(gpu).unwrap();
+        for out_dtype in [DType::F32, dtype] {
+            assert_matches(
+                "embedding",
+                &ops::embedding(&[3, 10, 0, 3], &gtable, out_dtype).unwrap(),
+                &ops::embedding(&[3, 10, 0, 3], &table, out_dtype).unwrap(),
+            );
+        }
+        assert_matches(
+            "to_dtype",
+            &gx.to_dtype(DType::F32).unwrap(),
+            &x.to_dtype(DType::F32).unwrap(),
+        );
+        assert_matches("rows", &gx.rows(1, 3).unwrap(), &x.rows(1, 3).unwrap());
+
+        // Attention over a cache filled in two appends (prefill, one step).
+        let heads = Heads {
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 16,
+        };
+        for mask in [Mask::Bidirectional, Mask::Causal, Mask::SlidingWindow(3)] {
+            let (mut cpu_cache, mut gpu_cache) = (LayerCache::new(), LayerCache::new());
+            for (step, rows) in [(0u32, 4usize), (1, 1)] {
+                let k = host(dtype, &[rows, 32], 10 + step);
+                let v = host(dtype, &[rows, 32], 20 + step);
+                let q = host(dtype, &[rows, 64], 30 + step);
+                cpu_cache.append(&k, &v).unwrap();
+                gpu_cache
+                    .append(&k.to_gpu(gpu).unwrap(), &v.to_gpu(gpu).unwrap())
+                    .unwrap();
+                assert_eq!(gpu_cache.len(), cpu_cache.len());
+                assert_matches(
+                    &format!("attention {mask:?} step {step}"),
+                    &ops::attention(&q.to_gpu(gpu).unwrap(), &gpu_cache, heads, mask).unwrap(),
+                    &ops::attention(&q, &cpu_cache, heads, mask).unwrap(),
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn mixed_caches_are_refused_with_a_clear_error() {
+    let Some(set) = DeviceSet::cuda_for_gpu_tests() else {
+        return;
+    };
+    let gpu = set.gpu(0).unwrap();
+    let k = host(DType::F32, &[2, 8], 1);
+    let mut cache = LayerCache::new();
+    cache.append(&k, &k).unwrap();
+    let gk = k.to_gpu(gpu).unwrap();
+    let err = cache.append(&gk, &gk).unwrap_err();
+    assert!(err.to_string().contains("cache is in host memory"), "{err}");
+}
