@@ -29,12 +29,14 @@
 mod cast;
 mod dtype;
 mod error;
+mod mmap;
 mod storage;
 
 pub use cast::{cast, cast_into};
 pub use dtype::DType;
 pub use error::Error;
-pub use storage::{HostBuffer, MmapView, Storage, Tensor, typed_slice};
+pub use mmap::MmapView;
+pub use storage::{HostBuffer, Storage, Tensor, typed_slice};
 
 /// A tensor's dtype and shape: everything but its bytes.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
