@@ -28,9 +28,8 @@ pub struct DeviceBuffer {
 
 pub(crate) enum Mem {
     Emulated(Box<[u8]>),
-    #[cfg(feature = "cuda")]
     Cuda {
-        ptr: cudarc::driver::sys::CUdeviceptr,
+        ptr: crate::cuda::DevicePtr,
         gpu: std::sync::Arc<crate::cuda::CudaGpu>,
     },
 }
@@ -121,14 +120,12 @@ impl DeviceBuffer {
 
     /// Makes `event` (the end of a kernel or copy using this buffer) the
     /// last use that later work and the drop wait for.
-    #[cfg(feature = "cuda")]
     pub(crate) fn set_pending(&self, event: Event) {
         *self.pending.lock() = Some(event);
     }
 
     /// The device address of a CUDA buffer (`None` for an emulated one).
-    #[cfg(feature = "cuda")]
-    pub(crate) fn cuda_ptr(&self) -> Option<cudarc::driver::sys::CUdeviceptr> {
+    pub(crate) fn cuda_ptr(&self) -> Option<crate::cuda::DevicePtr> {
         match &self.mem {
             Mem::Cuda { ptr, .. } => Some(*ptr),
             Mem::Emulated(_) => None,
@@ -153,7 +150,6 @@ impl DeviceBuffer {
         self.synchronize()?;
         match &mut self.mem {
             Mem::Emulated(b) => b[offset..offset + src.len()].copy_from_slice(src),
-            #[cfg(feature = "cuda")]
             // SAFETY: the range was checked against this allocation.
             Mem::Cuda { ptr, gpu } => unsafe { gpu.htod_sync(*ptr + offset as u64, src)? },
         }
@@ -167,7 +163,6 @@ impl DeviceBuffer {
         self.synchronize()?;
         match &self.mem {
             Mem::Emulated(b) => dst.copy_from_slice(&b[offset..offset + dst.len()]),
-            #[cfg(feature = "cuda")]
             // SAFETY: the range was checked against this allocation.
             Mem::Cuda { ptr, gpu } => unsafe { gpu.dtoh_sync(dst, *ptr + offset as u64)? },
         }
@@ -197,7 +192,6 @@ impl DeviceBuffer {
                 Mem::Emulated(b) => {
                     b[dst_off..dst_off + piece.len()].copy_from_slice(&src.bytes()[piece.clone()])
                 }
-                #[cfg(feature = "cuda")]
                 Mem::Cuda { ptr, gpu } => {
                     let s = stream_cuda(stream)?;
                     // SAFETY: both ranges were checked; `src` is not freed or
@@ -240,7 +234,6 @@ impl DeviceBuffer {
                 Mem::Emulated(b) => {
                     dst.bytes_mut()[host_off..host_off + piece.len()].copy_from_slice(&b[piece])
                 }
-                #[cfg(feature = "cuda")]
                 Mem::Cuda { ptr, gpu } => {
                     let s = stream_cuda(stream)?;
                     // SAFETY: both ranges were checked; the host does not
@@ -283,7 +276,6 @@ impl DeviceBuffer {
             let bytes = &src.bytes()[piece];
             match &mut self.mem {
                 Mem::Emulated(b) => b[dst_off..dst_off + bytes.len()].copy_from_slice(bytes),
-                #[cfg(feature = "cuda")]
                 Mem::Cuda { ptr, gpu } => {
                     let s = stream_cuda(stream)?;
                     // SAFETY: ranges checked; the registration outlives the
@@ -324,7 +316,6 @@ impl DeviceBuffer {
                 (Mem::Emulated(d), Mem::Emulated(s)) => {
                     d[dst_off..dst_off + piece.len()].copy_from_slice(&s[piece])
                 }
-                #[cfg(feature = "cuda")]
                 (Mem::Cuda { ptr: d, gpu: dg }, Mem::Cuda { ptr: s, gpu: sg }) => {
                     let st = stream_cuda(stream)?;
                     // SAFETY: ranges checked against both allocations; both
@@ -339,7 +330,6 @@ impl DeviceBuffer {
                         )?
                     }
                 }
-                #[cfg(feature = "cuda")]
                 _ => {
                     return Err(Error::WrongDevice {
                         operation: "device-to-device copy between an emulated and a CUDA device",
@@ -396,7 +386,6 @@ impl DeviceBuffer {
                 Mem::Emulated(b) => {
                     b[offset + piece.start..offset + piece.end].copy_from_slice(bytes)
                 }
-                #[cfg(feature = "cuda")]
                 Mem::Cuda { ptr, gpu } => {
                     let s = stream_cuda(stream)?;
                     // SAFETY: range checked by the caller; pageable memory is
@@ -439,8 +428,7 @@ impl DeviceBuffer {
     }
 }
 
-#[cfg(feature = "cuda")]
-pub(crate) fn stream_cuda(stream: &Stream) -> Result<&cudarc::driver::CudaStream> {
+pub(crate) fn stream_cuda(stream: &Stream) -> Result<&crate::cuda::CudaStream> {
     match &stream.imp {
         crate::stream::StreamImpl::Cuda { stream, .. } => Ok(stream),
         crate::stream::StreamImpl::Emulated => Err(Error::WrongDevice {
@@ -458,7 +446,6 @@ impl Drop for DeviceBuffer {
         let _ = self.synchronize();
         match &self.mem {
             Mem::Emulated(_) => {}
-            #[cfg(feature = "cuda")]
             // SAFETY: allocated by gpu.alloc for this buffer, freed once here.
             Mem::Cuda { ptr, gpu } => unsafe { gpu.free(*ptr) },
         }

@@ -152,8 +152,6 @@ const THREADS: u32 = 256;
 const ATTENTION_THREADS: u32 = 128;
 
 /// A kernel argument before it is turned into a device address.
-// Without CUDA nothing reads the values: every launch is refused.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 enum Arg<'a> {
     /// A buffer, from its first byte.
     Buf(&'a DeviceBuffer),
@@ -164,6 +162,35 @@ enum Arg<'a> {
     U32(u32),
     U64(u64),
     F32(f32),
+}
+
+/// A kernel argument as the kernel receives it.
+#[derive(Clone, Copy, Debug)]
+#[allow(
+    dead_code,
+    reason = "read by the CUDA backend; without it every launch is refused"
+)]
+pub(crate) enum RawArg {
+    /// A device pointer (0 for a null pointer).
+    Ptr(u64),
+    /// `u32`.
+    U32(u32),
+    /// `u64`.
+    U64(u64),
+    /// `float`.
+    F32(f32),
+}
+
+/// Grid, block and dynamic shared memory of a launch.
+#[derive(Clone, Copy, Debug)]
+#[allow(
+    dead_code,
+    reason = "read by the CUDA backend; without it every launch is refused"
+)]
+pub(crate) struct LaunchShape {
+    pub grid: (u32, u32, u32),
+    pub block: u32,
+    pub shared_bytes: u32,
 }
 
 fn bad(operation: &'static str, message: String) -> Error {
@@ -236,16 +263,10 @@ impl Gpu {
             self.check_owned(operation, b)?;
         }
         match &self.inner.backend {
-            Backend::Emulated => {
-                // Keeps every argument kind used in builds without CUDA.
-                let _ = (name, grid, block, shared_bytes);
-                Err(Error::ComputeUnsupported {
-                    device: self.device(),
-                })
-            }
-            #[cfg(feature = "cuda")]
+            Backend::Emulated => Err(Error::ComputeUnsupported {
+                device: self.device(),
+            }),
             Backend::Cuda(g) => {
-                use crate::cuda_compute::{LaunchShape, RawArg};
                 let stream = self.compute_stream();
                 for b in buffers() {
                     b.order_after_pending(stream)?;
@@ -297,7 +318,6 @@ impl Gpu {
         crate::buffer::check_range(OP, offset, src.len(), dst.len())?;
         match &self.inner.backend {
             Backend::Emulated => dst.copy_from_host(offset, src),
-            #[cfg(feature = "cuda")]
             Backend::Cuda(g) => {
                 if src.is_empty() {
                     return Ok(());
@@ -363,7 +383,6 @@ impl Gpu {
             Backend::Emulated => Err(Error::ComputeUnsupported {
                 device: self.device(),
             }),
-            #[cfg(feature = "cuda")]
             Backend::Cuda(g) => {
                 let stream = self.compute_stream();
                 let crate::stream::StreamImpl::Cuda { stream: cuda, .. } = &stream.imp else {

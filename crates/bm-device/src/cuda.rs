@@ -1,28 +1,34 @@
-//! The CUDA backend, compiled with the `cuda` feature: the only module of
-//! the workspace that names cudarc.
+//! The CUDA backend, compiled with the `cuda` feature (`no_cuda.rs` stands
+//! in for it otherwise): with its `compute` submodule, the only code of the
+//! workspace that names cudarc.
 //!
 //! Device memory is raw `cuMemAlloc` memory rather than cudarc's
 //! `CudaSlice`: we order work with our own events, so cudarc's two events
 //! per allocation would be pure overhead (thousands of weight tensors), and
 //! raw pointers let one buffer type serve every dtype.
 
+mod compute;
+
 use std::ffi::c_void;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use cudarc::driver::{
-    CudaContext, CudaEvent, CudaFunction, CudaStream, DriverError, LaunchConfig, PushKernelArg,
-    result, sys,
+    CudaContext, CudaFunction, DriverError, LaunchConfig, PushKernelArg, result, sys,
 };
 
 use crate::{Device, Error, Result};
 
+pub(crate) use cudarc::driver::{CudaEvent, CudaStream};
+
+/// This build has CUDA support.
+pub(crate) const COMPILED: bool = true;
+
+/// A device address.
+pub(crate) type DevicePtr = sys::CUdeviceptr;
+
 /// Wraps a driver error with what was being done and where.
-pub(crate) fn driver_error(
-    operation: &'static str,
-    device: Option<Device>,
-    e: DriverError,
-) -> Error {
+fn driver_error(operation: &'static str, device: Option<Device>, e: DriverError) -> Error {
     let name = e
         .error_name()
         .map(|s| s.to_string_lossy().into_owned())
@@ -46,8 +52,8 @@ pub(crate) fn driver_error(
 pub(crate) struct Probe {
     /// `cuDriverGetVersion`, e.g. 13000 for CUDA 13.0.
     pub driver_version: i32,
-    /// One primary context per visible GPU, in ordinal order.
-    pub contexts: Vec<Arc<CudaContext>>,
+    /// Every visible GPU (its primary context), in ordinal order.
+    pub gpus: Vec<CudaGpu>,
 }
 
 /// Loads the driver and opens every GPU. Never panics: cudarc panics when
@@ -70,22 +76,23 @@ pub(crate) fn probe() -> Result<Probe> {
             Err(DriverError(sys::CUresult::CUDA_ERROR_NO_DEVICE)) => {
                 return Ok(Probe {
                     driver_version,
-                    contexts: Vec::new(),
+                    gpus: Vec::new(),
                 });
             }
             Err(e) => return Err(driver_error("cuInit", None, e)),
         }
         let count =
             result::device::get_count().map_err(|e| driver_error("cuDeviceGetCount", None, e))?;
-        let contexts = (0..count.max(0) as usize)
+        let gpus = (0..count.max(0) as usize)
             .map(|n| {
                 CudaContext::new(n)
+                    .map(CudaGpu::new)
                     .map_err(|e| driver_error("creating the context", Some(Device::Gpu(n)), e))
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Probe {
             driver_version,
-            contexts,
+            gpus,
         })
     });
     match attempt {
@@ -131,20 +138,25 @@ BM_SPIN:
 /// One CUDA GPU: its primary context and the lazily loaded busy-wait
 /// kernel, compute kernels and cuBLAS handle.
 pub(crate) struct CudaGpu {
-    pub ctx: Arc<CudaContext>,
+    ctx: Arc<CudaContext>,
     busy_wait: OnceLock<std::result::Result<CudaFunction, String>>,
-    pub(crate) kernels: crate::cuda_compute::Lazy<crate::cuda_compute::Kernels>,
-    pub(crate) blas: crate::cuda_compute::Lazy<parking_lot::Mutex<cudarc::cublas::CudaBlas>>,
+    kernels: compute::Lazy<compute::Kernels>,
+    blas: compute::Lazy<parking_lot::Mutex<cudarc::cublas::CudaBlas>>,
 }
 
 impl CudaGpu {
-    pub(crate) fn new(ctx: Arc<CudaContext>) -> Self {
+    fn new(ctx: Arc<CudaContext>) -> Self {
         CudaGpu {
             ctx,
             busy_wait: OnceLock::new(),
             kernels: OnceLock::new(),
             blas: OnceLock::new(),
         }
+    }
+
+    /// The GPU's ordinal.
+    pub(crate) fn ordinal(&self) -> usize {
+        self.ctx.ordinal()
     }
 
     fn device(&self) -> Device {

@@ -48,7 +48,6 @@ pub(crate) struct GpuInner {
 
 pub(crate) enum Backend {
     Emulated,
-    #[cfg(feature = "cuda")]
     Cuda(Arc<crate::cuda::CudaGpu>),
 }
 
@@ -87,11 +86,10 @@ impl Gpu {
     }
 
     /// A CUDA GPU; its budget starts at what is free now.
-    #[cfg(feature = "cuda")]
-    pub(crate) fn from_cuda_context(ctx: Arc<cudarc::driver::CudaContext>) -> Result<Self> {
+    pub(crate) fn from_cuda(gpu: crate::cuda::CudaGpu) -> Result<Self> {
         let id = next_gpu_id();
-        let ordinal = ctx.ordinal();
-        let gpu = Arc::new(crate::cuda::CudaGpu::new(ctx));
+        let ordinal = gpu.ordinal();
+        let gpu = Arc::new(gpu);
         let name = gpu.name()?;
         let (free, total) = gpu.mem_info()?;
         let stream = |role| -> Result<Stream> {
@@ -138,7 +136,6 @@ impl Gpu {
     pub fn kind(&self) -> GpuKind {
         match self.inner.backend {
             Backend::Emulated => GpuKind::Emulated,
-            #[cfg(feature = "cuda")]
             Backend::Cuda(_) => GpuKind::Cuda,
         }
     }
@@ -157,7 +154,6 @@ impl Gpu {
                 self.inner.total.saturating_sub(self.inner.ledger.live()),
                 self.inner.total,
             ),
-            #[cfg(feature = "cuda")]
             Backend::Cuda(g) => g.mem_info()?,
         };
         Ok(GpuMemory {
@@ -217,7 +213,6 @@ impl Gpu {
     pub fn synchronize(&self) -> Result<()> {
         match &self.inner.backend {
             Backend::Emulated => Ok(()),
-            #[cfg(feature = "cuda")]
             Backend::Cuda(g) => g.synchronize(),
         }
     }
@@ -254,11 +249,7 @@ impl Gpu {
         Ok(DeviceBuffer::new(self.clone(), bytes, mem))
     }
 
-    fn alloc_mem(
-        &self,
-        bytes: usize,
-        #[cfg_attr(not(feature = "cuda"), expect(unused_variables))] zeroed: bool,
-    ) -> Result<Mem> {
+    fn alloc_mem(&self, bytes: usize, zeroed: bool) -> Result<Mem> {
         match &self.inner.backend {
             Backend::Emulated => {
                 let mut v: Vec<u8> = Vec::new();
@@ -272,7 +263,6 @@ impl Gpu {
                 v.resize(bytes, 0);
                 Ok(Mem::Emulated(v.into_boxed_slice()))
             }
-            #[cfg(feature = "cuda")]
             Backend::Cuda(g) => {
                 let ptr = g.alloc(bytes)?;
                 if zeroed {
@@ -295,7 +285,6 @@ impl Gpu {
         self.inner.id
     }
 
-    #[cfg(feature = "cuda")]
     pub(crate) fn cuda(&self) -> Option<&Arc<crate::cuda::CudaGpu>> {
         match &self.inner.backend {
             Backend::Cuda(g) => Some(g),

@@ -19,8 +19,10 @@
 //! under `catch_unwind` while probing, so a machine without a driver gets
 //! [`Error::NoDriver`] ("no CUDA driver found") and a build without the
 //! feature gets [`Error::NotCompiledWithCuda`] ("built without CUDA
-//! support") from the very same API (candle's dummy-backend pattern:
-//! backend enums simply lack their CUDA variant).
+//! support") from the very same API. The feature is looked at in one place,
+//! candle's way: it chooses between the real `cuda` module and a stand-in
+//! with the same API whose types cannot be constructed, so every CUDA
+//! variant and code path compiles, and is type-checked, in both builds.
 //!
 //! # Memory: budgets, accounting and the safety margin
 //!
@@ -83,15 +85,16 @@
 //! the methods of [`Gpu`].
 //!
 //! **Architecture invariant:** this is the only crate of the workspace that
-//! names cudarc. Every call into cudarc is in the `cuda` and `cuda_compute`
-//! modules; other modules name its types only in `cuda`-gated variants.
+//! names cudarc, and only the `cuda` module (`cuda.rs`, `cuda/compute.rs`)
+//! does: the other modules reach CUDA through that module's types and
+//! functions.
 
 mod buffer;
 mod compute;
-#[cfg(feature = "cuda")]
+// The one place the `cuda` feature is looked at: without it, `no_cuda.rs`
+// stands in for the CUDA backend with the same API.
+#[cfg_attr(not(feature = "cuda"), path = "no_cuda.rs")]
 mod cuda;
-#[cfg(feature = "cuda")]
-mod cuda_compute;
 mod device;
 mod error;
 mod gpu;
@@ -117,4 +120,4 @@ pub use set::{CudaStatus, DeviceSet};
 pub use stream::{Event, Stream, StreamRole};
 
 /// Whether this build has CUDA support (the `cuda` feature).
-pub const CUDA_COMPILED: bool = cfg!(feature = "cuda");
+pub const CUDA_COMPILED: bool = cuda::COMPILED;

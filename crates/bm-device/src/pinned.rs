@@ -41,7 +41,6 @@ pub struct PinnedBuffer {
 
 enum Backing {
     Pageable,
-    #[cfg(feature = "cuda")]
     Pinned(std::sync::Arc<crate::cuda::CudaGpu>),
 }
 
@@ -79,7 +78,6 @@ impl PinnedBuffer {
     }
 
     /// `len` zeroed page-locked bytes.
-    #[cfg(feature = "cuda")]
     fn pinned(gpu: &std::sync::Arc<crate::cuda::CudaGpu>, len: usize) -> Result<Self> {
         let raw = gpu.alloc_pinned(len)?;
         let ptr = NonNull::new(raw).ok_or(Error::HostAlloc { bytes: len as u64 })?;
@@ -101,7 +99,6 @@ impl PinnedBuffer {
                 device: Device::Cpu,
             });
         }
-        #[cfg(feature = "cuda")]
         if let Some(g) = set.gpus().first().and_then(|g| g.cuda()) {
             return match Self::pinned(g, len) {
                 Ok(b) => Ok((b, None)),
@@ -123,7 +120,6 @@ impl PinnedBuffer {
     pub fn is_pinned(&self) -> bool {
         match self.backing {
             Backing::Pageable => false,
-            #[cfg(feature = "cuda")]
             Backing::Pinned(_) => true,
         }
     }
@@ -162,12 +158,10 @@ impl PinnedBuffer {
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
     }
 
-    #[cfg(feature = "cuda")]
     pub(crate) fn ptr(&self) -> *const u8 {
         self.ptr.as_ptr()
     }
 
-    #[cfg(feature = "cuda")]
     pub(crate) fn ptr_mut(&mut self) -> *mut u8 {
         self.ptr.as_ptr()
     }
@@ -206,7 +200,6 @@ impl Drop for PinnedBuffer {
                     )
                 }
             }
-            #[cfg(feature = "cuda")]
             // SAFETY: allocated by alloc_pinned; no copy is in flight any more.
             Backing::Pinned(g) => unsafe { g.free_pinned(self.ptr.as_ptr()) },
         }
@@ -327,7 +320,6 @@ impl PinnedPool {
 pub struct HostRegistration<'a> {
     bytes: &'a [u8],
     registered: Vec<Range<usize>>,
-    #[cfg(feature = "cuda")]
     gpu: Option<std::sync::Arc<crate::cuda::CudaGpu>>,
     pending: Mutex<Vec<Event>>,
     fallback_reason: Option<String>,
@@ -365,7 +357,6 @@ impl<'a> HostRegistration<'a> {
         let mut reg = HostRegistration {
             bytes,
             registered: Vec::new(),
-            #[cfg(feature = "cuda")]
             gpu: None,
             pending: Mutex::new(Vec::new()),
             fallback_reason: None,
@@ -374,7 +365,6 @@ impl<'a> HostRegistration<'a> {
             reg.fallback_reason = Some("nothing to register".into());
             return reg;
         }
-        #[cfg(feature = "cuda")]
         if let Some(g) = set.gpus().first().and_then(|g| g.cuda()) {
             let pieces = aligned_pieces(bytes.as_ptr() as usize, 0..bytes.len(), REGISTER_CHUNK);
             for piece in pieces {
@@ -401,7 +391,6 @@ impl<'a> HostRegistration<'a> {
         reg
     }
 
-    #[cfg(feature = "cuda")]
     fn unregister(&mut self, g: &crate::cuda::CudaGpu) {
         for piece in self.registered.drain(..) {
             // SAFETY: registered above; no copy is in flight (drop waited).
@@ -454,7 +443,6 @@ impl Drop for HostRegistration<'_> {
         for e in self.pending.lock().drain(..) {
             let _ = e.synchronize();
         }
-        #[cfg(feature = "cuda")]
         if let Some(g) = self.gpu.take() {
             self.unregister(&g);
         }

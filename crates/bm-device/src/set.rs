@@ -53,7 +53,7 @@ impl DeviceSet {
                 gpus: Vec::new(),
                 emulated: false,
                 cuda: CudaStatus {
-                    compiled: cfg!(feature = "cuda"),
+                    compiled: crate::CUDA_COMPILED,
                     driver_found,
                     driver_version,
                     error: Some(e.to_string()),
@@ -85,7 +85,7 @@ impl DeviceSet {
             gpus: Vec::new(),
             emulated: false,
             cuda: CudaStatus {
-                compiled: cfg!(feature = "cuda"),
+                compiled: crate::CUDA_COMPILED,
                 driver_found: false,
                 driver_version: None,
                 error: Some("CUDA not probed: CPU-only device set".into()),
@@ -106,7 +106,7 @@ impl DeviceSet {
                 .collect(),
             emulated: true,
             cuda: CudaStatus {
-                compiled: cfg!(feature = "cuda"),
+                compiled: crate::CUDA_COMPILED,
                 driver_found: false,
                 driver_version: None,
                 error: Some("CUDA not probed: emulated device set".into()),
@@ -159,23 +159,18 @@ impl DeviceSet {
     /// allows; returns the (from, to) pairs enabled. Copies between other
     /// pairs still work, staged through the host by the driver.
     pub fn enable_peer_access(&self) -> Result<Vec<(usize, usize)>> {
-        #[cfg(feature = "cuda")]
-        {
-            let mut enabled = Vec::new();
-            for a in &self.gpus {
-                for b in &self.gpus {
-                    if let (Some(ca), Some(cb)) = (a.cuda(), b.cuda()) {
-                        if a.ordinal() != b.ordinal() && ca.can_access_peer(cb)? {
-                            ca.enable_peer_access(cb)?;
-                            enabled.push((a.ordinal(), b.ordinal()));
-                        }
+        let mut enabled = Vec::new();
+        for a in &self.gpus {
+            for b in &self.gpus {
+                if let (Some(ca), Some(cb)) = (a.cuda(), b.cuda()) {
+                    if a.ordinal() != b.ordinal() && ca.can_access_peer(cb)? {
+                        ca.enable_peer_access(cb)?;
+                        enabled.push((a.ordinal(), b.ordinal()));
                     }
                 }
             }
-            Ok(enabled)
         }
-        #[cfg(not(feature = "cuda"))]
-        Ok(Vec::new())
+        Ok(enabled)
     }
 
     /// A pool of `slots` staging buffers of `slot_bytes` each (see
@@ -208,25 +203,22 @@ impl DeviceSet {
 /// and the error.
 type ProbeFailure = (bool, Option<(i32, i32)>, Error);
 
-#[cfg(feature = "cuda")]
 fn probe_cuda() -> std::result::Result<(Vec<Gpu>, (i32, i32)), ProbeFailure> {
-    let probe = crate::cuda::probe().map_err(|e| (!matches!(e, Error::NoDriver), None, e))?;
+    let probe = crate::cuda::probe().map_err(|e| {
+        let driver_found = !matches!(e, Error::NoDriver | Error::NotCompiledWithCuda);
+        (driver_found, None, e)
+    })?;
     let version = (
         probe.driver_version / 1000,
         probe.driver_version % 1000 / 10,
     );
     let gpus = probe
-        .contexts
+        .gpus
         .into_iter()
-        .map(Gpu::from_cuda_context)
+        .map(Gpu::from_cuda)
         .collect::<Result<Vec<_>>>()
         .map_err(|e| (true, Some(version), e))?;
     Ok((gpus, version))
-}
-
-#[cfg(not(feature = "cuda"))]
-fn probe_cuda() -> std::result::Result<(Vec<Gpu>, (i32, i32)), ProbeFailure> {
-    Err((false, None, Error::NotCompiledWithCuda))
 }
 
 impl DeviceSet {

@@ -29,9 +29,8 @@ pub struct Stream {
 #[derive(Clone)]
 pub(crate) enum StreamImpl {
     Emulated,
-    #[cfg(feature = "cuda")]
     Cuda {
-        stream: std::sync::Arc<cudarc::driver::CudaStream>,
+        stream: std::sync::Arc<crate::cuda::CudaStream>,
         gpu: std::sync::Arc<crate::cuda::CudaGpu>,
     },
 }
@@ -66,7 +65,6 @@ impl Stream {
     pub fn record(&self) -> Result<Event> {
         match &self.imp {
             StreamImpl::Emulated => Ok(Event::completed(self.device())),
-            #[cfg(feature = "cuda")]
             StreamImpl::Cuda { stream, .. } => Ok(Event {
                 device: self.device(),
                 imp: EventImpl::Cuda(crate::cuda::record(stream, self.device())?),
@@ -78,7 +76,6 @@ impl Stream {
     pub fn record_timed(&self) -> Result<Event> {
         match &self.imp {
             StreamImpl::Emulated => Ok(Event::completed(self.device())),
-            #[cfg(feature = "cuda")]
             StreamImpl::Cuda { stream, .. } => Ok(Event {
                 device: self.device(),
                 imp: EventImpl::Cuda(crate::cuda::record_timed(stream, self.device())?),
@@ -91,13 +88,11 @@ impl Stream {
     pub fn wait(&self, event: &Event) -> Result<()> {
         match (&self.imp, &event.imp) {
             (_, EventImpl::Completed(_)) => Ok(()),
-            #[cfg(feature = "cuda")]
             (StreamImpl::Cuda { stream, .. }, EventImpl::Cuda(e)) => {
                 crate::cuda::wait(stream, e, self.device())
             }
             // An emulated stream runs work as it is enqueued: waiting on the
             // host is the ordering.
-            #[cfg(feature = "cuda")]
             (StreamImpl::Emulated, EventImpl::Cuda(_)) => event.synchronize(),
         }
     }
@@ -106,7 +101,6 @@ impl Stream {
     pub fn synchronize(&self) -> Result<()> {
         match &self.imp {
             StreamImpl::Emulated => Ok(()),
-            #[cfg(feature = "cuda")]
             StreamImpl::Cuda { stream, .. } => crate::cuda::sync_stream(stream, self.device()),
         }
     }
@@ -120,7 +114,6 @@ impl Stream {
                 std::thread::sleep(duration);
                 Ok(())
             }
-            #[cfg(feature = "cuda")]
             StreamImpl::Cuda { stream, gpu } => gpu.busy_wait(stream, duration),
         }
     }
@@ -156,8 +149,7 @@ pub struct Event {
 #[derive(Clone)]
 enum EventImpl {
     Completed(Instant),
-    #[cfg(feature = "cuda")]
-    Cuda(std::sync::Arc<cudarc::driver::CudaEvent>),
+    Cuda(std::sync::Arc<crate::cuda::CudaEvent>),
 }
 
 impl std::fmt::Debug for Event {
@@ -184,7 +176,6 @@ impl Event {
     pub fn synchronize(&self) -> Result<()> {
         match &self.imp {
             EventImpl::Completed(_) => Ok(()),
-            #[cfg(feature = "cuda")]
             EventImpl::Cuda(e) => crate::cuda::sync_event(e, self.device),
         }
     }
@@ -193,7 +184,6 @@ impl Event {
     pub fn is_complete(&self) -> Result<bool> {
         match &self.imp {
             EventImpl::Completed(_) => Ok(true),
-            #[cfg(feature = "cuda")]
             EventImpl::Cuda(e) => crate::cuda::event_done(e, self.device),
         }
     }
@@ -206,12 +196,10 @@ impl Event {
             (EventImpl::Completed(a), EventImpl::Completed(b)) => {
                 Ok(b.saturating_duration_since(*a))
             }
-            #[cfg(feature = "cuda")]
             (EventImpl::Cuda(a), EventImpl::Cuda(b)) => {
                 let ms = crate::cuda::elapsed_ms(a, b, self.device)?;
                 Ok(Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3))
             }
-            #[cfg(feature = "cuda")]
             _ => Err(Error::WrongDevice {
                 operation: "timing between events",
                 expected: self.device,

@@ -1,6 +1,6 @@
 //! The CUDA half of [`compute`](crate::compute): NVRTC-compiled kernels and
-//! cuBLAS GEMMs on raw device pointers. With `cuda.rs`, the only code of the
-//! workspace that names cudarc.
+//! cuBLAS GEMMs on raw device pointers. With its parent `cuda`, the only
+//! code of the workspace that names cudarc.
 //!
 //! The kernel source (`kernels.cu`) is compiled once per process to PTX,
 //! which each GPU's driver JIT-compiles when the module is loaded (once per
@@ -16,33 +16,12 @@ use cudarc::driver::{CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKer
 use cudarc::nvrtc::{CompileOptions, Ptx, compile_ptx_with_opts};
 use parking_lot::Mutex;
 
-use crate::compute::{FloatType, GemmShape};
-use crate::cuda::{CudaGpu, driver_error};
+use super::{CudaGpu, driver_error};
+use crate::compute::{FloatType, GemmShape, LaunchShape, RawArg};
 use crate::{Device, Error, Result};
 
 /// The kernels' CUDA C++ source.
 const SOURCE: &str = include_str!("kernels.cu");
-
-/// A kernel argument, as the kernel receives it.
-#[derive(Clone, Copy, Debug)]
-pub(crate) enum RawArg {
-    /// A device pointer (0 for a null pointer).
-    Ptr(u64),
-    /// `u32`.
-    U32(u32),
-    /// `u64`.
-    U64(u64),
-    /// `float`.
-    F32(f32),
-}
-
-/// Grid, block and dynamic shared memory of a launch.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct LaunchShape {
-    pub grid: (u32, u32, u32),
-    pub block: u32,
-    pub shared_bytes: u32,
-}
 
 /// One GPU's loaded kernel module, with functions looked up once by name.
 pub(crate) struct Kernels {
