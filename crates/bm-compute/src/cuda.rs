@@ -10,23 +10,11 @@
 //! Built without the `cuda` feature the variant exists but no GPU can hold
 //! a compute tensor, so none of this runs.
 
-use bm_device::{AttentionMask, AttentionShape, DeviceBuffer, FloatType, GemmShape, Gpu, GpuKind};
+use bm_device::{AttentionMask, AttentionShape, DeviceBuffer, GemmShape, Gpu, GpuKind};
 use bm_tensor::DType;
 
 use crate::ops::{Heads, Mask};
 use crate::{Error, Tensor};
-
-pub(crate) fn float_type(dtype: DType) -> Result<FloatType, Error> {
-    match dtype {
-        DType::F32 => Ok(FloatType::F32),
-        DType::F16 => Ok(FloatType::F16),
-        DType::BF16 => Ok(FloatType::BF16),
-        other => Err(Error::UnsupportedDType {
-            what: "GPU tensor".into(),
-            dtype: other,
-        }),
-    }
-}
 
 /// The GPU of the first operand that lives on one.
 pub(crate) fn gpu_of(tensors: &[&Tensor]) -> Option<Gpu> {
@@ -108,9 +96,9 @@ pub(crate) fn cast(t: &Tensor, gpu: &Gpu, dtype: DType) -> Result<Tensor, Error>
     let mut out = empty(gpu, dtype, t.shape())?;
     gpu.cast(
         buffer(t),
-        float_type(t.dtype())?,
+        t.dtype(),
         out_buffer(&mut out),
-        float_type(dtype)?,
+        dtype,
         t.numel(),
         0,
     )?;
@@ -162,13 +150,12 @@ pub(crate) fn linear(
     let ws = on_gpu(weight, gpu, compute)?;
     let bs = bias.map(|b| on_gpu(b, gpu, dtype)).transpose()?;
     let mut acc = gpu.alloc(m * n * 4)?;
-    let ft = float_type(compute)?;
     gpu.gemm(
         buffer(&xs),
         buffer(&ws),
         &mut acc,
-        ft,
-        FloatType::F32,
+        compute,
+        DType::F32,
         GemmShape::new(m, n, k),
     )?;
     let mut out = empty(gpu, dtype, out_shape)?;
@@ -176,7 +163,7 @@ pub(crate) fn linear(
         &acc,
         bs.as_deref().map(buffer),
         out_buffer(&mut out),
-        float_type(dtype)?,
+        dtype,
         m,
         n,
     )?;
@@ -190,12 +177,12 @@ pub(crate) fn embedding(ids: &[u32], table: &Tensor, dtype: DType) -> Result<Ten
     let mut out = empty(&gpu, dtype, &[ids.len(), hidden])?;
     gpu.embedding(
         b,
-        float_type(table.dtype())?,
+        table.dtype(),
         vocab,
         hidden,
         ids,
         out_buffer(&mut out),
-        float_type(dtype)?,
+        dtype,
     )?;
     Ok(out)
 }
@@ -209,7 +196,7 @@ pub(crate) fn rms_norm(gpu: &Gpu, x: &Tensor, w: &Tensor, eps: f32) -> Result<Te
         buffer(&xs),
         buffer(&ws),
         out_buffer(&mut out),
-        float_type(dtype)?,
+        dtype,
         x.numel() / cols.max(1),
         cols,
         eps,
@@ -234,7 +221,7 @@ pub(crate) fn layer_norm(
         buffer(&ws),
         buffer(&bs),
         out_buffer(&mut out),
-        float_type(dtype)?,
+        dtype,
         x.numel() / cols.max(1),
         cols,
         eps,
@@ -255,7 +242,7 @@ pub(crate) fn rotary(
     gpu.rotary(
         b,
         out_buffer(&mut out),
-        float_type(x.dtype())?,
+        x.dtype(),
         rows,
         width,
         head_dim,
@@ -273,7 +260,7 @@ pub(crate) fn softmax(x: &Tensor) -> Result<Tensor, Error> {
     gpu.softmax(
         b,
         out_buffer(&mut out),
-        float_type(x.dtype())?,
+        x.dtype(),
         x.numel() / cols.max(1),
         cols,
     )?;
@@ -285,11 +272,11 @@ pub(crate) fn unary(x: &Tensor, gelu: bool) -> Result<Tensor, Error> {
     let b = buffer(x);
     let gpu = b.gpu().clone();
     let mut out = empty(&gpu, x.dtype(), x.shape())?;
-    let (ft, n) = (float_type(x.dtype())?, x.numel());
+    let (dtype, n) = (x.dtype(), x.numel());
     if gelu {
-        gpu.gelu(b, out_buffer(&mut out), ft, n)?;
+        gpu.gelu(b, out_buffer(&mut out), dtype, n)?;
     } else {
-        gpu.silu(b, out_buffer(&mut out), ft, n)?;
+        gpu.silu(b, out_buffer(&mut out), dtype, n)?;
     }
     Ok(out)
 }
@@ -299,11 +286,11 @@ pub(crate) fn binary(gpu: &Gpu, a: &Tensor, b: &Tensor, mul: bool) -> Result<Ten
     let dtype = a.dtype();
     let (xa, xb) = (on_gpu(a, gpu, dtype)?, on_gpu(b, gpu, dtype)?);
     let mut out = empty(gpu, dtype, a.shape())?;
-    let (ft, n) = (float_type(dtype)?, a.numel());
+    let n = a.numel();
     if mul {
-        gpu.mul(buffer(&xa), buffer(&xb), out_buffer(&mut out), ft, n)?;
+        gpu.mul(buffer(&xa), buffer(&xb), out_buffer(&mut out), dtype, n)?;
     } else {
-        gpu.add(buffer(&xa), buffer(&xb), out_buffer(&mut out), ft, n)?;
+        gpu.add(buffer(&xa), buffer(&xb), out_buffer(&mut out), dtype, n)?;
     }
     Ok(out)
 }
@@ -352,22 +339,22 @@ impl DeviceKv {
             });
         }
         let c = kv.as_mut().expect("created above");
-        let ft = float_type(keys.dtype())?;
+        let dtype = keys.dtype();
         let vs = on_gpu(values, &gpu, keys.dtype())?;
         let count = seq * width;
         gpu.cast(
             buffer(keys),
-            ft,
+            dtype,
             &mut c.keys,
-            FloatType::F32,
+            DType::F32,
             count,
             rows * width,
         )?;
         gpu.cast(
             buffer(&vs),
-            ft,
+            dtype,
             &mut c.values,
-            FloatType::F32,
+            DType::F32,
             count,
             rows * width,
         )?;
@@ -396,7 +383,7 @@ impl DeviceKv {
             &self.keys,
             &self.values,
             out_buffer(&mut out),
-            float_type(q.dtype())?,
+            q.dtype(),
             shape,
         )?;
         Ok(out)

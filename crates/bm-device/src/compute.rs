@@ -13,7 +13,8 @@
 //!   Every kernel computes in f32 and rounds once when storing, the rule
 //!   PyTorch's kernels follow.
 //!
-//! Element types are [`FloatType`]s; sizes are element counts and every
+//! Element types are [`DType`]s (F32, F16 or BF16: the others have no
+//! kernels and are refused); sizes are element counts and every
 //! buffer is checked to hold what the kernel touches before anything is
 //! enqueued ([`Error::OutOfBounds`] otherwise).
 //!
@@ -35,38 +36,10 @@
 //! an emulated GPU computes on the host, as its CPU kernels are the
 //! reference the CUDA ones are tested against.
 
+use bm_tensor::DType;
+
 use crate::gpu::Backend;
 use crate::{DeviceBuffer, Error, Gpu, Result};
-
-/// Element type of a compute operand.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum FloatType {
-    /// IEEE single precision.
-    F32,
-    /// IEEE half precision.
-    F16,
-    /// bfloat16.
-    BF16,
-}
-
-impl FloatType {
-    /// Bytes per element.
-    pub fn size_in_bytes(self) -> usize {
-        match self {
-            FloatType::F32 => 4,
-            FloatType::F16 | FloatType::BF16 => 2,
-        }
-    }
-
-    /// Kernel name suffix.
-    fn suffix(self) -> &'static str {
-        match self {
-            FloatType::F32 => "f32",
-            FloatType::F16 => "f16",
-            FloatType::BF16 => "bf16",
-        }
-    }
-}
 
 /// Sizes of a row-major `C[m, n] = A[m, k] · B[n, k]ᵀ`, repeated `batch`
 /// times with the given element strides between consecutive matrices.
@@ -197,11 +170,25 @@ fn bad(operation: &'static str, message: String) -> Error {
     Error::BadComputeArgs { operation, message }
 }
 
+/// The kernel-name suffix of element type `ty`; only F32, F16 and BF16
+/// have kernels.
+fn suffix(operation: &'static str, ty: DType) -> Result<&'static str> {
+    match ty {
+        DType::F32 => Ok("f32"),
+        DType::F16 => Ok("f16"),
+        DType::BF16 => Ok("bf16"),
+        other => Err(bad(
+            operation,
+            format!("{other} has no kernels (only F32, F16 and BF16 compute)"),
+        )),
+    }
+}
+
 /// Fails unless `buffer` holds `count` elements of `ty` from element `start`.
 fn need(
     operation: &'static str,
     buffer: &DeviceBuffer,
-    ty: FloatType,
+    ty: DType,
     start: usize,
     count: usize,
 ) -> Result<()> {
@@ -349,12 +336,12 @@ impl Gpu {
         a: &DeviceBuffer,
         b: &DeviceBuffer,
         c: &mut DeviceBuffer,
-        input: FloatType,
-        output: FloatType,
+        input: DType,
+        output: DType,
         shape: GemmShape,
     ) -> Result<()> {
         const OP: &str = "gemm";
-        if output != input && output != FloatType::F32 {
+        if output != input && output != DType::F32 {
             return Err(bad(
                 OP,
                 format!(
@@ -362,6 +349,7 @@ impl Gpu {
                 ),
             ));
         }
+        suffix(OP, input)?;
         let GemmShape { m, n, k, batch, .. } = shape;
         if m == 0 || n == 0 || k == 0 || batch == 0 {
             return Err(bad(OP, format!("empty product {shape:?}")));
@@ -415,16 +403,20 @@ impl Gpu {
     pub fn cast(
         &self,
         src: &DeviceBuffer,
-        src_type: FloatType,
+        src_type: DType,
         dst: &mut DeviceBuffer,
-        dst_type: FloatType,
+        dst_type: DType,
         count: usize,
         dst_start: usize,
     ) -> Result<()> {
         const OP: &str = "cast";
         need(OP, src, src_type, 0, count)?;
         need(OP, dst, dst_type, dst_start, count)?;
-        let name = format!("bm_cast_{}_{}", src_type.suffix(), dst_type.suffix());
+        let name = format!(
+            "bm_cast_{}_{}",
+            suffix(OP, src_type)?,
+            suffix(OP, dst_type)?
+        );
         let offset = dst_start * dst_type.size_in_bytes();
         self.launch(
             OP,
@@ -446,7 +438,7 @@ impl Gpu {
         a: &DeviceBuffer,
         b: &DeviceBuffer,
         out: &mut DeviceBuffer,
-        ty: FloatType,
+        ty: DType,
         count: usize,
     ) -> Result<()> {
         for buffer in [a, b, &*out] {
@@ -454,7 +446,7 @@ impl Gpu {
         }
         self.launch(
             op,
-            format!("bm_{op}_{}", ty.suffix()),
+            format!("bm_{op}_{}", suffix(op, ty)?),
             grid_for(count),
             THREADS,
             0,
@@ -473,7 +465,7 @@ impl Gpu {
         a: &DeviceBuffer,
         b: &DeviceBuffer,
         out: &mut DeviceBuffer,
-        ty: FloatType,
+        ty: DType,
         count: usize,
     ) -> Result<()> {
         self.binary("add", a, b, out, ty, count)
@@ -485,7 +477,7 @@ impl Gpu {
         a: &DeviceBuffer,
         b: &DeviceBuffer,
         out: &mut DeviceBuffer,
-        ty: FloatType,
+        ty: DType,
         count: usize,
     ) -> Result<()> {
         self.binary("mul", a, b, out, ty, count)
@@ -496,14 +488,14 @@ impl Gpu {
         op: &'static str,
         x: &DeviceBuffer,
         out: &mut DeviceBuffer,
-        ty: FloatType,
+        ty: DType,
         count: usize,
     ) -> Result<()> {
         need(op, x, ty, 0, count)?;
         need(op, out, ty, 0, count)?;
         self.launch(
             op,
-            format!("bm_{op}_{}", ty.suffix()),
+            format!("bm_{op}_{}", suffix(op, ty)?),
             grid_for(count),
             THREADS,
             0,
@@ -516,7 +508,7 @@ impl Gpu {
         &self,
         x: &DeviceBuffer,
         out: &mut DeviceBuffer,
-        ty: FloatType,
+        ty: DType,
         count: usize,
     ) -> Result<()> {
         self.unary("silu", x, out, ty, count)
@@ -527,7 +519,7 @@ impl Gpu {
         &self,
         x: &DeviceBuffer,
         out: &mut DeviceBuffer,
-        ty: FloatType,
+        ty: DType,
         count: usize,
     ) -> Result<()> {
         self.unary("gelu", x, out, ty, count)
@@ -541,13 +533,13 @@ impl Gpu {
         acc: &DeviceBuffer,
         bias: Option<&DeviceBuffer>,
         out: &mut DeviceBuffer,
-        ty: FloatType,
+        ty: DType,
         rows: usize,
         cols: usize,
     ) -> Result<()> {
         const OP: &str = "linear bias";
         let count = product(OP, &[rows, cols])?;
-        need(OP, acc, FloatType::F32, 0, count)?;
+        need(OP, acc, DType::F32, 0, count)?;
         need(OP, out, ty, 0, count)?;
         if let Some(b) = bias {
             need(OP, b, ty, 0, cols)?;
@@ -555,7 +547,7 @@ impl Gpu {
         let bias_arg = bias.map_or(Arg::Null, Arg::Buf);
         self.launch(
             OP,
-            format!("bm_bias_epilogue_{}", ty.suffix()),
+            format!("bm_bias_epilogue_{}", suffix(OP, ty)?),
             grid_for(count),
             THREADS,
             0,
@@ -576,12 +568,12 @@ impl Gpu {
     pub fn embedding(
         &self,
         table: &DeviceBuffer,
-        table_type: FloatType,
+        table_type: DType,
         vocab: usize,
         hidden: usize,
         ids: &[u32],
         out: &mut DeviceBuffer,
-        out_type: FloatType,
+        out_type: DType,
     ) -> Result<()> {
         const OP: &str = "embedding";
         if let Some(&id) = ids.iter().find(|&&id| id as usize >= vocab) {
@@ -607,7 +599,11 @@ impl Gpu {
         self.write_for_compute(&mut staged, 0, &id_bytes)?;
         self.launch(
             OP,
-            format!("bm_embedding_{}_{}", table_type.suffix(), out_type.suffix()),
+            format!(
+                "bm_embedding_{}_{}",
+                suffix(OP, table_type)?,
+                suffix(OP, out_type)?
+            ),
             grid_for(count),
             THREADS,
             0,
@@ -637,7 +633,7 @@ impl Gpu {
         x: &DeviceBuffer,
         weight: &DeviceBuffer,
         out: &mut DeviceBuffer,
-        ty: FloatType,
+        ty: DType,
         rows: usize,
         cols: usize,
         eps: f32,
@@ -650,7 +646,7 @@ impl Gpu {
         need(OP, weight, ty, 0, cols)?;
         self.launch(
             OP,
-            format!("bm_rms_norm_{}", ty.suffix()),
+            format!("bm_rms_norm_{}", suffix(OP, ty)?),
             (grid_rows, 1, 1),
             THREADS,
             0,
@@ -672,7 +668,7 @@ impl Gpu {
         weight: &DeviceBuffer,
         bias: &DeviceBuffer,
         out: &mut DeviceBuffer,
-        ty: FloatType,
+        ty: DType,
         rows: usize,
         cols: usize,
         eps: f32,
@@ -686,7 +682,7 @@ impl Gpu {
         need(OP, bias, ty, 0, cols)?;
         self.launch(
             OP,
-            format!("bm_layer_norm_{}", ty.suffix()),
+            format!("bm_layer_norm_{}", suffix(OP, ty)?),
             (grid_rows, 1, 1),
             THREADS,
             0,
@@ -706,7 +702,7 @@ impl Gpu {
         &self,
         x: &DeviceBuffer,
         out: &mut DeviceBuffer,
-        ty: FloatType,
+        ty: DType,
         rows: usize,
         cols: usize,
     ) -> Result<()> {
@@ -717,7 +713,7 @@ impl Gpu {
         need(OP, out, ty, 0, count)?;
         self.launch(
             OP,
-            format!("bm_softmax_{}", ty.suffix()),
+            format!("bm_softmax_{}", suffix(OP, ty)?),
             (grid_rows, 1, 1),
             THREADS,
             0,
@@ -734,7 +730,7 @@ impl Gpu {
         &self,
         x: &DeviceBuffer,
         out: &mut DeviceBuffer,
-        ty: FloatType,
+        ty: DType,
         rows: usize,
         width: usize,
         head_dim: usize,
@@ -753,7 +749,7 @@ impl Gpu {
         need(OP, out, ty, 0, count)?;
         self.launch(
             OP,
-            format!("bm_rotary_{}", ty.suffix()),
+            format!("bm_rotary_{}", suffix(OP, ty)?),
             grid_for(count / 2),
             THREADS,
             0,
@@ -779,7 +775,7 @@ impl Gpu {
         keys: &DeviceBuffer,
         values: &DeviceBuffer,
         out: &mut DeviceBuffer,
-        ty: FloatType,
+        ty: DType,
         shape: AttentionShape,
     ) -> Result<()> {
         const OP: &str = "attention";
@@ -819,13 +815,13 @@ impl Gpu {
         let kv_count = product(OP, &[t, kv_heads, head_dim])?;
         need(OP, q, ty, 0, q_count)?;
         need(OP, out, ty, 0, q_count)?;
-        need(OP, keys, FloatType::F32, 0, kv_count)?;
-        need(OP, values, FloatType::F32, 0, kv_count)?;
+        need(OP, keys, DType::F32, 0, kv_count)?;
+        need(OP, values, DType::F32, 0, kv_count)?;
         let scale = 1.0 / (head_dim as f32).sqrt();
         let u = |what, v| to_u32(OP, what, v);
         self.launch(
             OP,
-            format!("bm_attention_{}", ty.suffix()),
+            format!("bm_attention_{}", suffix(OP, ty)?),
             (u("query count", queries)?, u("head count", heads)?, 1),
             ATTENTION_THREADS,
             (visible * 4) as u32,
@@ -862,14 +858,14 @@ mod tests {
         let g = set.gpu(0).unwrap();
         let a = g.alloc(64).unwrap();
         let mut out = g.alloc(64).unwrap();
-        let err = g.silu(&a, &mut out, FloatType::F32, 16).unwrap_err();
+        let err = g.silu(&a, &mut out, DType::F32, 16).unwrap_err();
         assert!(matches!(err, Error::ComputeUnsupported { .. }), "{err}");
         assert!(err.to_string().contains("emulated device 0"), "{err}");
         // 17 f32 do not fit 64 bytes: the size check comes first.
-        let err = g.silu(&a, &mut out, FloatType::F32, 17).unwrap_err();
+        let err = g.silu(&a, &mut out, DType::F32, 17).unwrap_err();
         assert!(matches!(err, Error::OutOfBounds { .. }), "{err}");
         // 32 bf16 do fit.
-        let err = g.add(&a, &a, &mut out, FloatType::BF16, 32).unwrap_err();
+        let err = g.add(&a, &a, &mut out, DType::BF16, 32).unwrap_err();
         assert!(matches!(err, Error::ComputeUnsupported { .. }), "{err}");
     }
 
@@ -879,7 +875,7 @@ mod tests {
         let (g0, g1) = (set.gpu(0).unwrap(), set.gpu(1).unwrap());
         let a = g1.alloc(64).unwrap();
         let mut out = g0.alloc(64).unwrap();
-        let err = g0.silu(&a, &mut out, FloatType::F32, 16).unwrap_err();
+        let err = g0.silu(&a, &mut out, DType::F32, 16).unwrap_err();
         assert!(matches!(err, Error::WrongDevice { .. }), "{err}");
     }
 
@@ -896,8 +892,8 @@ mod tests {
                 &a,
                 &b,
                 &mut c,
-                FloatType::F32,
-                FloatType::F32,
+                DType::F32,
+                DType::F32,
                 one.batched(2, 6, 15, 10),
             )
             .unwrap_err();
@@ -907,14 +903,14 @@ mod tests {
                 &a,
                 &b,
                 &mut c,
-                FloatType::F32,
-                FloatType::F32,
+                DType::F32,
+                DType::F32,
                 one.batched(3, 6, 15, 10),
             )
             .unwrap_err();
         assert!(matches!(err, Error::OutOfBounds { .. }), "{err}");
         let err = g
-            .gemm(&a, &b, &mut c, FloatType::F32, FloatType::BF16, one)
+            .gemm(&a, &b, &mut c, DType::F32, DType::BF16, one)
             .unwrap_err();
         assert!(
             err.to_string().contains("cannot be written as BF16"),
@@ -938,7 +934,7 @@ mod tests {
             mask: AttentionMask::Causal,
         };
         let err = g
-            .attention(&q, &kv, &kv, &mut out, FloatType::F32, shape)
+            .attention(&q, &kv, &kv, &mut out, DType::F32, shape)
             .unwrap_err();
         assert!(err.to_string().contains("2 queries but only 1"), "{err}");
         let grouped = AttentionShape {
@@ -947,7 +943,7 @@ mod tests {
             ..shape
         };
         assert!(
-            g.attention(&q, &kv, &kv, &mut out, FloatType::F32, grouped)
+            g.attention(&q, &kv, &kv, &mut out, DType::F32, grouped)
                 .is_err()
         );
         let long = AttentionShape {
@@ -956,11 +952,11 @@ mod tests {
             ..shape
         };
         let err = g
-            .attention(&q, &kv, &kv, &mut out, FloatType::F32, long)
+            .attention(&q, &kv, &kv, &mut out, DType::F32, long)
             .unwrap_err();
         assert!(err.to_string().contains("visible positions"), "{err}");
         let err = g
-            .embedding(&q, FloatType::F32, 4, 8, &[1, 4], &mut out, FloatType::F32)
+            .embedding(&q, DType::F32, 4, 8, &[1, 4], &mut out, DType::F32)
             .unwrap_err();
         assert!(err.to_string().contains("token id 4"), "{err}");
     }

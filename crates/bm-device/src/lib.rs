@@ -106,7 +106,7 @@ mod set;
 mod stream;
 
 pub use buffer::{COPY_CHUNK, DeviceBuffer};
-pub use compute::{AttentionMask, AttentionShape, FloatType, GemmShape, MAX_ATTENTION_KEYS};
+pub use compute::{AttentionMask, AttentionShape, GemmShape, MAX_ATTENTION_KEYS};
 pub use device::{Device, ParseDeviceError};
 pub use error::{Error, Result};
 pub use gpu::{Gpu, GpuKind};

@@ -9,7 +9,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::compute::{FloatType, GemmShape, LaunchShape, RawArg};
+use bm_tensor::DType;
+
+use crate::compute::{GemmShape, LaunchShape, RawArg};
 use crate::{Device, Error, Result};
 
 /// This build has no CUDA support.
@@ -178,8 +180,8 @@ impl CudaGpu {
         &self,
         _stream: &Arc<CudaStream>,
         _shape: &GemmShape,
-        _input: FloatType,
-        _output: FloatType,
+        _input: DType,
+        _output: DType,
         _ptrs: (u64, u64, u64),
     ) -> Result<()> {
         match *self {}

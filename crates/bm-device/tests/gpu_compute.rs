@@ -3,9 +3,8 @@
 //! "skipped: no CUDA device" and returns, unless `BM_GPU_TESTS=1`, which
 //! turns a missing GPU into a failure.
 
-use bm_device::{
-    AttentionMask, AttentionShape, DeviceBuffer, DeviceSet, FloatType, GemmShape, Gpu,
-};
+use bm_device::{AttentionMask, AttentionShape, DeviceBuffer, DeviceSet, GemmShape, Gpu};
+use bm_tensor::DType;
 
 /// Deterministic values in about [-1, 1).
 fn values(n: usize, seed: u32) -> Vec<f32> {
@@ -67,11 +66,11 @@ fn gemm_matches_host_product_single_and_batched() {
     let (da, db) = (upload(g, &a), upload(g, &b));
     let mut dc = g.alloc(batch * m * n * 4).unwrap();
     let shape = GemmShape::new(m, n, k);
-    g.gemm(&da, &db, &mut dc, FloatType::F32, FloatType::F32, shape)
+    g.gemm(&da, &db, &mut dc, DType::F32, DType::F32, shape)
         .unwrap();
     assert_close("gemm", &download(&dc, m * n), &want[..m * n], 1e-5);
     let batched = shape.batched(batch, m * k, n * k, m * n);
-    g.gemm(&da, &db, &mut dc, FloatType::F32, FloatType::F32, batched)
+    g.gemm(&da, &db, &mut dc, DType::F32, DType::F32, batched)
         .unwrap();
     assert_close("batched gemm", &download(&dc, batch * m * n), &want, 1e-5);
 
@@ -79,19 +78,16 @@ fn gemm_matches_host_product_single_and_batched() {
     // accumulated in f32.
     for (half, round) in [
         (
-            FloatType::BF16,
+            DType::BF16,
             (|x: f32| half::bf16::from_f32(x).to_f32()) as fn(f32) -> f32,
         ),
-        (FloatType::F16, |x: f32| half::f16::from_f32(x).to_f32()),
+        (DType::F16, |x: f32| half::f16::from_f32(x).to_f32()),
     ] {
         let mut ha = g.alloc(m * k * 2).unwrap();
         let mut hb = g.alloc(n * k * 2).unwrap();
-        g.cast(&da, FloatType::F32, &mut ha, half, m * k, 0)
-            .unwrap();
-        g.cast(&db, FloatType::F32, &mut hb, half, n * k, 0)
-            .unwrap();
-        g.gemm(&ha, &hb, &mut dc, half, FloatType::F32, shape)
-            .unwrap();
+        g.cast(&da, DType::F32, &mut ha, half, m * k, 0).unwrap();
+        g.cast(&db, DType::F32, &mut hb, half, n * k, 0).unwrap();
+        g.gemm(&ha, &hb, &mut dc, half, DType::F32, shape).unwrap();
         let mut want = vec![0f32; m * n];
         for i in 0..m {
             for j in 0..n {
@@ -126,17 +122,16 @@ fn casts_round_to_nearest_even_and_widen_exactly() {
     let dv = upload(g, &v);
     for (half, round) in [
         (
-            FloatType::BF16,
+            DType::BF16,
             (|x: f32| half::bf16::from_f32(x).to_f32()) as fn(f32) -> f32,
         ),
-        (FloatType::F16, |x: f32| half::f16::from_f32(x).to_f32()),
+        (DType::F16, |x: f32| half::f16::from_f32(x).to_f32()),
     ] {
         let mut h = g.alloc(v.len() * 2).unwrap();
-        g.cast(&dv, FloatType::F32, &mut h, half, v.len(), 0)
-            .unwrap();
+        g.cast(&dv, DType::F32, &mut h, half, v.len(), 0).unwrap();
         let mut back = g.alloc(v.len() * 4 * 2).unwrap();
         // Written from element 6: the second half of `back`.
-        g.cast(&h, half, &mut back, FloatType::F32, v.len(), v.len())
+        g.cast(&h, half, &mut back, DType::F32, v.len(), v.len())
             .unwrap();
         let all = download(&back, 2 * v.len());
         let want: Vec<f32> = v.iter().map(|&x| round(x)).collect();
@@ -154,7 +149,7 @@ fn elementwise_ops_match_host() {
     let (a, b) = (values(n, 3), values(n, 4));
     let (da, db) = (upload(g, &a), upload(g, &b));
     let mut out = g.alloc(n * 4).unwrap();
-    let ty = FloatType::F32;
+    let ty = DType::F32;
     g.add(&da, &db, &mut out, ty, n).unwrap();
     let want: Vec<f32> = a.iter().zip(&b).map(|(x, y)| x + y).collect();
     assert_close("add", &download(&out, n), &want, 0.0);
@@ -197,7 +192,7 @@ fn row_kernels_match_host() {
     let b = values(cols, 8);
     let (dx, dw, db) = (upload(g, &x), upload(g, &w), upload(g, &b));
     let mut out = g.alloc(rows * cols * 4).unwrap();
-    let ty = FloatType::F32;
+    let ty = DType::F32;
 
     g.rms_norm(&dx, &dw, &mut out, ty, rows, cols, 1e-6)
         .unwrap();
@@ -245,7 +240,7 @@ fn rotary_and_embedding_match_host() {
     let x = values(rows * width, 9);
     let dx = upload(g, &x);
     let mut out = g.alloc(rows * width * 4).unwrap();
-    g.rotary(&dx, &mut out, FloatType::F32, rows, width, hd, start, theta)
+    g.rotary(&dx, &mut out, DType::F32, rows, width, hd, start, theta)
         .unwrap();
     let half = hd / 2;
     let mut want = x.clone();
@@ -268,16 +263,8 @@ fn rotary_and_embedding_match_host() {
     let dt = upload(g, &table);
     let ids = [7u32, 0, 9, 7];
     let mut emb = g.alloc(ids.len() * hidden * 4).unwrap();
-    g.embedding(
-        &dt,
-        FloatType::F32,
-        vocab,
-        hidden,
-        &ids,
-        &mut emb,
-        FloatType::F32,
-    )
-    .unwrap();
+    g.embedding(&dt, DType::F32, vocab, hidden, &ids, &mut emb, DType::F32)
+        .unwrap();
     let want: Vec<f32> = ids
         .iter()
         .flat_map(|&id| table[id as usize * hidden..][..hidden].to_vec())
@@ -310,7 +297,7 @@ fn attention_matches_host_for_every_mask() {
             head_dim: hd,
             mask,
         };
-        g.attention(&dq, &dk, &dv, &mut out, FloatType::F32, shape)
+        g.attention(&dq, &dk, &dv, &mut out, DType::F32, shape)
             .unwrap();
         let mut want = vec![0f32; s * heads * hd];
         let scale = 1.0 / (hd as f32).sqrt();

@@ -1,15 +1,17 @@
-//! Where one tensor's bytes are at run time, and moving bytes and
-//! activations between devices.
+//! Where a tensor's bytes are at run time (host, mapped, pinned or device
+//! memory), the tensors forward passes hand each other, and moving both
+//! between devices.
 
 use std::borrow::Cow;
 use std::sync::Arc;
 
 use bm_device::{Device, DeviceBuffer, DeviceSet, PinnedBuffer, PinnedPool};
-use bm_tensor::{HostBuffer, MmapView, Storage, Tensor, TensorMeta};
+use bm_tensor::{HostBuffer, MmapView, TensorMeta};
 
 use crate::{Error, Result};
 
-/// The bytes of one tensor, wherever they are.
+/// The bytes of one tensor at run time, wherever they are: the one answer
+/// to "where is it" for weights ([`Weight`]) and activations ([`Tensor`]).
 #[derive(Debug)]
 pub enum Bytes {
     /// An owned aligned host buffer.
@@ -81,7 +83,48 @@ impl Bytes {
     }
 }
 
-/// A tensor handed to a forward pass: its dtype and shape, and shared bytes.
+/// An activation: a tensor a forward pass takes or returns, with its dtype,
+/// shape and bytes (none on the meta device).
+#[derive(Debug)]
+pub struct Tensor {
+    /// Dtype and shape.
+    pub meta: TensorMeta,
+    /// The bytes; `None` for a tensor on the meta device.
+    pub bytes: Option<Bytes>,
+}
+
+impl Tensor {
+    /// A tensor with no bytes (on the meta device).
+    pub fn meta(meta: TensorMeta) -> Self {
+        Tensor { meta, bytes: None }
+    }
+
+    /// A tensor over `bytes`, which must hold exactly `meta`'s bytes.
+    pub fn new(meta: TensorMeta, bytes: Bytes) -> Result<Self> {
+        let expected = meta.checked_byte_len();
+        if expected != Some(bytes.len()) {
+            return Err(Error::tensor(
+                format!("{} {:?}", meta.dtype, meta.shape),
+                bm_tensor::Error::LengthMismatch {
+                    what: "its bytes".into(),
+                    expected: expected.unwrap_or(usize::MAX),
+                    found: bytes.len(),
+                },
+            ));
+        }
+        Ok(Tensor {
+            meta,
+            bytes: Some(bytes),
+        })
+    }
+
+    /// Where the bytes are; `None` on the meta device.
+    pub fn device(&self) -> Option<Device> {
+        self.bytes.as_ref().map(Bytes::device)
+    }
+}
+
+/// A weight handed to a forward pass: its dtype and shape, and shared bytes.
 #[derive(Clone, Debug)]
 pub struct Weight {
     /// Dtype and shape.
@@ -212,7 +255,7 @@ impl Activations {
         self.args
             .iter()
             .chain(self.kwargs.iter().map(|(_, t)| t))
-            .find_map(|t| t.storage.device())
+            .find_map(Tensor::device)
     }
 
     /// Moves every tensor to `device`, except named tensors whose name is
@@ -253,28 +296,72 @@ pub fn tensor_to_device(
     device: Device,
     devices: &DeviceSet,
 ) -> Result<Tensor> {
-    match t.storage.device() {
-        None => return Ok(t),
-        Some(d) if d == device => return Ok(t),
-        Some(_) => {}
-    }
-    let bytes = match t.storage {
-        Storage::Host(b) => Bytes::Host(b),
-        Storage::Mmap(v) => Bytes::Mmap(v),
-        Storage::Device(d) => Bytes::Device(d),
-        Storage::Meta => return Ok(Tensor::meta(t.meta)),
+    let Tensor {
+        meta,
+        bytes: Some(bytes),
+    } = t
+    else {
+        return Ok(t);
     };
+    if bytes.device() == device {
+        return Tensor::new(meta, bytes);
+    }
     let moved = move_bytes(what, &Arc::new(bytes), device, devices, None)?;
     let moved = Arc::try_unwrap(moved)
         .map_err(|_| Error::BadOption(format!("{what}: moved bytes are unexpectedly shared")))?;
-    let storage = match moved {
-        Bytes::Host(b) => Storage::Host(b),
-        Bytes::Mmap(v) => Storage::Mmap(v),
-        Bytes::Device(d) => Storage::Device(d),
-        Bytes::Pinned(p) => Storage::Host(
-            HostBuffer::from_bytes(p.as_slice().map_err(|e| Error::device(what, e))?)
-                .map_err(|e| Error::tensor(what, e))?,
-        ),
-    };
-    Tensor::new(t.meta, storage).map_err(|e| Error::tensor(what, e))
+    Tensor::new(meta, moved)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bm_tensor::DType;
+
+    #[test]
+    fn a_tensor_on_an_emulated_gpu_holds_and_frees_device_bytes() {
+        let set = DeviceSet::emulated(&[1024]);
+        let gpu = set.gpu(0).unwrap();
+        let values = [1.5f32, -2.0];
+        let mut buf = gpu.alloc(8).unwrap();
+        buf.copy_from_host(0, bytemuck::cast_slice(&values))
+            .unwrap();
+        let meta = TensorMeta::new(DType::F32, [2]);
+        let t = Tensor::new(meta.clone(), Bytes::Device(buf)).unwrap();
+        assert_eq!(t.device(), Some(Device::Gpu(0)));
+        let bytes = t.bytes.as_ref().unwrap();
+        assert_eq!(bytes.len(), 8);
+        assert!(bytes.host().is_none());
+        assert_eq!(
+            bytemuck::cast_slice::<u8, f32>(&bytes.to_host().unwrap()),
+            &values
+        );
+        assert_eq!(gpu.live_bytes(), 8);
+        drop(t);
+        assert_eq!(
+            gpu.live_bytes(),
+            0,
+            "dropping the tensor frees the device bytes"
+        );
+        // The length check covers device bytes too.
+        let err = Tensor::new(meta, Bytes::Device(gpu.alloc(4).unwrap())).unwrap_err();
+        assert!(
+            err.to_string().contains("expected 8 bytes, found 4"),
+            "{err}"
+        );
+        assert_eq!(gpu.live_bytes(), 0);
+    }
+
+    #[test]
+    fn a_tensor_checks_its_length() {
+        let meta = TensorMeta::new(DType::F32, [2]);
+        let err = Tensor::new(meta, Bytes::Host(HostBuffer::zeroed(4).unwrap())).unwrap_err();
+        assert!(
+            err.to_string().contains("expected 8 bytes, found 4"),
+            "{err}"
+        );
+        assert_eq!(
+            Tensor::meta(TensorMeta::new(DType::F32, [2])).device(),
+            None
+        );
+    }
 }

@@ -65,7 +65,7 @@ mod load;
 mod model;
 
 pub use builder::{ModelBuilder, init_on_device};
-pub use bytes::{Activations, Bytes, Weight, tensor_to_device};
+pub use bytes::{Activations, Bytes, Tensor, Weight, tensor_to_device};
 pub use dispatch::{DispatchOptions, cpu_offload, disk_offload, dispatch_model, offload_tensor};
 pub use error::{Error, Result};
 pub use hooks::{

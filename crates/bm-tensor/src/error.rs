@@ -48,8 +48,6 @@ pub enum Error {
         /// The underlying error.
         source: std::io::Error,
     },
-    /// The tensor has no bytes (it lives on the meta device).
-    NoData(String),
 }
 
 impl fmt::Display for Error {
@@ -80,9 +78,6 @@ impl fmt::Display for Error {
             ),
             Error::Alloc { bytes } => write!(f, "could not allocate {bytes} bytes of host memory"),
             Error::Io { path, source } => write!(f, "{}: {source}", path.display()),
-            Error::NoData(name) => {
-                write!(f, "tensor {name} has no data (it is on the meta device)")
-            }
         }
     }
 }

@@ -1,5 +1,5 @@
-//! Tensors without a framework: what a tensor is (dtype and shape) and where
-//! its bytes live.
+//! Tensors without a framework: what a tensor is (dtype and shape), and
+//! host bytes.
 //!
 //! A loader for models larger than any device spends its life describing
 //! tensors it has not read yet and moving bytes it does not interpret. This
@@ -9,12 +9,9 @@
 //!   format and Accelerate's planner use.
 //! * [`TensorMeta`] is a dtype plus a shape: enough to size, plan and check a
 //!   tensor with no bytes at all.
-//! * [`Storage`] says where the bytes are: nowhere ([`Storage::Meta`], for
-//!   empty-initialised models), in an aligned owned host buffer
-//!   ([`HostBuffer`]), in a zero-copy window of a memory-mapped file
-//!   ([`MmapView`], which keeps the mapping alive by reference counting), or
-//!   on a GPU ([`Storage::Device`], a `bm_device::DeviceBuffer`; the `cuda`
-//!   feature forwards to bm-device for real CUDA devices).
+//! * [`HostBuffer`] is owned, aligned host memory, and [`MmapView`] a
+//!   zero-copy window of a memory-mapped file that keeps the mapping alive
+//!   by reference counting: the two ways bytes sit in host memory.
 //! * [`cast`] converts between F64, F32, F16 and BF16 on the CPU, bit for bit
 //!   as PyTorch's scalar conversions do (round to nearest even, Inf kept, NaN
 //!   kept as PyTorch's canonical quiet NaN).
@@ -23,20 +20,22 @@
 //! are aligned for the element type and copies when they are not (a
 //! safetensors header may leave data at any offset).
 //!
-//! This crate never opens a checkpoint (that is `bm-shard`) and never decides
-//! where a tensor goes (that is `bm-plan`).
+//! This crate is a leaf of the workspace (half, memmap2 and bytemuck only):
+//! it never touches a device, never opens a checkpoint (that is `bm-shard`)
+//! and never decides where a tensor goes (that is `bm-plan`); where a
+//! tensor's bytes are at run time, GPUs included, is `bm-dispatch`'s `Bytes`.
 
 mod cast;
 mod dtype;
 mod error;
+mod host;
 mod mmap;
-mod storage;
 
 pub use cast::{cast, cast_into};
 pub use dtype::DType;
 pub use error::Error;
+pub use host::{HostBuffer, typed_slice};
 pub use mmap::MmapView;
-pub use storage::{HostBuffer, Storage, Tensor, typed_slice};
 
 /// A tensor's dtype and shape: everything but its bytes.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]

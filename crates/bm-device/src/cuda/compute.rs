@@ -17,7 +17,9 @@ use cudarc::nvrtc::{CompileOptions, Ptx, compile_ptx_with_opts};
 use parking_lot::Mutex;
 
 use super::{CudaGpu, driver_error};
-use crate::compute::{FloatType, GemmShape, LaunchShape, RawArg};
+use bm_tensor::DType;
+
+use crate::compute::{GemmShape, LaunchShape, RawArg};
 use crate::{Device, Error, Result};
 
 /// The kernels' CUDA C++ source.
@@ -186,8 +188,8 @@ impl CudaGpu {
         &self,
         stream: &Arc<CudaStream>,
         shape: &GemmShape,
-        input: FloatType,
-        output: FloatType,
+        input: DType,
+        output: DType,
         (a, b, c): (u64, u64, u64),
     ) -> Result<()> {
         let blas_handle = self.blas(stream)?.lock();
@@ -201,8 +203,8 @@ impl CudaGpu {
             })
         };
         let (m, n, k) = (to_int(shape.m)?, to_int(shape.n)?, to_int(shape.k)?);
-        let in_type = data_type(input);
-        let out_type = data_type(output);
+        let in_type = data_type(input)?;
+        let out_type = data_type(output)?;
         let (alpha, beta) = (1.0f32, 0.0f32);
         let alpha = &alpha as *const f32 as *const c_void;
         let beta = &beta as *const f32 as *const c_void;
@@ -281,10 +283,15 @@ impl CudaGpu {
     }
 }
 
-fn data_type(t: FloatType) -> blas_sys::cudaDataType {
+/// cuBLAS's name for element type `t`.
+fn data_type(t: DType) -> Result<blas_sys::cudaDataType> {
     match t {
-        FloatType::F32 => blas_sys::cudaDataType::CUDA_R_32F,
-        FloatType::F16 => blas_sys::cudaDataType::CUDA_R_16F,
-        FloatType::BF16 => blas_sys::cudaDataType::CUDA_R_16BF,
+        DType::F32 => Ok(blas_sys::cudaDataType::CUDA_R_32F),
+        DType::F16 => Ok(blas_sys::cudaDataType::CUDA_R_16F),
+        DType::BF16 => Ok(blas_sys::cudaDataType::CUDA_R_16BF),
+        other => Err(Error::BadComputeArgs {
+            operation: "gemm",
+            message: format!("{other} has no GEMM (only F32, F16 and BF16 compute)"),
+        }),
     }
 }

@@ -7,9 +7,9 @@ use std::path::Path;
 use std::sync::Arc;
 
 use bm_device::{Device, DeviceSet};
-use bm_dispatch::{Activations, Model, ModelBuilder, tensor_to_device};
+use bm_dispatch::{Activations, Bytes, Model, ModelBuilder, Tensor, tensor_to_device};
 use bm_plan::ModuleTree;
-use bm_tensor::{DType, HostBuffer, Storage, Tensor, TensorMeta};
+use bm_tensor::{DType, HostBuffer, TensorMeta};
 
 pub const WIDTH: usize = 16;
 pub const LAYERS: usize = 4;
@@ -123,21 +123,14 @@ fn weight_values(w: &bm_dispatch::Weight) -> Vec<f32> {
 }
 
 fn tensor_values(t: &Tensor) -> Vec<f32> {
-    match &t.storage {
-        Storage::Device(d) => {
-            let mut out = vec![0u8; d.len()];
-            d.copy_to_host(0, &mut out).unwrap();
-            f32s(&t.meta, &out)
-        }
-        other => f32s(&t.meta, other.host_bytes().unwrap()),
-    }
+    f32s(&t.meta, &t.bytes.as_ref().unwrap().to_host().unwrap())
 }
 
 fn tensor_on(values: &[f32], device: Device, devices: &DeviceSet) -> Tensor {
     let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
     let t = Tensor::new(
         TensorMeta::new(DType::F32, [values.len()]),
-        Storage::Host(HostBuffer::from_bytes(&bytes).unwrap()),
+        Bytes::Host(HostBuffer::from_bytes(&bytes).unwrap()),
     )
     .unwrap();
     tensor_to_device("test tensor", t, device, devices).unwrap()
@@ -165,7 +158,7 @@ fn block(
 ) -> Tensor {
     let mut g = model.enter(name, Activations::new(vec![x])).unwrap();
     let x = g.take_inputs().args.remove(0);
-    let device = x.storage.device().unwrap();
+    let device = x.device().unwrap();
     if let Some(exec) = g.execution_device() {
         assert_eq!(device, exec, "inputs of {name} are on the execution device");
     }
@@ -211,7 +204,7 @@ pub fn forward_anywhere(model: &Model, input: &[f32]) -> (Vec<f32>, Option<Devic
         linear(&weight_values(&g.weight("weight").unwrap()), None, &x)
     });
     let out = root.exit(Activations::new(vec![x])).unwrap().args.remove(0);
-    (tensor_values(&out), out.storage.device())
+    (tensor_values(&out), out.device())
 }
 
 pub fn input() -> Vec<f32> {
