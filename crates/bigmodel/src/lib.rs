@@ -78,11 +78,14 @@ pub use bm_plan as plan;
 pub use bm_shard as shard;
 pub use bm_tensor as tensor;
 
+mod error;
 /// docs/guide.md, whose Rust examples run as doc tests.
 #[cfg(doctest)]
 mod guide;
 
-use bm_device::DeviceSet;
+pub use error::Error;
+
+use bm_device::{Budgets, DeviceSet, GpuKind, MemoryInfo};
 use bm_dispatch::{DispatchOptions, LoadOptions, Model};
 use bm_plan::{Compat, DeviceMap, MaxMemory, Mode, ModuleTree, PlanOptions};
 use bm_tensor::DType;
@@ -98,12 +101,10 @@ pub enum DeviceMapSpec {
 
 impl DeviceMapSpec {
     /// Parses a strategy name, with Accelerate's message for others.
-    pub fn parse(text: &str) -> Result<Self, bm_dispatch::Error> {
-        Mode::parse(text).map(DeviceMapSpec::Strategy).ok_or_else(|| {
-            bm_dispatch::Error::BadOption(
-                "If passing a string for `device_map`, please choose 'auto', 'balanced', 'balanced_low_0' or 'sequential'.".into(),
-            )
-        })
+    pub fn parse(text: &str) -> Result<Self, Error> {
+        Mode::parse(text)
+            .map(DeviceMapSpec::Strategy)
+            .ok_or_else(|| Error::UnknownStrategy(text.to_string()))
     }
 }
 
@@ -112,8 +113,8 @@ impl DeviceMapSpec {
 pub struct Options {
     /// Where modules go; `None` loads everything on the CPU without hooks.
     pub device_map: Option<DeviceMapSpec>,
-    /// Budgets for a strategy; default: what the devices have free, minus
-    /// bm-device's safety margins.
+    /// Budgets for a strategy; default: [`default_max_memory`] for the
+    /// chosen `planner`.
     pub max_memory: Option<MaxMemory>,
     /// Classes never split across devices.
     pub no_split_module_classes: Vec<String>,
@@ -160,14 +161,14 @@ pub fn load_checkpoint_and_dispatch(
     checkpoint: impl AsRef<Path>,
     devices: Arc<DeviceSet>,
     options: &Options,
-) -> Result<Model, bm_dispatch::Error> {
+) -> Result<Model, Error> {
     let map = match &options.device_map {
         None => None,
         Some(DeviceMapSpec::Map(m)) => Some(m.clone()),
         Some(DeviceMapSpec::Strategy(mode)) => {
             let (max_memory, from_user) = match &options.max_memory {
                 Some(m) => (m.clone(), true),
-                None => (default_max_memory(&devices)?, false),
+                None => (default_max_memory(&devices, options.planner)?, false),
             };
             let plan_options = PlanOptions {
                 max_memory,
@@ -209,21 +210,31 @@ pub fn load_checkpoint_and_dispatch(
     Ok(model)
 }
 
-/// Budgets from the devices: every GPU's and the host's, with margins.
-fn default_max_memory(devices: &DeviceSet) -> Result<MaxMemory, bm_dispatch::Error> {
-    let budgets = if devices.is_emulated() {
-        bm_device::Budgets {
-            gpus: devices.gpus().iter().map(|g| g.budget()).collect(),
-            cpu: devices
-                .default_budgets()
-                .map_err(|e| bm_dispatch::Error::BadOption(format!("reading host memory: {e}")))?
-                .cpu,
+/// The module tree of a checkpoint (a `.safetensors` file, an index or a
+/// folder), from its headers alone: modules are the dotted prefixes of the
+/// tensor names (see [`bm_plan::checkpoint::tree_from_tensors`]).
+pub fn tree_from_checkpoint(path: impl AsRef<Path>) -> Result<ModuleTree, Error> {
+    let checkpoint = bm_shard::Checkpoint::open(path)?;
+    Ok(bm_plan::checkpoint::tree_from_tensors(
+        checkpoint.tensors(),
+    )?)
+}
+
+/// The budgets a strategy plans with when the user gives no `max_memory`,
+/// for the facade and the CLI alike. With [`Compat::Accelerate`] they are
+/// Accelerate's `get_max_memory()`: 100 % of each CUDA GPU's free memory
+/// and the available host RAM. bigmodel's planner ([`Compat::Auto`]) keeps
+/// bm-device's safety margins back ([`bm_device::default_budgets`]).
+/// Emulated GPUs get the budget they were given in either mode: their
+/// capacity is the caller's choice.
+pub fn default_max_memory(devices: &DeviceSet, compat: Compat) -> Result<MaxMemory, Error> {
+    let info = devices.memory_info().map_err(Error::Memory)?;
+    let mut budgets = budgets_from(&info, compat);
+    for (budget, gpu) in budgets.gpus.iter_mut().zip(devices.gpus()) {
+        if gpu.kind() == GpuKind::Emulated {
+            *budget = gpu.budget();
         }
-    } else {
-        devices
-            .default_budgets()
-            .map_err(|e| bm_dispatch::Error::BadOption(format!("reading device memory: {e}")))?
-    };
+    }
     let pairs = budgets
         .gpus
         .iter()
@@ -231,4 +242,67 @@ fn default_max_memory(devices: &DeviceSet) -> Result<MaxMemory, bm_dispatch::Err
         .map(|(i, &b)| (bm_plan::Device::Gpu(i as u32), b))
         .chain([(bm_plan::Device::Cpu, budgets.cpu)]);
     Ok(MaxMemory::new(pairs)?)
+}
+
+/// Default budgets from memory figures: Accelerate's (everything free) or
+/// bigmodel's (free minus the safety margins).
+fn budgets_from(info: &MemoryInfo, compat: Compat) -> Budgets {
+    match compat {
+        Compat::Accelerate => Budgets {
+            gpus: info.gpus.iter().map(|g| g.free).collect(),
+            cpu: info.host.available,
+        },
+        Compat::Auto => bm_device::default_budgets(info),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bm_device::{Device, GpuMemory, HostMemory, HostMemorySource};
+
+    const GIB: u64 = 1 << 30;
+
+    fn machine() -> MemoryInfo {
+        MemoryInfo {
+            gpus: vec![GpuMemory {
+                device: Device::Gpu(0),
+                kind: GpuKind::Cuda,
+                name: "test GPU".into(),
+                free: 70 * GIB,
+                total: 80 * GIB,
+            }],
+            host: HostMemory {
+                available: 100 * GIB,
+                source: HostMemorySource::MemInfo,
+            },
+        }
+    }
+
+    #[test]
+    fn compat_defaults_are_accelerates_get_max_memory() {
+        let b = budgets_from(&machine(), Compat::Accelerate);
+        assert_eq!(b.gpus, [70 * GIB]);
+        assert_eq!(b.cpu, 100 * GIB);
+    }
+
+    #[test]
+    fn auto_defaults_keep_the_safety_margins() {
+        let b = budgets_from(&machine(), Compat::Auto);
+        // 5 % of 80 GiB = 4 GiB on the GPU, 10 % of 100 GiB on the host.
+        assert_eq!(b.gpus, [66 * GIB]);
+        assert_eq!(b.cpu, 90 * GIB);
+    }
+
+    #[test]
+    fn emulated_gpus_plan_with_their_budget_in_both_modes() {
+        let devices = DeviceSet::emulated(&[1000, 2000]);
+        devices.gpu(1).unwrap().set_budget(1500).unwrap();
+        for compat in [Compat::Accelerate, Compat::Auto] {
+            let m = default_max_memory(&devices, compat).unwrap();
+            assert_eq!(m.get(bm_plan::Device::Gpu(0)), Some(1000), "{compat:?}");
+            assert_eq!(m.get(bm_plan::Device::Gpu(1)), Some(1500), "{compat:?}");
+            assert!(m.get(bm_plan::Device::Cpu).is_some(), "{compat:?}");
+        }
+    }
 }

@@ -360,7 +360,7 @@ pub fn open_sentence_embedder(
             bigmodel::plan::hf::tree_from_config(&config::read_json(&dir.join("config.json"))?)?;
         (hf.tree, hf.no_split)
     } else {
-        let tree = bigmodel::plan::checkpoint::tree_from_checkpoint(dir)?;
+        let tree = bigmodel::tree_from_checkpoint(dir)?;
         (tree, Vec::new())
     };
     let weights = dispatch(dir, tree, no_split, devices, options, dtype)?;

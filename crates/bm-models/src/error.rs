@@ -103,6 +103,9 @@ pub enum Error {
     Dispatch(bigmodel::dispatch::Error),
     /// A device, its memory or its compute failed.
     Device(bigmodel::device::Error),
+    /// The facade failed otherwise (its errors of the layers above are
+    /// unwrapped into `Shard`, `Plan`, `Dispatch` and `Device`).
+    Facade(bigmodel::Error),
 }
 
 impl fmt::Display for Error {
@@ -159,6 +162,7 @@ impl fmt::Display for Error {
             Error::Plan(e) => e.fmt(f),
             Error::Dispatch(e) => e.fmt(f),
             Error::Device(e) => e.fmt(f),
+            Error::Facade(e) => e.fmt(f),
         }
     }
 }
@@ -173,6 +177,7 @@ impl std::error::Error for Error {
             Error::Plan(e) => Some(e),
             Error::Dispatch(e) => Some(e),
             Error::Device(e) => Some(e),
+            Error::Facade(e) => Some(e),
             _ => None,
         }
     }
@@ -211,5 +216,17 @@ impl From<bigmodel::dispatch::Error> for Error {
 impl From<bigmodel::device::Error> for Error {
     fn from(e: bigmodel::device::Error) -> Self {
         Error::Device(e)
+    }
+}
+
+impl From<bigmodel::Error> for Error {
+    fn from(e: bigmodel::Error) -> Self {
+        match e {
+            bigmodel::Error::Shard(e) => Error::Shard(e),
+            bigmodel::Error::Plan(e) => Error::Plan(e),
+            bigmodel::Error::Dispatch(e) => Error::Dispatch(e),
+            bigmodel::Error::Memory(e) => Error::Device(e),
+            other => Error::Facade(other),
+        }
     }
 }

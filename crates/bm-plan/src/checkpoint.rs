@@ -1,4 +1,6 @@
 //! Module trees inferred from checkpoint headers: names and shapes only.
+//! The caller reads the headers (`bigmodel::tree_from_checkpoint` opens a
+//! checkpoint): this crate never opens a file.
 //!
 //! A checkpoint has no class names and no module boundaries, so modules are
 //! the dotted prefixes of tensor names. Sibling order follows the tensors'
@@ -11,7 +13,6 @@
 //! say which were buffers, and tied duplicates are usually not stored.
 
 use std::collections::HashMap;
-use std::path::Path;
 
 use bm_tensor::TensorMeta;
 
@@ -129,14 +130,6 @@ pub fn tree_from_tensors<'a>(
         stack.extend(created.into_iter().rev());
     }
     builder.finish()
-}
-
-/// Builds a tree from a checkpoint (a `.safetensors` file, an index, or a
-/// folder) by reading its headers only.
-pub fn tree_from_checkpoint(path: &Path) -> Result<ModuleTree, Error> {
-    let checkpoint =
-        bm_shard::Checkpoint::open(path).map_err(|e| Error::Checkpoint(e.to_string()))?;
-    tree_from_tensors(checkpoint.tensors())
 }
 
 #[cfg(test)]

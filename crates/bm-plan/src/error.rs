@@ -36,15 +36,6 @@ pub enum Error {
     BadDeviceMap(String),
     /// The model does not fit the budgets.
     DoesNotFit(String),
-    /// Reading an input file failed.
-    Io {
-        /// The file.
-        path: String,
-        /// The underlying error.
-        source: std::io::Error,
-    },
-    /// Reading a checkpoint failed (the checkpoint reader's message).
-    Checkpoint(String),
 }
 
 impl fmt::Display for Error {
@@ -77,20 +68,11 @@ impl fmt::Display for Error {
             ),
             Error::BadDeviceMap(msg) => write!(f, "invalid device map: {msg}"),
             Error::DoesNotFit(msg) => write!(f, "{msg}"),
-            Error::Io { path, source } => write!(f, "cannot read {path}: {source}"),
-            Error::Checkpoint(e) => write!(f, "{e}"),
         }
     }
 }
 
-impl std::error::Error for Error {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match self {
-            Error::Io { source, .. } => Some(source),
-            _ => None,
-        }
-    }
-}
+impl std::error::Error for Error {}
 
 impl Error {
     pub(crate) fn tree(path: impl Into<String>, reason: impl Into<String>) -> Self {

@@ -1,5 +1,5 @@
 //! Module size trees and the device-map solver. Pure: it never touches a
-//! device.
+//! device or a file.
 //!
 //! The first question of every big-model user is *what goes where*. This
 //! crate answers it from a description of the model alone:
@@ -27,8 +27,10 @@
 //! per-subtree layer maxima are computed once, and the traversal queue is a
 //! stack with running maxima instead of a list rescanned after every split.
 //!
-//! Architecture invariant: nothing here allocates device memory or asks a
-//! device anything; default budgets are the caller's business.
+//! Architecture invariant: nothing here opens a file, allocates device
+//! memory or asks a device anything; checkpoint headers and default budgets
+//! are the caller's business (`bigmodel::tree_from_checkpoint`,
+//! `bigmodel::default_max_memory`).
 
 mod error;
 mod size;

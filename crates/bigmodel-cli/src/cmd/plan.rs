@@ -90,6 +90,11 @@ fn read_json(path: &Path) -> Result<serde_json::Value, String> {
 
 fn load_source(path: &Path) -> Result<Source, String> {
     let in_context = |e: bigmodel::plan::Error| format!("{}: {e}", path.display());
+    let checkpoint = || {
+        bigmodel::tree_from_checkpoint(path)
+            .map(Source::Checkpoint)
+            .map_err(|e| format!("{}: {e}", path.display()))
+    };
     if path.is_dir() {
         let config = path.join("config.json");
         if config.is_file() {
@@ -98,15 +103,11 @@ fn load_source(path: &Path) -> Result<Source, String> {
                 return Ok(Source::Config(Box::new(model)));
             }
         }
-        return bigmodel::plan::checkpoint::tree_from_checkpoint(path)
-            .map(Source::Checkpoint)
-            .map_err(in_context);
+        return checkpoint();
     }
     let is_json = path.extension().is_some_and(|e| e == "json");
     if !is_json {
-        return bigmodel::plan::checkpoint::tree_from_checkpoint(path)
-            .map(Source::Checkpoint)
-            .map_err(in_context);
+        return checkpoint();
     }
     let doc = read_json(path)?;
     if doc.get("format").is_some() && doc.get("root").is_some() {
@@ -120,9 +121,7 @@ fn load_source(path: &Path) -> Result<Source, String> {
             .map_err(in_context);
     }
     if doc.get("weight_map").is_some() || path.to_string_lossy().ends_with(".index.json") {
-        return bigmodel::plan::checkpoint::tree_from_checkpoint(path)
-            .map(Source::Checkpoint)
-            .map_err(in_context);
+        return checkpoint();
     }
     Err(format!(
         "{}: not a module tree (\"format\"), a config.json (\"model_type\") or a checkpoint index (\"weight_map\")",
@@ -130,32 +129,11 @@ fn load_source(path: &Path) -> Result<Source, String> {
     ))
 }
 
-/// Default budgets when the user gives none, read from the machine through
-/// bm-device (the planner itself never touches a device). Accelerate's
-/// defaults are 100 % of free GPU memory and the available RAM; bigmodel's
-/// keep bm-device's safety margins.
+/// Default budgets when the user gives none, read from the machine (the
+/// planner itself never touches a device): the facade's
+/// [`bigmodel::default_max_memory`], Accelerate's with `--compat accelerate`.
 fn default_max_memory(compat: Compat) -> Result<MaxMemory, String> {
-    let set = DeviceSet::probe();
-    let info = set
-        .memory_info()
-        .map_err(|e| format!("cannot read the machine's memory: {e}"))?;
-    let mut pairs = Vec::new();
-    match compat {
-        Compat::Accelerate => {
-            for (i, gpu) in info.gpus.iter().enumerate() {
-                pairs.push((Device::Gpu(i as u32), gpu.free));
-            }
-            pairs.push((Device::Cpu, info.host.available));
-        }
-        Compat::Auto => {
-            let budgets = bigmodel::device::default_budgets(&info);
-            for (i, b) in budgets.gpus.iter().enumerate() {
-                pairs.push((Device::Gpu(i as u32), *b));
-            }
-            pairs.push((Device::Cpu, budgets.cpu));
-        }
-    }
-    MaxMemory::new(pairs).map_err(|e| e.to_string())
+    bigmodel::default_max_memory(&DeviceSet::probe(), compat).map_err(|e| e.to_string())
 }
 
 fn parse_dtype(text: &str) -> Result<DType, String> {

@@ -1,0 +1,66 @@
+//! The one error type of the facade: what failed, with the typed error of
+//! the layer it failed in.
+
+use std::fmt;
+
+/// Everything that can go wrong in the facade's calls. Each variant keeps
+/// the typed error of the layer that failed, so callers can still match on
+/// a device, checkpoint, planning or dispatch error.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Error {
+    /// A `device_map` string that is no strategy (Accelerate's message).
+    UnknownStrategy(String),
+    /// Reading the machine's memory for default budgets failed.
+    Memory(bm_device::Error),
+    /// Opening a checkpoint (headers, index, shards) failed.
+    Shard(bm_shard::Error),
+    /// Building a module tree, a budget or a plan failed.
+    Plan(bm_plan::Error),
+    /// Loading the checkpoint into the model or dispatching it failed.
+    Dispatch(bm_dispatch::Error),
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::UnknownStrategy(_) => f.write_str(
+                "If passing a string for `device_map`, please choose 'auto', 'balanced', 'balanced_low_0' or 'sequential'.",
+            ),
+            Error::Memory(e) => write!(f, "reading the machine's memory: {e}"),
+            Error::Shard(e) => e.fmt(f),
+            Error::Plan(e) => e.fmt(f),
+            Error::Dispatch(e) => e.fmt(f),
+        }
+    }
+}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Error::UnknownStrategy(_) => None,
+            Error::Memory(e) => Some(e),
+            Error::Shard(e) => Some(e),
+            Error::Plan(e) => Some(e),
+            Error::Dispatch(e) => Some(e),
+        }
+    }
+}
+
+impl From<bm_shard::Error> for Error {
+    fn from(e: bm_shard::Error) -> Self {
+        Error::Shard(e)
+    }
+}
+
+impl From<bm_plan::Error> for Error {
+    fn from(e: bm_plan::Error) -> Self {
+        Error::Plan(e)
+    }
+}
+
+impl From<bm_dispatch::Error> for Error {
+    fn from(e: bm_dispatch::Error) -> Self {
+        Error::Dispatch(e)
+    }
+}
