@@ -455,8 +455,8 @@ fn to_gpu(
     Ok(Bytes::Device(buf))
 }
 
-/// Writes `name` converted to `to` as `<folder>/<name>.dat`, through a
-/// temporary file renamed into place, [`STAGING_BYTES`] at a time.
+/// Writes `name` converted to `to` as `<folder>/<name>.dat` with
+/// bm-shard's atomic writer, [`STAGING_BYTES`] at a time.
 pub(crate) fn write_dat(
     folder: &Path,
     name: &str,
@@ -465,22 +465,17 @@ pub(crate) fn write_dat(
     to: DType,
 ) -> Result<PathBuf> {
     let path = dat_path(folder, name)?;
-    let io = |p: &Path, e| Error::Io {
-        path: p.to_path_buf(),
+    std::fs::create_dir_all(folder).map_err(|e| Error::Io {
+        path: folder.to_path_buf(),
         source: e,
-    };
-    std::fs::create_dir_all(folder).map_err(|e| io(folder, e))?;
-    let tmp = folder.join(format!(".{name}.dat.tmp"));
-    let result = (|| {
-        let mut file = std::fs::File::create(&tmp).map_err(|e| io(&tmp, e))?;
-        cast_chunks(name, src.as_bytes(), from, to, |_, chunk| {
-            file.write_all(chunk).map_err(|e| io(&tmp, e))
-        })?;
-        file.sync_all().map_err(|e| io(&tmp, e))?;
-        std::fs::rename(&tmp, &path).map_err(|e| io(&path, e))
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    result.map(|()| path)
+    })?;
+    let mut file = bm_shard::AtomicFile::create(&path)?;
+    cast_chunks(name, src.as_bytes(), from, to, |_, chunk| {
+        file.write_all(chunk).map_err(|e| Error::Io {
+            path: path.clone(),
+            source: e,
+        })
+    })?;
+    file.commit()?;
+    Ok(path)
 }

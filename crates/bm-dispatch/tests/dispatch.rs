@@ -549,9 +549,9 @@ fn gpu_out_of_memory_mid_load_names_the_tensor_and_releases_everything() {
 #[test]
 fn a_failed_offload_write_leaves_no_index() {
     let folder = tempfile::tempdir().unwrap();
-    // The temporary file's name is taken by a folder: the write fails as a
-    // full disk would, half-way through the offload.
-    std::fs::create_dir(folder.path().join(".3.weight.dat.tmp")).unwrap();
+    // A folder where 3.weight.dat goes: the write fails as a full disk
+    // would, half-way through the offload.
+    std::fs::create_dir(folder.path().join("3.weight.dat")).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let ckpt = Checkpoint::open(write_checkpoint(dir.path())).unwrap();
     let model = Model::empty(tree(), Arc::new(DeviceSet::cpu_only())).unwrap();
@@ -567,8 +567,20 @@ fn a_failed_offload_write_leaves_no_index() {
         &load,
     )
     .unwrap_err();
-    assert!(err.to_string().contains(".3.weight.dat.tmp"), "{err}");
+    assert!(err.to_string().contains("3.weight.dat"), "{err}");
     assert!(!folder.path().join("index.json").exists());
+    // No temporary file is left behind.
+    let hidden = std::fs::read_dir(folder.path())
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .file_name()
+                .to_string_lossy()
+                .starts_with('.')
+        })
+        .count();
+    assert_eq!(hidden, 0);
 }
 
 #[test]

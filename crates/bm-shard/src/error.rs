@@ -52,8 +52,11 @@ pub enum Error {
         /// What is wrong with it.
         problem: String,
     },
-    /// Tensors handed to a writer that cannot be written as given.
+    /// Tensors handed to a writer that cannot be written as given, or a
+    /// tensor read into a buffer of the wrong size.
     InvalidTensor {
+        /// The file or folder it is read from or written to.
+        path: PathBuf,
         /// The tensor.
         name: String,
         /// What is wrong with it.
@@ -61,6 +64,8 @@ pub enum Error {
     },
     /// A tensor-level operation (a cast, an allocation) failed.
     Tensor {
+        /// The file the tensor is read from or written to.
+        path: PathBuf,
         /// The tensor.
         name: String,
         /// The underlying error.
@@ -101,6 +106,37 @@ impl Error {
             problem: problem.into(),
         }
     }
+
+    pub(crate) fn invalid_tensor(
+        path: impl Into<PathBuf>,
+        name: &str,
+        problem: impl Into<String>,
+    ) -> Self {
+        Error::InvalidTensor {
+            path: path.into(),
+            name: name.to_string(),
+            problem: problem.into(),
+        }
+    }
+
+    pub(crate) fn tensor(path: impl Into<PathBuf>, name: &str, source: bm_tensor::Error) -> Self {
+        Error::Tensor {
+            path: path.into(),
+            name: name.to_string(),
+            source,
+        }
+    }
+
+    /// A mapped file that shrank since it was opened: reading `name` from
+    /// it would fault.
+    pub(crate) fn truncated(path: &std::path::Path, name: &str, needed: u64, len: u64) -> Self {
+        Error::checkpoint(
+            path,
+            format!(
+                "tensor {name:?} cannot be read: the file shrank to {len} bytes since it was opened and the tensor ends at byte {needed} (another program rewrote or truncated it; files must not change while in use)"
+            ),
+        )
+    }
 }
 
 impl fmt::Display for Error {
@@ -122,8 +158,14 @@ impl fmt::Display for Error {
                 write!(f, "{}: no tensor named {name:?}", checkpoint.display())
             }
             Error::Size { input, problem } => write!(f, "size {input:?}: {problem}"),
-            Error::InvalidTensor { name, problem } => write!(f, "tensor {name:?}: {problem}"),
-            Error::Tensor { name, source } => write!(f, "tensor {name:?}: {source}"),
+            Error::InvalidTensor {
+                path,
+                name,
+                problem,
+            } => write!(f, "{}: tensor {name:?}: {problem}", path.display()),
+            Error::Tensor { path, name, source } => {
+                write!(f, "{}: tensor {name:?}: {source}", path.display())
+            }
         }
     }
 }

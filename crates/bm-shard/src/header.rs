@@ -1,25 +1,31 @@
 //! The safetensors header: an 8-byte little-endian length, then that many
 //! bytes of UTF-8 JSON, then the data buffer.
 //!
-//! The parser is hand-written on top of `serde_json::Value` so that every
-//! rule of the format gets its own message naming the file and tensor:
+//! The parser reads the JSON entry by entry (see [`crate::json::Reader`])
+//! so that every rule of the format gets its own message naming the file
+//! and tensor, and so that memory stays a small multiple of the header:
 //! the header is at most 100 MB, UTF-8, a JSON object; `__metadata__` maps
 //! strings to strings; each tensor has a known dtype, a shape and
-//! `data_offsets` whose length matches dtype × shape; and the tensors, sorted
-//! by offset, tile the data buffer exactly (no overlap, no gap, nothing past
-//! the end, nothing left over), the rules safetensors itself enforces.
+//! `data_offsets` whose length matches dtype × shape; no key appears twice;
+//! and the tensors, sorted by offset, tile the data buffer exactly (no
+//! overlap, no gap, nothing past the end, nothing left over), the rules
+//! safetensors itself enforces. Everything is O(n log n) in the number of
+//! tensors.
 
 use std::fs::File;
 use std::io::Read;
 use std::path::Path;
 
 use bm_tensor::{DType, TensorMeta};
-use serde_json::{Map, Value};
 
 use crate::Error;
+use crate::json::{Kind, Reader};
 
 /// The largest header safetensors accepts (bytes of JSON).
 pub const MAX_HEADER_LEN: u64 = 100_000_000;
+
+/// How much of a wrongly typed value an error message shows.
+const SHOWN: usize = 60;
 
 /// One tensor of a safetensors header.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -50,10 +56,17 @@ impl Header {
     }
 
     /// Reads and validates the header of the safetensors file at `path`,
-    /// reading only the first `8 + json_len` bytes. Returns the header and
-    /// the file's length.
+    /// reading only the first `8 + json_len` bytes. A FIFO, socket or
+    /// device is refused without being opened. Returns the header and the
+    /// file's length.
     pub fn read(path: &Path) -> Result<(Header, u64), Error> {
-        let mut file = File::open(path).map_err(|e| Error::io(path, "opening", e))?;
+        let mut file = crate::paths::open_regular(path)?;
+        Self::read_from(&mut file, path)
+    }
+
+    /// [`Header::read`] from a file already open (`path` names it in
+    /// errors).
+    pub fn read_from(file: &mut File, path: &Path) -> Result<(Header, u64), Error> {
         let file_len = file
             .metadata()
             .map_err(|e| Error::io(path, "reading the size of", e))?
@@ -126,20 +139,29 @@ fn parse_json(path: &Path, json: &[u8], json_len: u64, data_len: u64) -> Result<
             ),
         )
     })?;
-    let value: Value = serde_json::from_str(text)
-        .map_err(|e| Error::header(path, format!("the header is not valid JSON: {e}")))?;
-    let Value::Object(entries) = value else {
+    let syntax = |e: String| Error::header(path, format!("the header is not valid JSON: {e}"));
+    let mut r = Reader::new(text);
+    if r.peek().map_err(syntax)? != Kind::Object {
+        crate::json::validate(text).map_err(syntax)?;
         return Err(Error::header(path, "the header is not a JSON object"));
-    };
+    }
+    r.begin_object().map_err(syntax)?;
     let mut metadata = None;
-    let mut tensors = Vec::with_capacity(entries.len());
-    for (name, entry) in entries {
+    let mut tensors = Vec::new();
+    let mut first = true;
+    while let Some(name) = r.next_key(first).map_err(syntax)? {
+        first = false;
         if name == "__metadata__" {
-            metadata = Some(parse_metadata(path, entry)?);
+            if metadata.is_some() {
+                return Err(Error::header(path, "`__metadata__` appears twice"));
+            }
+            metadata = Some(parse_metadata(path, &mut r)?);
         } else {
-            tensors.push(parse_tensor(path, name, &entry)?);
+            tensors.push(parse_tensor(path, name.into_owned(), &mut r)?);
         }
     }
+    r.end().map_err(syntax)?;
+    check_unique(path, &tensors)?;
     check_layout(path, &mut tensors, data_len)?;
     Ok(Header {
         json_len,
@@ -148,62 +170,114 @@ fn parse_json(path: &Path, json: &[u8], json_len: u64, data_len: u64) -> Result<
     })
 }
 
-fn parse_metadata(path: &Path, entry: Value) -> Result<Vec<(String, String)>, Error> {
-    let Value::Object(map) = entry else {
+fn parse_metadata(path: &Path, r: &mut Reader<'_>) -> Result<Vec<(String, String)>, Error> {
+    let syntax = |e: String| Error::header(path, format!("the header is not valid JSON: {e}"));
+    if r.peek().map_err(syntax)? != Kind::Object {
+        let found = r.skip_and_show(SHOWN).map_err(syntax)?;
         return Err(Error::header(
             path,
-            format!("`__metadata__` must be an object of strings, found {entry}"),
+            format!("`__metadata__` must be an object of strings, found {found}"),
         ));
-    };
-    map.into_iter()
-        .map(|(k, v)| match v {
-            Value::String(s) => Ok((k, s)),
-            other => Err(Error::header(
+    }
+    r.begin_object().map_err(syntax)?;
+    let mut entries: Vec<(String, String)> = Vec::new();
+    let mut first = true;
+    while let Some(key) = r.next_key(first).map_err(syntax)? {
+        first = false;
+        if r.peek().map_err(syntax)? != Kind::String {
+            let found = r.skip_and_show(SHOWN).map_err(syntax)?;
+            return Err(Error::header(
                 path,
-                format!("`__metadata__` key {k:?} must map to a string, found {other}"),
-            )),
-        })
-        .collect()
+                format!("`__metadata__` key {key:?} must map to a string, found {found}"),
+            ));
+        }
+        let value = r.string().map_err(syntax)?.into_owned();
+        entries.push((key.into_owned(), value));
+    }
+    let mut keys: Vec<&str> = entries.iter().map(|(k, _)| k.as_str()).collect();
+    keys.sort_unstable();
+    if let Some(w) = keys.windows(2).find(|w| w[0] == w[1]) {
+        return Err(Error::header(
+            path,
+            format!("`__metadata__` key {:?} appears twice", w[0]),
+        ));
+    }
+    Ok(entries)
 }
 
-fn parse_tensor(path: &Path, name: String, entry: &Value) -> Result<HeaderTensor, Error> {
+fn parse_tensor(path: &Path, name: String, r: &mut Reader<'_>) -> Result<HeaderTensor, Error> {
     let bad = |problem: String| Error::header(path, format!("tensor {name:?}: {problem}"));
-    let Value::Object(fields) = entry else {
-        return Err(bad(format!("expected an object, found {entry}")));
-    };
-    let field = |key: &str| -> Result<&Value, Error> {
-        fields
-            .get(key)
-            .ok_or_else(|| bad(format!("missing `{key}`")))
-    };
-    let dtype = match field("dtype")? {
-        Value::String(s) => dtype_from_header(s).ok_or_else(|| {
-            bad(format!(
-                "unknown dtype {s:?} (expected one of F64 F32 F16 BF16 I64 I32 I16 I8 U8 BOOL F8_E4M3 F8_E5M2)"
-            ))
-        })?,
-        other => return Err(bad(format!("`dtype` must be a string, found {other}"))),
-    };
-    let shape = u64_list(field("shape")?).ok_or_else(|| {
-        bad(format!(
-            "`shape` must be a list of non-negative integers, found {}",
-            fields["shape"]
-        ))
-    })?;
+    let syntax = |e: String| Error::header(path, format!("the header is not valid JSON: {e}"));
+    if r.peek().map_err(syntax)? != Kind::Object {
+        let found = r.skip_and_show(SHOWN).map_err(syntax)?;
+        return Err(bad(format!("expected an object, found {found}")));
+    }
+    r.begin_object().map_err(syntax)?;
+    let (mut dtype, mut shape, mut offsets) = (None, None, None);
+    let mut first = true;
+    while let Some(key) = r.next_key(first).map_err(syntax)? {
+        first = false;
+        let seen = match key.as_ref() {
+            "dtype" => dtype.is_some(),
+            "shape" => shape.is_some(),
+            "data_offsets" => offsets.is_some(),
+            // Other keys are ignored, as safetensors ignores them.
+            _ => {
+                r.skip_value().map_err(syntax)?;
+                continue;
+            }
+        };
+        if seen {
+            return Err(bad(format!("`{key}` appears twice")));
+        }
+        match key.as_ref() {
+            "dtype" => {
+                if r.peek().map_err(syntax)? != Kind::String {
+                    let found = r.skip_and_show(SHOWN).map_err(syntax)?;
+                    return Err(bad(format!("`dtype` must be a string, found {found}")));
+                }
+                let s = r.string().map_err(syntax)?;
+                dtype = Some(dtype_from_header(&s).ok_or_else(|| {
+                    bad(format!(
+                        "unknown dtype {:?} (expected one of F64 F32 F16 BF16 I64 I32 I16 I8 U8 BOOL F8_E4M3 F8_E5M2)",
+                        crate::json::shorten(&s, SHOWN)
+                    ))
+                })?);
+            }
+            "shape" => {
+                let mut probe = r.clone();
+                let list = r.u64_list().map_err(syntax)?.ok_or_else(|| {
+                    let found = probe.skip_and_show(SHOWN).unwrap_or_default();
+                    bad(format!(
+                        "`shape` must be a list of non-negative integers, found {found}"
+                    ))
+                })?;
+                shape = Some(list);
+            }
+            _ => {
+                let mut probe = r.clone();
+                let list = r
+                    .u64_list()
+                    .map_err(syntax)?
+                    .filter(|o| o.len() == 2)
+                    .ok_or_else(|| {
+                        let found = probe.skip_and_show(SHOWN).unwrap_or_default();
+                        bad(format!(
+                            "`data_offsets` must be two non-negative integers, found {found}"
+                        ))
+                    })?;
+                offsets = Some((list[0], list[1]));
+            }
+        }
+    }
+    let dtype = dtype.ok_or_else(|| bad("missing `dtype`".into()))?;
+    let shape = shape.ok_or_else(|| bad("missing `shape`".into()))?;
+    let (begin, end) = offsets.ok_or_else(|| bad("missing `data_offsets`".into()))?;
     let shape: Vec<usize> = shape
         .into_iter()
         .map(usize::try_from)
         .collect::<Result<_, _>>()
         .map_err(|_| bad("a dimension does not fit in memory addresses".into()))?;
-    let offsets = u64_list(field("data_offsets")?)
-        .filter(|o| o.len() == 2)
-        .ok_or_else(|| {
-            bad(format!(
-                "`data_offsets` must be two non-negative integers, found {}",
-                fields["data_offsets"]
-            ))
-        })?;
-    let (begin, end) = (offsets[0], offsets[1]);
     if begin > end {
         return Err(bad(format!(
             "data_offsets [{begin}, {end}] end before they begin"
@@ -225,6 +299,20 @@ fn parse_tensor(path: &Path, name: String, entry: &Value) -> Result<HeaderTensor
         meta,
         data_offsets: (begin, end),
     })
+}
+
+/// A tensor name given twice is an error (JSON parsers would silently keep
+/// one of them).
+fn check_unique(path: &Path, tensors: &[HeaderTensor]) -> Result<(), Error> {
+    let mut names: Vec<&str> = tensors.iter().map(|t| t.name.as_str()).collect();
+    names.sort_unstable();
+    match names.windows(2).find(|w| w[0] == w[1]) {
+        Some(w) => Err(Error::header(
+            path,
+            format!("tensor {:?} appears twice in the header", w[0]),
+        )),
+        None => Ok(()),
+    }
 }
 
 /// Sorts by offset and checks the tensors tile `0..data_len` exactly.
@@ -277,10 +365,6 @@ fn check_layout(path: &Path, tensors: &mut [HeaderTensor], data_len: u64) -> Res
     Ok(())
 }
 
-fn u64_list(v: &Value) -> Option<Vec<u64>> {
-    v.as_array()?.iter().map(Value::as_u64).collect()
-}
-
 fn dtype_from_header(s: &str) -> Option<DType> {
     DType::ALL
         .iter()
@@ -319,35 +403,58 @@ pub(crate) fn safetensors_order(a: (&str, DType), b: (&str, DType)) -> std::cmp:
 /// Encodes a header exactly as the safetensors crate does: `__metadata__`
 /// first, tensors in the given order with consecutive offsets, JSON padded
 /// with spaces to a multiple of 8. Returns the bytes to write before the data
-/// (length prefix included) and the data length.
-pub(crate) fn encode(metadata: &[(&str, &str)], tensors: &[(&str, &TensorMeta)]) -> (Vec<u8>, u64) {
-    let mut root = Map::new();
+/// (length prefix included) and the data length. Written straight into one
+/// buffer: no JSON tree, whatever the number of tensors.
+pub(crate) fn encode(
+    metadata: &[(&str, &str)],
+    tensors: &[(&str, DType, &[usize])],
+) -> (Vec<u8>, u64) {
+    // Strings go through serde_json so that escapes match the safetensors
+    // crate's (which serialises with serde_json) byte for byte.
+    fn string(out: &mut Vec<u8>, s: &str) {
+        serde_json::to_writer(&mut *out, s).expect("writing to a Vec cannot fail");
+    }
+    let mut json = Vec::with_capacity(8 + 80 * tensors.len());
+    json.extend_from_slice(&[0; 8]);
+    json.push(b'{');
     if !metadata.is_empty() {
-        let m: Map<String, Value> = metadata
-            .iter()
-            .map(|(k, v)| (k.to_string(), Value::String(v.to_string())))
-            .collect();
-        root.insert("__metadata__".into(), Value::Object(m));
+        json.extend_from_slice(b"\"__metadata__\":{");
+        for (i, (k, v)) in metadata.iter().enumerate() {
+            if i > 0 {
+                json.push(b',');
+            }
+            string(&mut json, k);
+            json.push(b':');
+            string(&mut json, v);
+        }
+        json.push(b'}');
     }
     let mut offset = 0u64;
-    for (name, meta) in tensors {
-        let len = meta.byte_len() as u64;
-        let mut info = Map::new();
-        info.insert("dtype".into(), meta.dtype.as_safetensors_str().into());
-        info.insert(
-            "shape".into(),
-            meta.shape.iter().map(|&d| d as u64).collect(),
+    for (i, &(name, dtype, shape)) in tensors.iter().enumerate() {
+        if i > 0 || !metadata.is_empty() {
+            json.push(b',');
+        }
+        let len = (shape.iter().product::<usize>() * dtype.size_in_bytes()) as u64;
+        string(&mut json, name);
+        json.extend_from_slice(b":{\"dtype\":");
+        string(&mut json, dtype.as_safetensors_str());
+        json.extend_from_slice(b",\"shape\":[");
+        for (k, d) in shape.iter().enumerate() {
+            if k > 0 {
+                json.push(b',');
+            }
+            json.extend_from_slice(d.to_string().as_bytes());
+        }
+        json.extend_from_slice(
+            format!("],\"data_offsets\":[{},{}]}}", offset, offset + len).as_bytes(),
         );
-        info.insert("data_offsets".into(), vec![offset, offset + len].into());
-        root.insert(name.to_string(), Value::Object(info));
         offset += len;
     }
-    let mut json = serde_json::to_vec(&Value::Object(root)).expect("a Value always serialises");
-    json.resize(json.len().next_multiple_of(8), b' ');
-    let mut out = Vec::with_capacity(8 + json.len());
-    out.extend_from_slice(&(json.len() as u64).to_le_bytes());
-    out.extend_from_slice(&json);
-    (out, offset)
+    json.push(b'}');
+    let padded = (json.len() - 8).next_multiple_of(8);
+    json.resize(8 + padded, b' ');
+    json[..8].copy_from_slice(&(padded as u64).to_le_bytes());
+    (json, offset)
 }
 
 #[cfg(test)]
@@ -463,7 +570,10 @@ mod tests {
     fn encode_matches_the_safetensors_crate() {
         let a = TensorMeta::new(DType::F32, [2]);
         let b = TensorMeta::new(DType::BF16, [3]);
-        let (bytes, len) = encode(&[("format", "pt")], &[("a", &a), ("b", &b)]);
+        let (bytes, len) = encode(
+            &[("format", "pt")],
+            &[("a", a.dtype, &a.shape), ("b", b.dtype, &b.shape)],
+        );
         assert_eq!(len, 14);
         let json = r#"{"__metadata__":{"format":"pt"},"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"BF16","shape":[3],"data_offsets":[8,14]}}"#;
         let padded = json.len().next_multiple_of(8);

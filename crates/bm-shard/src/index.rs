@@ -2,16 +2,17 @@
 //! and Accelerate's flat `{name: file}` form, and the rule that keeps every
 //! shard a plain file inside the index's own folder.
 
-use std::path::{Component, Path, PathBuf};
-
-use serde_json::Value;
+use std::path::Path;
 
 use crate::Error;
+use crate::json::{Kind, Reader};
+use crate::paths::{check_name, normalize};
 
 /// A parsed index: which file holds each tensor.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Index {
-    /// `name -> shard file` in file order, the file relative to the index.
+    /// `name -> shard file` in file order, the file relative to the index
+    /// and normalised (`./a.safetensors` is `a.safetensors`).
     pub weight_map: Vec<(String, String)>,
     /// `metadata.total_size` when present.
     pub total_size: Option<u64>,
@@ -19,7 +20,9 @@ pub struct Index {
 
 impl Index {
     /// Parses index JSON (`path` only names it in errors). Shard names are
-    /// checked with [`check_shard_name`].
+    /// checked with [`check_shard_name`] and normalised (`./a` is `a`); a
+    /// tensor listed twice is an error. Memory stays a small multiple of the
+    /// text: entries are read one by one into the map.
     pub fn parse(path: &Path, bytes: &[u8]) -> Result<Index, Error> {
         let text = std::str::from_utf8(bytes).map_err(|e| {
             Error::index(
@@ -27,45 +30,84 @@ impl Index {
                 format!("not UTF-8 (invalid byte at offset {})", e.valid_up_to()),
             )
         })?;
-        let value: Value = serde_json::from_str(text)
-            .map_err(|e| Error::index(path, format!("not valid JSON: {e}")))?;
-        let Value::Object(mut root) = value else {
+        let syntax = |e: String| Error::index(path, format!("not valid JSON: {e}"));
+        let mut r = Reader::new(text);
+        if r.peek().map_err(syntax)? != Kind::Object {
+            crate::json::validate(text).map_err(syntax)?;
             return Err(Error::index(path, "expected a JSON object"));
-        };
-        let (map, total_size) = match root.remove("weight_map") {
-            Some(Value::Object(map)) => {
-                let total_size = match root.get("metadata").and_then(|m| m.get("total_size")) {
-                    None => None,
-                    Some(v) => Some(v.as_u64().ok_or_else(|| {
-                        Error::index(
-                            path,
-                            format!(
-                                "`metadata.total_size` must be a non-negative integer, found {v}"
-                            ),
-                        )
-                    })?),
-                };
+        }
+        r.begin_object().map_err(syntax)?;
+        let mut weight_map: Option<Vec<(String, String)>> = None;
+        let mut total_size: Option<Result<u64, String>> = None;
+        // Accelerate's flat form: the whole object is the map. Collected
+        // until a `weight_map` shows the transformers form.
+        let mut flat: Vec<(String, String)> = Vec::new();
+        let mut flat_problem: Option<Error> = None;
+        let mut first = true;
+        while let Some(key) = r.next_key(first).map_err(syntax)? {
+            first = false;
+            if key == "weight_map" {
+                if weight_map.is_some() {
+                    return Err(Error::index(path, "`weight_map` appears twice"));
+                }
+                if r.peek().map_err(syntax)? != Kind::Object {
+                    let found = r.skip_and_show(SHOWN).map_err(syntax)?;
+                    return Err(Error::index(
+                        path,
+                        format!(
+                            "`weight_map` must be an object of tensor name to file, found {found}"
+                        ),
+                    ));
+                }
+                weight_map = Some(read_map(path, &mut r)?);
+                continue;
+            }
+            if key == "metadata" && r.peek().map_err(syntax)? == Kind::Object {
+                let mut again = r.clone();
+                total_size = read_total_size(&mut r).map_err(syntax)?;
+                if flat_problem.is_none() {
+                    let found = again.skip_and_show(SHOWN).map_err(syntax)?;
+                    flat_problem = Some(not_a_file(path, &key, &found));
+                }
+                continue;
+            }
+            if r.peek().map_err(syntax)? == Kind::String {
+                let file = r.string().map_err(syntax)?.into_owned();
+                flat.push((key.into_owned(), file));
+            } else {
+                let found = r.skip_and_show(SHOWN).map_err(syntax)?;
+                flat_problem.get_or_insert_with(|| not_a_file(path, &key, &found));
+            }
+        }
+        r.end().map_err(syntax)?;
+        let (mut weight_map, total_size) = match weight_map {
+            Some(map) => {
+                let total_size = total_size.transpose().map_err(|found| {
+                    Error::index(
+                        path,
+                        format!(
+                            "`metadata.total_size` must be a non-negative integer, found {found}"
+                        ),
+                    )
+                })?;
                 (map, total_size)
             }
-            Some(other) => {
-                return Err(Error::index(
-                    path,
-                    format!("`weight_map` must be an object of tensor name to file, found {other}"),
-                ));
-            }
-            // Accelerate's flat form: the whole object is the map.
-            None => (root, None),
+            None => match flat_problem {
+                Some(e) => return Err(e),
+                None => (flat, None),
+            },
         };
-        let mut weight_map = Vec::with_capacity(map.len());
-        for (name, file) in map {
-            let Value::String(file) = file else {
-                return Err(Error::index(
-                    path,
-                    format!("tensor {name:?} maps to {file}, expected a shard file name"),
-                ));
-            };
-            check_shard_name(path, &name, &file)?;
-            weight_map.push((name, file));
+        for (name, file) in &mut weight_map {
+            check_shard_name(path, name, file)?;
+            *file = normalize(file);
+        }
+        let mut names: Vec<&str> = weight_map.iter().map(|(n, _)| n.as_str()).collect();
+        names.sort_unstable();
+        if let Some(w) = names.windows(2).find(|w| w[0] == w[1]) {
+            return Err(Error::index(
+                path,
+                format!("tensor {:?} is listed twice", w[0]),
+            ));
         }
         Ok(Index {
             weight_map,
@@ -82,78 +124,79 @@ impl Index {
     }
 }
 
-/// Rejects shard names that could reach outside the index's folder: empty,
-/// absolute, or with a `..` component. (Symbolic links are checked when the
-/// file is resolved, see [`resolve_shard`].)
-pub fn check_shard_name(index: &Path, tensor: &str, file: &str) -> Result<(), Error> {
-    let unsafe_name = |why: &str| {
-        Error::index(
-            index,
-            format!("tensor {tensor:?} names shard {file:?}, which {why}; refusing to read it"),
-        )
-    };
-    if file.is_empty() {
-        return Err(unsafe_name("is empty"));
-    }
-    let p = Path::new(file);
-    if p.is_absolute() || file.starts_with('/') || file.starts_with('\\') || p.has_root() {
-        return Err(unsafe_name("is an absolute path"));
-    }
-    if file.contains('\0') {
-        return Err(unsafe_name("contains a NUL byte"));
-    }
-    for c in p.components() {
-        match c {
-            Component::ParentDir => return Err(unsafe_name("contains `..`")),
-            Component::Prefix(_) | Component::RootDir => {
-                return Err(unsafe_name("is an absolute path"));
-            }
-            Component::CurDir | Component::Normal(_) => {}
-        }
-    }
-    if file.split(['/', '\\']).any(|part| part == "..") {
-        return Err(unsafe_name("contains `..`"));
-    }
-    Ok(())
+/// How much of a wrongly typed value an error message shows.
+const SHOWN: usize = 60;
+
+fn not_a_file(path: &Path, name: &str, found: &str) -> Error {
+    Error::index(
+        path,
+        format!("tensor {name:?} maps to {found}, expected a shard file name"),
+    )
 }
 
-/// Joins a checked shard name to the index's folder and makes sure the
-/// result exists and, after following symbolic links, still lies inside
-/// that folder. Only file metadata is touched, never the contents.
-pub fn resolve_shard(index: &Path, folder: &Path, file: &str) -> Result<PathBuf, Error> {
-    let joined = folder.join(file);
-    let real = match joined.canonicalize() {
-        Ok(p) => p,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Err(Error::index(
-                index,
-                format!("shard {file:?} does not exist ({})", joined.display()),
-            ));
+/// Reads `{name: file, ...}` (the `{` not yet consumed).
+fn read_map(path: &Path, r: &mut Reader<'_>) -> Result<Vec<(String, String)>, Error> {
+    let syntax = |e: String| Error::index(path, format!("not valid JSON: {e}"));
+    r.begin_object().map_err(syntax)?;
+    let mut map = Vec::new();
+    let mut first = true;
+    while let Some(name) = r.next_key(first).map_err(syntax)? {
+        first = false;
+        if r.peek().map_err(syntax)? != Kind::String {
+            let found = r.skip_and_show(SHOWN).map_err(syntax)?;
+            return Err(not_a_file(path, &name, &found));
         }
-        Err(e) => return Err(Error::io(&joined, "resolving", e)),
-    };
-    let real_folder = folder
-        .canonicalize()
-        .map_err(|e| Error::io(folder, "resolving", e))?;
-    if !real.starts_with(&real_folder) {
-        return Err(Error::index(
+        let file = r.string().map_err(syntax)?.into_owned();
+        map.push((name.into_owned(), file));
+    }
+    Ok(map)
+}
+
+/// Reads the `metadata` object (the `{` not yet consumed) for its
+/// `total_size`: `Err(text shown)` when that is not a non-negative integer.
+fn read_total_size(r: &mut Reader<'_>) -> Result<Option<Result<u64, String>>, String> {
+    r.begin_object()?;
+    let mut total = None;
+    let mut first = true;
+    while let Some(key) = r.next_key(first)? {
+        first = false;
+        if key != "total_size" {
+            r.skip_value()?;
+            continue;
+        }
+        let mut again = r.clone();
+        let value = match r.peek()? {
+            Kind::Number => r.number()?,
+            _ => {
+                r.skip_value()?;
+                None
+            }
+        };
+        total = Some(match value {
+            Some(v) => Ok(v),
+            None => Err(again.skip_and_show(SHOWN)?),
+        });
+    }
+    Ok(total)
+}
+
+/// Rejects shard names that could reach outside the index's folder as
+/// text: empty, absolute, with a `..` component or a NUL byte. (Where a
+/// name leads through symbolic links is checked when the checkpoint is
+/// opened, before any shard is read.)
+pub fn check_shard_name(index: &Path, tensor: &str, file: &str) -> Result<(), Error> {
+    check_name(file).map_err(|problem| {
+        Error::index(
             index,
-            format!(
-                "shard {file:?} resolves to {}, outside the checkpoint folder {}; refusing to read it",
-                real.display(),
-                real_folder.display()
-            ),
-        ));
-    }
-    if !real.is_file() {
-        return Err(Error::index(index, format!("shard {file:?} is not a file")));
-    }
-    Ok(joined)
+            format!("tensor {tensor:?} names shard {file:?}, which {problem}"),
+        )
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::Value;
 
     fn parse(s: &str) -> Result<Index, Error> {
         Index::parse(Path::new("m.index.json"), s.as_bytes())
@@ -210,27 +253,5 @@ mod tests {
             assert!(e.contains("tensor \"w\"") && e.contains(why), "{file}: {e}");
         }
         assert!(parse(r#"{"weight_map":{"w":"./sub/x.safetensors"}}"#).is_ok());
-    }
-
-    #[cfg(unix)]
-    #[test]
-    fn symlinks_out_of_the_folder_are_refused() {
-        let outside = tempfile::tempdir().unwrap();
-        let target = outside.path().join("t.safetensors");
-        std::fs::write(&target, b"x").unwrap();
-        let dir = tempfile::tempdir().unwrap();
-        std::os::unix::fs::symlink(&target, dir.path().join("link.safetensors")).unwrap();
-        let index = dir.path().join("m.index.json");
-        let e = resolve_shard(&index, dir.path(), "link.safetensors")
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("outside the checkpoint folder"), "{e}");
-        let e = resolve_shard(&index, dir.path(), "missing.safetensors")
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("shard \"missing.safetensors\" does not exist"),
-            "{e}"
-        );
     }
 }

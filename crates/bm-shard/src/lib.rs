@@ -31,19 +31,25 @@
 //! This crate never allocates device memory and never decides where a tensor
 //! goes; it depends only on `bm-tensor`, `serde_json` and `memmap2`.
 
+mod atomic;
 mod checkpoint;
 mod error;
 mod header;
 mod index;
 mod json;
 pub mod offload;
+mod paths;
 mod size;
 mod write;
 
+pub use atomic::{
+    AtomicFile, FinishedFile, create_temp_folder, remove_stale_temps, sync_folder, write_atomic,
+};
 pub use checkpoint::{Checkpoint, ShardFile, cast_target};
 pub use error::Error;
 pub use header::{Header, HeaderTensor, MAX_HEADER_LEN};
-pub use index::{Index, check_shard_name, resolve_shard};
+pub use index::{Index, check_shard_name};
+pub use paths::{Resolved, open_regular, read_regular, resolve_in_folder};
 pub use size::parse_size;
 pub use write::{
     INDEX_FILE, SINGLE_FILE, SaveTensor, SavedCheckpoint, SavedShard, ShardItem, ShardOptions,

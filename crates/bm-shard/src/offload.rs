@@ -13,11 +13,14 @@
 //! [`OffloadFolder`] reads both kinds.
 
 use std::collections::HashMap;
+use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use bm_tensor::{DType, HostBuffer, MmapView, TensorMeta};
 use serde_json::{Map, Value};
 
+use crate::json::{Kind, Reader, shorten};
+use crate::paths::{Resolved, resolve_in_folder};
 use crate::{Checkpoint, Error, cast_target};
 
 /// File name of the offload index.
@@ -68,62 +71,94 @@ impl OffloadEntry {
         Value::Object(m)
     }
 
-    fn from_json(index: &Path, name: &str, v: &Value) -> Result<OffloadEntry, Error> {
+    /// Reads one entry (its value not yet consumed) of the index at
+    /// `index`.
+    fn read(index: &Path, name: &str, r: &mut Reader<'_>) -> Result<OffloadEntry, Error> {
         let bad = |problem: String| Error::index(index, format!("entry {name:?}: {problem}"));
-        let Value::Object(m) = v else {
-            return Err(bad(format!("expected an object, found {v}")));
-        };
-        let dtype = match m.get("dtype") {
-            None => None,
-            Some(Value::String(s)) => {
-                Some(DType::from_torch_str(s).ok_or_else(|| bad(format!("unknown dtype {s:?}")))?)
+        let syntax = |e: String| Error::index(index, format!("not valid JSON: {e}"));
+        if r.peek().map_err(syntax)? != Kind::Object {
+            let found = r.skip_and_show(SHOWN).map_err(syntax)?;
+            return Err(bad(format!("expected an object, found {found}")));
+        }
+        r.begin_object().map_err(syntax)?;
+        let mut dtype: Option<DType> = None;
+        let mut shape: Option<Vec<u64>> = None;
+        let mut file: Option<String> = None;
+        let mut weight_name: Option<String> = None;
+        let mut seen: Vec<String> = Vec::new();
+        let mut first = true;
+        while let Some(key) = r.next_key(first).map_err(syntax)? {
+            first = false;
+            if !matches!(
+                key.as_ref(),
+                "dtype" | "shape" | "safetensors_file" | "weight_name"
+            ) {
+                r.skip_value().map_err(syntax)?;
+                continue;
             }
-            Some(other) => return Err(bad(format!("`dtype` must be a string, found {other}"))),
-        };
-        if let Some(file) = m.get("safetensors_file") {
-            let file = file
-                .as_str()
-                .ok_or_else(|| bad(format!("`safetensors_file` must be a string, found {file}")))?;
-            let weight_name = match m.get("weight_name") {
-                Some(Value::String(w)) => w.clone(),
-                None => name.to_string(),
-                Some(other) => {
-                    return Err(bad(format!(
-                        "`weight_name` must be a string, found {other}"
-                    )));
+            if seen.iter().any(|k| *k == key) {
+                return Err(bad(format!("`{key}` appears twice")));
+            }
+            seen.push(key.to_string());
+            if key == "shape" {
+                let mut again = r.clone();
+                shape = Some(r.u64_list().map_err(syntax)?.ok_or_else(|| {
+                    let found = again.skip_and_show(SHOWN).unwrap_or_default();
+                    bad(format!(
+                        "`shape` must be a list of non-negative integers, found {found}"
+                    ))
+                })?);
+                continue;
+            }
+            if r.peek().map_err(syntax)? != Kind::String {
+                let found = r.skip_and_show(SHOWN).map_err(syntax)?;
+                return Err(bad(format!("`{key}` must be a string, found {found}")));
+            }
+            let text = r.string().map_err(syntax)?.into_owned();
+            match key.as_ref() {
+                "dtype" => {
+                    dtype = Some(DType::from_torch_str(&text).ok_or_else(|| {
+                        bad(format!("unknown dtype {:?}", shorten(&text, SHOWN)))
+                    })?);
                 }
-            };
+                "safetensors_file" => file = Some(text),
+                _ => weight_name = Some(text),
+            }
+        }
+        if let Some(file) = file {
             return Ok(OffloadEntry::Safetensors {
                 file: PathBuf::from(file),
-                weight_name,
+                weight_name: weight_name.unwrap_or_else(|| name.to_string()),
                 dtype,
             });
         }
         let dtype = dtype.ok_or_else(|| bad("missing `dtype`".into()))?;
-        let shape = m
-            .get("shape")
-            .and_then(Value::as_array)
-            .and_then(|a| {
-                a.iter()
-                    .map(|d| d.as_u64().and_then(|d| usize::try_from(d).ok()))
-                    .collect::<Option<Vec<usize>>>()
-            })
-            .ok_or_else(|| bad("`shape` must be a list of non-negative integers".into()))?;
-        Ok(OffloadEntry::Dat(TensorMeta::new(dtype, shape)))
+        let shape = shape.ok_or_else(|| bad("missing `shape`".into()))?;
+        let shape: Vec<usize> = shape
+            .iter()
+            .map(|&d| usize::try_from(d))
+            .collect::<Result<_, _>>()
+            .map_err(|_| bad("a dimension does not fit in memory addresses".into()))?;
+        let meta = TensorMeta::new(dtype, shape);
+        if meta.checked_byte_len().is_none() {
+            return Err(bad(format!("shape {:?} of {dtype} overflows", meta.shape)));
+        }
+        Ok(OffloadEntry::Dat(meta))
     }
 }
+
+/// How much of a wrongly typed value an error message shows.
+const SHOWN: usize = 60;
 
 /// Path of the `.dat` file of `name`, refusing names that would leave the
 /// folder.
 pub fn dat_path(folder: &Path, name: &str) -> Result<PathBuf, Error> {
     if name.is_empty() || name.contains(['/', '\\', '\0']) || name == ".." || name == "." {
-        return Err(Error::InvalidTensor {
-            name: name.to_string(),
-            problem: format!(
-                "cannot be stored in offload folder {}: the name is empty or contains a path separator",
-                folder.display()
-            ),
-        });
+        return Err(Error::invalid_tensor(
+            folder,
+            name,
+            "cannot be stored in an offload folder: the name is empty or contains a path separator",
+        ));
     }
     Ok(folder.join(format!("{name}.dat")))
 }
@@ -137,46 +172,100 @@ pub fn offload_weight(
     data: &[u8],
 ) -> Result<OffloadEntry, Error> {
     if Some(data.len()) != meta.checked_byte_len() {
-        return Err(Error::InvalidTensor {
-            name: name.to_string(),
-            problem: format!(
+        return Err(Error::invalid_tensor(
+            folder,
+            name,
+            format!(
                 "{} of shape {:?} needs {} bytes, {} given",
                 meta.dtype,
                 meta.shape,
                 meta.byte_len(),
                 data.len()
             ),
-        });
+        ));
     }
     let path = dat_path(folder, name)?;
     std::fs::create_dir_all(folder).map_err(|e| Error::io(folder, "creating folder", e))?;
-    crate::write::write_atomic(&path, data)?;
+    crate::atomic::write_atomic(&path, data)?;
     Ok(OffloadEntry::Dat(meta.clone()))
 }
 
 /// Reads `<folder>/index.json` as name → entry, in file order; an absent
-/// index is an empty one.
+/// index is an empty one. The index itself must be a regular file in the
+/// folder (a link out of it is refused), and an entry given twice is an
+/// error.
 pub fn load_index(folder: &Path) -> Result<Vec<(String, OffloadEntry)>, Error> {
     let path = folder.join(INDEX_FILE);
-    let bytes = match std::fs::read(&path) {
-        Ok(b) => b,
+    match std::fs::symlink_metadata(&path) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
         Err(e) => return Err(Error::io(&path, "reading", e)),
-    };
+        Ok(_) => {}
+    }
+    let resolved = resolve_in_folder(folder, INDEX_FILE)
+        .map_err(|problem| Error::checkpoint(folder, format!("{INDEX_FILE} {problem}")))?;
+    let mut bytes = Vec::new();
+    resolved
+        .open()?
+        .read_to_end(&mut bytes)
+        .map_err(|e| Error::io(&path, "reading", e))?;
     let text = std::str::from_utf8(&bytes).map_err(|e| {
         Error::index(
             &path,
             format!("not UTF-8 (invalid byte at offset {})", e.valid_up_to()),
         )
     })?;
-    let value: Value = serde_json::from_str(text)
-        .map_err(|e| Error::index(&path, format!("not valid JSON: {e}")))?;
-    let Value::Object(map) = value else {
+    let syntax = |e: String| Error::index(&path, format!("not valid JSON: {e}"));
+    let mut r = Reader::new(text);
+    if r.peek().map_err(syntax)? != Kind::Object {
+        crate::json::validate(text).map_err(syntax)?;
         return Err(Error::index(&path, "expected a JSON object"));
+    }
+    r.begin_object().map_err(syntax)?;
+    let mut entries = Vec::new();
+    let mut first = true;
+    while let Some(name) = r.next_key(first).map_err(syntax)? {
+        first = false;
+        let entry = OffloadEntry::read(&path, &name, &mut r)?;
+        entries.push((name.into_owned(), entry));
+    }
+    r.end().map_err(syntax)?;
+    let mut names: Vec<&str> = entries.iter().map(|(n, _)| n.as_str()).collect();
+    names.sort_unstable();
+    if let Some(w) = names.windows(2).find(|w| w[0] == w[1]) {
+        return Err(Error::index(
+            &path,
+            format!("entry {:?} appears twice", w[0]),
+        ));
+    }
+    Ok(entries)
+}
+
+/// Resolves the `safetensors_file` of a transformers entry. transformers
+/// writes it as the checkpoint shard's own path (absolute, or relative to
+/// the working directory), so it is not confined to the offload folder;
+/// instead the name must be a `*.safetensors` file without `..`, and any
+/// symbolic link must stay inside that file's own folder (or its Hugging
+/// Face cache repository). So `/etc/passwd`, or a shard linked to it, is
+/// refused before it is opened. The error completes "..., which ...".
+fn resolve_safetensors_file(file: &Path) -> Result<Resolved, String> {
+    let refuse = |why: &str| format!("{why}; refusing to read it");
+    let Some(name) = file.file_name().and_then(|n| n.to_str()) else {
+        return Err(refuse("names no file"));
     };
-    map.iter()
-        .map(|(name, v)| Ok((name.clone(), OffloadEntry::from_json(&path, name, v)?)))
-        .collect()
+    if !name.ends_with(".safetensors") {
+        return Err(refuse("is not a *.safetensors file"));
+    }
+    if file
+        .components()
+        .any(|c| c == std::path::Component::ParentDir)
+    {
+        return Err(refuse("contains `..`"));
+    }
+    let folder = match file.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    resolve_in_folder(folder, name)
 }
 
 /// Accelerate's `save_offload_index`: merges `entries` into
@@ -195,7 +284,7 @@ pub fn save_index(folder: &Path, entries: &[(String, OffloadEntry)]) -> Result<(
     }
     std::fs::create_dir_all(folder).map_err(|e| Error::io(folder, "creating folder", e))?;
     let text = crate::json::python_indent2(&Value::Object(merged));
-    crate::write::write_atomic(&folder.join(INDEX_FILE), text.as_bytes())
+    crate::atomic::write_atomic(&folder.join(INDEX_FILE), text.as_bytes())
 }
 
 /// Where an offloaded tensor's bytes are.
@@ -219,11 +308,15 @@ pub struct OffloadFolder {
 }
 
 impl OffloadFolder {
-    /// Opens `folder`, which must hold an `index.json`.
+    /// Opens `folder`, which must hold an `index.json`. Every `.dat` file is
+    /// resolved inside the folder (a link leading out of it is refused) and
+    /// must be a regular file of exactly the entry's size; every
+    /// `safetensors_file` is checked as [`resolve_safetensors_file`] says.
+    /// Nothing refused is opened.
     pub fn open(folder: impl AsRef<Path>) -> Result<OffloadFolder, Error> {
         let folder = folder.as_ref();
         let index_path = folder.join(INDEX_FILE);
-        if !index_path.is_file() {
+        if std::fs::symlink_metadata(&index_path).is_err() {
             return Err(Error::checkpoint(
                 folder,
                 "is not an offload folder: it has no index.json",
@@ -235,23 +328,25 @@ impl OffloadFolder {
         let mut names = Vec::with_capacity(entries.len());
         let mut tensors = HashMap::with_capacity(entries.len());
         for (name, entry) in entries {
+            let bad =
+                |problem: String| Error::index(&index_path, format!("entry {name:?}: {problem}"));
             let (stored, loaded, source) = match entry {
                 OffloadEntry::Dat(meta) => {
                     let path = dat_path(folder, &name)?;
-                    let view = MmapView::open(&path)
-                        .map_err(|e| Error::index(&index_path, format!("entry {name:?}: {e}")))?;
-                    if view.len() != meta.byte_len() {
-                        return Err(Error::index(
-                            &index_path,
-                            format!(
-                                "entry {name:?}: {} holds {} bytes, {} of shape {:?} needs {}",
-                                path.display(),
-                                view.len(),
-                                meta.dtype,
-                                meta.shape,
-                                meta.byte_len()
-                            ),
-                        ));
+                    let file_name = format!("{name}.dat");
+                    let dat = resolve_in_folder(folder, &file_name)
+                        .map_err(|problem| bad(format!("{file_name} {problem}")))?;
+                    let view =
+                        MmapView::map_file(&dat.open()?, &path).map_err(|e| bad(e.to_string()))?;
+                    let needed = meta.checked_byte_len().unwrap_or(usize::MAX);
+                    if view.len() != needed {
+                        return Err(bad(format!(
+                            "{} holds {} bytes, {} of shape {:?} needs {needed}",
+                            path.display(),
+                            view.len(),
+                            meta.dtype,
+                            meta.shape,
+                        )));
                     }
                     let dtype = meta.dtype;
                     (meta, dtype, Source::Dat(view))
@@ -261,22 +356,22 @@ impl OffloadFolder {
                     weight_name,
                     dtype,
                 } => {
-                    let k = match opened.get(&file) {
+                    let resolved = resolve_safetensors_file(&file).map_err(|problem| {
+                        bad(format!(
+                            "safetensors_file {:?}, which {problem}",
+                            file.display().to_string()
+                        ))
+                    })?;
+                    let k = match opened.get(&resolved.real) {
                         Some(&k) => k,
                         None => {
-                            checkpoints.push(Checkpoint::open(&file)?);
-                            opened.insert(file.clone(), checkpoints.len() - 1);
+                            checkpoints.push(Checkpoint::open_resolved(&resolved)?);
+                            opened.insert(resolved.real.clone(), checkpoints.len() - 1);
                             checkpoints.len() - 1
                         }
                     };
                     let meta = checkpoints[k].meta(&weight_name).cloned().ok_or_else(|| {
-                        Error::index(
-                            &index_path,
-                            format!(
-                                "entry {name:?}: {} has no tensor {weight_name:?}",
-                                file.display()
-                            ),
-                        )
+                        bad(format!("{} has no tensor {weight_name:?}", file.display()))
                     })?;
                     let loaded = dtype.map_or(meta.dtype, |d| cast_target(meta.dtype, d));
                     (
@@ -334,10 +429,17 @@ impl OffloadFolder {
             .map(|(m, loaded, _)| TensorMeta::new(*loaded, m.shape.clone()))
     }
 
-    /// The stored bytes, zero-copy.
+    /// The stored bytes, zero-copy. Fails, naming the file, when it has
+    /// been truncated since the folder was opened.
     pub fn view(&self, name: &str) -> Result<MmapView, Error> {
         match &self.get(name)?.2 {
-            Source::Dat(v) => Ok(v.clone()),
+            Source::Dat(v) => match v.check_intact() {
+                Ok(()) => Ok(v.clone()),
+                Err(bm_tensor::Error::Truncated { path, needed, len }) => {
+                    Err(Error::truncated(&path, name, needed, len))
+                }
+                Err(e) => Err(Error::tensor(v.path(), name, e)),
+            },
             Source::File {
                 checkpoint,
                 weight_name,
@@ -351,10 +453,7 @@ impl OffloadFolder {
         let (stored, loaded, _) = self.get(name)?;
         let target = cast_target(*loaded, dtype);
         let view = self.view(name)?;
-        let err = |source| Error::Tensor {
-            name: name.to_string(),
-            source,
-        };
+        let err = |source| Error::tensor(view.path(), name, source);
         // Casting in one step from the stored dtype is what the two-step
         // PyTorch path gives, except when the entry narrows first.
         let bytes = if *loaded != stored.dtype && target != *loaded {

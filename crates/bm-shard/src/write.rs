@@ -3,17 +3,17 @@
 //! written last, and shards of an earlier save that the new one does not
 //! use are removed.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
-use std::fs::File;
-use std::io::{self, BufWriter, Write};
+use std::collections::{HashMap, HashSet};
+use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 
 use bm_tensor::{DType, TensorMeta};
-use serde_json::{Map, Value};
 
 use crate::Error;
+use crate::atomic::{AtomicFile, FinishedFile, Opener, open_exclusive, sync_folder, write_atomic};
 use crate::checkpoint::cast_target;
 use crate::header::{encode, safetensors_order};
+use crate::json::push_python_str;
 
 /// File name of the index transformers writes next to safetensors shards.
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
@@ -117,9 +117,14 @@ pub fn split_into_shards(items: &[ShardItem], max: u64) -> (Vec<Vec<usize>>, u64
     if !current.is_empty() {
         shards.push(current);
     }
-    for (first, other) in tied {
-        if let Some(shard) = shards.iter_mut().find(|s| s.contains(&first)) {
-            shard.push(other);
+    if !tied.is_empty() {
+        let shard_of: HashMap<usize, usize> = shards
+            .iter()
+            .enumerate()
+            .flat_map(|(k, s)| s.iter().map(move |&i| (i, k)))
+            .collect();
+        for (first, other) in tied {
+            shards[shard_of[&first]].push(other);
         }
     }
     (shards, total)
@@ -167,12 +172,8 @@ pub fn shard_checkpoint(
     options: &ShardOptions,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<SavedCheckpoint, Error> {
-    shard_with(tensors, out_dir, options, progress, &|p| {
-        File::options().write(true).create_new(true).open(p)
-    })
+    shard_with(tensors, out_dir, options, progress, &open_exclusive)
 }
-
-type Opener<'a> = &'a dyn Fn(&Path) -> io::Result<File>;
 
 fn shard_with(
     tensors: &[SaveTensor<'_>],
@@ -181,15 +182,15 @@ fn shard_with(
     progress: &mut dyn FnMut(u64, u64),
     open_temp: Opener<'_>,
 ) -> Result<SavedCheckpoint, Error> {
-    let out_metas = validate(tensors, options)?;
+    let out_dtypes = validate(tensors, out_dir, options)?;
     // Storage identity: the same address and length means the same bytes.
     let mut storage_ids: HashMap<(usize, usize), usize> = HashMap::new();
     let mut first_with_storage: Vec<usize> = Vec::new();
     let items: Vec<ShardItem> = tensors
         .iter()
-        .zip(&out_metas)
+        .zip(&out_dtypes)
         .enumerate()
-        .map(|(i, (t, m))| {
+        .map(|(i, (t, &dtype))| {
             let storage = (!t.data.is_empty()).then(|| {
                 let next = first_with_storage.len();
                 let id = *storage_ids
@@ -201,7 +202,8 @@ fn shard_with(
                 id
             });
             ShardItem {
-                size: m.byte_len() as u64,
+                // Checked by validate.
+                size: (t.meta.numel() * dtype.size_in_bytes()) as u64,
                 storage,
             }
         })
@@ -226,8 +228,8 @@ fn shard_with(
         group.retain(|&i| tied_to(i).is_none());
         group.sort_by(|&a, &b| {
             safetensors_order(
-                (tensors[a].name, out_metas[a].dtype),
-                (tensors[b].name, out_metas[b].dtype),
+                (tensors[a].name, out_dtypes[a]),
+                (tensors[b].name, out_dtypes[b]),
             )
         });
     }
@@ -235,72 +237,46 @@ fn shard_with(
     std::fs::create_dir_all(out_dir).map_err(|e| Error::io(out_dir, "creating folder", e))?;
     let n = groups.len();
     let names: Vec<String> = (1..=n).map(|k| shard_file_name(k, n)).collect();
-    let temps: Vec<PathBuf> = names
-        .iter()
-        .map(|f| out_dir.join(format!(".{f}.tmp{}", std::process::id())))
-        .collect();
     let mut done = 0u64;
     let mut shards = Vec::with_capacity(n);
+    // Dropping these on an error removes every temporary file.
+    let mut finished = Vec::with_capacity(n);
     for (k, group) in groups.iter().enumerate() {
-        let written = write_shard(
-            &temps[k],
+        let (file, data_bytes) = write_shard(
+            &out_dir.join(&names[k]),
             group,
             tensors,
-            &out_metas,
+            &out_dtypes,
             open_temp,
             &mut |bytes| {
                 done += bytes;
                 progress(done, total_size);
             },
-        );
-        match written {
-            Ok(data_bytes) => shards.push(SavedShard {
-                file_name: names[k].clone(),
-                tensors: group.iter().map(|&i| tensors[i].name.to_string()).collect(),
-                data_bytes,
-            }),
-            Err(e) => {
-                remove_all(&temps);
-                return Err(e);
-            }
-        }
+        )?;
+        finished.push(file);
+        shards.push(SavedShard {
+            file_name: names[k].clone(),
+            tensors: group.iter().map(|&i| tensors[i].name.to_string()).collect(),
+            data_bytes,
+        });
     }
 
     // Commit: no index may point at a mix of old and new shards.
     let index_path = out_dir.join(INDEX_FILE);
-    if let Err(e) = remove_if_present(&index_path) {
-        remove_all(&temps);
-        return Err(e);
-    }
-    for (temp, name) in temps.iter().zip(&names) {
-        let dest = out_dir.join(name);
-        if let Err(e) = std::fs::rename(temp, &dest) {
-            remove_all(&temps);
-            return Err(Error::io(dest, "renaming a finished shard to", e));
-        }
+    remove_if_present(&index_path)?;
+    for file in finished {
+        file.rename_into_place()?;
     }
     let index = if n > 1 {
-        let weight_map: BTreeMap<&str, &str> = shards
+        let mut weight_map: Vec<(&str, &str)> = shards
             .iter()
             .flat_map(|s| s.tensors.iter().map(|t| (t.as_str(), s.file_name.as_str())))
             .collect();
-        let mut meta = Map::new();
-        meta.insert("total_size".into(), total_size.into());
-        let mut root = Map::new();
-        root.insert("metadata".into(), Value::Object(meta));
-        root.insert(
-            "weight_map".into(),
-            Value::Object(
-                weight_map
-                    .into_iter()
-                    .map(|(k, v)| (k.to_string(), Value::from(v)))
-                    .collect(),
-            ),
-        );
-        let text = crate::json::python_indent2(&Value::Object(root)) + "\n";
-        write_atomic(&index_path, text.as_bytes())?;
+        weight_map.sort_unstable();
+        write_atomic(&index_path, index_json(total_size, &weight_map).as_bytes())?;
         Some(index_path)
     } else {
+        sync_folder(out_dir)?;
         None
     };
     let removed = remove_stale(out_dir, &names)?;
@@ -313,19 +289,44 @@ fn shard_with(
     })
 }
 
-/// Checks names and lengths; returns the dtype and shape each tensor is
-/// written with.
-fn validate(tensors: &[SaveTensor<'_>], options: &ShardOptions) -> Result<Vec<TensorMeta>, Error> {
+/// transformers' index: `json.dumps({"metadata": {"total_size": n},
+/// "weight_map": {...}}, indent=2, sort_keys=True) + "\n"`, written straight
+/// from the sorted map (no JSON tree, whatever the number of tensors).
+fn index_json(total_size: u64, sorted_map: &[(&str, &str)]) -> String {
+    let mut out = String::with_capacity(64 + sorted_map.len() * 80);
+    out.push_str(&format!(
+        "{{\n  \"metadata\": {{\n    \"total_size\": {total_size}\n  }},\n  \"weight_map\": {{"
+    ));
+    for (i, (name, file)) in sorted_map.iter().enumerate() {
+        out.push_str(if i == 0 { "\n    " } else { ",\n    " });
+        push_python_str(&mut out, name);
+        out.push_str(": ");
+        push_python_str(&mut out, file);
+    }
+    out.push_str(if sorted_map.is_empty() {
+        "}\n}\n"
+    } else {
+        "\n  }\n}\n"
+    });
+    out
+}
+
+/// Checks names and lengths; returns the dtype each tensor is written
+/// with.
+fn validate(
+    tensors: &[SaveTensor<'_>],
+    out_dir: &Path,
+    options: &ShardOptions,
+) -> Result<Vec<DType>, Error> {
     let mut seen = HashSet::new();
     tensors
         .iter()
         .map(|t| {
-            let bad = |problem: String| Error::InvalidTensor {
-                name: t.name.to_string(),
-                problem,
-            };
+            let bad = |problem: String| Error::invalid_tensor(out_dir, t.name, problem);
             if t.name.is_empty() || t.name == "__metadata__" {
-                return Err(bad("is not a valid safetensors tensor name".into()));
+                return Err(bad(
+                    "cannot be written: it is not a valid safetensors tensor name".into(),
+                ));
             }
             if !seen.insert(t.name) {
                 return Err(bad("is given twice".into()));
@@ -345,7 +346,16 @@ fn validate(tensors: &[SaveTensor<'_>], options: &ShardOptions) -> Result<Vec<Te
             let dtype = options
                 .dtype
                 .map_or(t.meta.dtype, |d| cast_target(t.meta.dtype, d));
-            Ok(TensorMeta::new(dtype, t.meta.shape.clone()))
+            if TensorMeta::new(dtype, t.meta.shape.clone())
+                .checked_byte_len()
+                .is_none()
+            {
+                return Err(bad(format!(
+                    "shape {:?} overflows as {dtype}",
+                    t.meta.shape
+                )));
+            }
+            Ok(dtype)
         })
         .collect()
 }
@@ -354,25 +364,32 @@ fn validate(tensors: &[SaveTensor<'_>], options: &ShardOptions) -> Result<Vec<Te
 const CAST_CHUNK_ELEMENTS: usize = 1 << 18;
 
 fn write_shard(
-    temp: &Path,
+    dest: &Path,
     group: &[usize],
     tensors: &[SaveTensor<'_>],
-    out_metas: &[TensorMeta],
+    out_dtypes: &[DType],
     open_temp: Opener<'_>,
     progress: &mut dyn FnMut(u64),
-) -> Result<u64, Error> {
-    let header_tensors: Vec<(&str, &TensorMeta)> = group
+) -> Result<(FinishedFile, u64), Error> {
+    let header_tensors: Vec<(&str, DType, &[usize])> = group
         .iter()
-        .map(|&i| (tensors[i].name, &out_metas[i]))
+        .map(|&i| {
+            (
+                tensors[i].name,
+                out_dtypes[i],
+                tensors[i].meta.shape.as_slice(),
+            )
+        })
         .collect();
     let (header, data_len) = encode(&[("format", "pt")], &header_tensors);
-    let io_err = |e| Error::io(temp, "writing", e);
-    let file = open_temp(temp).map_err(|e| Error::io(temp, "creating", e))?;
-    let mut out = BufWriter::with_capacity(1 << 20, file);
+    drop(header_tensors);
+    let io_err = |e| Error::io(dest, "writing", e);
+    let mut out = AtomicFile::create_with(dest, open_temp)?;
     out.write_all(&header).map_err(io_err)?;
+    drop(header);
     let mut scratch = Vec::new();
     for &i in group {
-        let (src, to) = (&tensors[i], out_metas[i].dtype);
+        let (src, to) = (&tensors[i], out_dtypes[i]);
         if src.meta.dtype == to {
             out.write_all(src.data).map_err(io_err)?;
             progress(src.data.len() as u64);
@@ -381,43 +398,13 @@ fn write_shard(
         let (from_size, to_size) = (src.meta.dtype.size_in_bytes(), to.size_in_bytes());
         for chunk in src.data.chunks(CAST_CHUNK_ELEMENTS * from_size) {
             scratch.resize(chunk.len() / from_size * to_size, 0);
-            bm_tensor::cast_into(chunk, src.meta.dtype, &mut scratch, to).map_err(|source| {
-                Error::Tensor {
-                    name: src.name.to_string(),
-                    source,
-                }
-            })?;
+            bm_tensor::cast_into(chunk, src.meta.dtype, &mut scratch, to)
+                .map_err(|source| Error::tensor(dest, src.name, source))?;
             out.write_all(&scratch).map_err(io_err)?;
             progress(scratch.len() as u64);
         }
     }
-    let file = out.into_inner().map_err(|e| io_err(e.into_error()))?;
-    file.sync_all()
-        .map_err(|e| Error::io(temp, "flushing", e))?;
-    Ok(data_len)
-}
-
-/// Writes `bytes` to `path` through a temporary file and a rename.
-pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), Error> {
-    let name = path
-        .file_name()
-        .map_or_else(Default::default, |n| n.to_string_lossy().into_owned());
-    let temp = path.with_file_name(format!(".{name}.tmp{}", std::process::id()));
-    let result = (|| {
-        let mut f = File::options()
-            .write(true)
-            .create_new(true)
-            .open(&temp)
-            .map_err(|e| Error::io(&temp, "creating", e))?;
-        f.write_all(bytes)
-            .map_err(|e| Error::io(&temp, "writing", e))?;
-        f.sync_all().map_err(|e| Error::io(&temp, "flushing", e))?;
-        std::fs::rename(&temp, path).map_err(|e| Error::io(path, "renaming a finished file to", e))
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&temp);
-    }
-    result
+    Ok((out.finish()?, data_len))
 }
 
 fn remove_if_present(path: &Path) -> Result<bool, Error> {
@@ -428,23 +415,21 @@ fn remove_if_present(path: &Path) -> Result<bool, Error> {
     }
 }
 
-fn remove_all(paths: &[PathBuf]) {
-    for p in paths {
-        // Best effort: the original error is what the caller needs to see.
-        let _ = std::fs::remove_file(p);
-    }
-}
-
 /// Removes `model-XXXXX-of-YYYYY.safetensors` files (and `model.safetensors`)
-/// that the save just finished did not write.
+/// that the save just finished did not write. A symbolic link of such a
+/// name is removed as a link (unlinking never follows it: what it points to
+/// is untouched); a folder of such a name is left alone.
 fn remove_stale(out_dir: &Path, written: &[String]) -> Result<Vec<PathBuf>, Error> {
+    let written: HashSet<&str> = written.iter().map(String::as_str).collect();
     let listing = std::fs::read_dir(out_dir).map_err(|e| Error::io(out_dir, "listing", e))?;
     let mut removed = Vec::new();
     for entry in listing {
         let entry = entry.map_err(|e| Error::io(out_dir, "listing", e))?;
         let name = entry.file_name().to_string_lossy().into_owned();
         let ours = is_numbered_shard(&name) || name == SINGLE_FILE;
-        if ours && !written.contains(&name) {
+        // file_type() does not follow links.
+        let is_dir = entry.file_type().is_ok_and(|t| t.is_dir());
+        if ours && !is_dir && !written.contains(name.as_str()) {
             let path = entry.path();
             remove_if_present(&path)?;
             removed.push(path);
@@ -557,11 +542,13 @@ mod tests {
             dtype: None,
         };
         // The second shard's file is /dev/full: every write fails with ENOSPC.
+        let opened = std::cell::Cell::new(0);
         let opener = |p: &Path| {
-            if p.to_string_lossy().contains("00002") {
-                File::options().write(true).open("/dev/full")
+            opened.set(opened.get() + 1);
+            if opened.get() == 2 {
+                std::fs::File::options().write(true).open("/dev/full")
             } else {
-                File::options().write(true).create_new(true).open(p)
+                open_exclusive(p)
             }
         };
         let err = shard_with(&tensors, dir.path(), &options, &mut |_, _| {}, &opener)

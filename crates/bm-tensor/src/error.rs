@@ -1,3 +1,5 @@
+//! The one error type of the crate.
+
 use std::fmt;
 use std::path::PathBuf;
 
@@ -48,6 +50,16 @@ pub enum Error {
         /// The underlying error.
         source: std::io::Error,
     },
+    /// A mapped file that shrank after it was mapped (another program
+    /// rewrote or truncated it): its lost bytes cannot be read.
+    Truncated {
+        /// The mapped file.
+        path: PathBuf,
+        /// Bytes the mapping needs.
+        needed: u64,
+        /// Bytes the file holds now.
+        len: u64,
+    },
 }
 
 impl fmt::Display for Error {
@@ -78,6 +90,11 @@ impl fmt::Display for Error {
             ),
             Error::Alloc { bytes } => write!(f, "could not allocate {bytes} bytes of host memory"),
             Error::Io { path, source } => write!(f, "{}: {source}", path.display()),
+            Error::Truncated { path, needed, len } => write!(
+                f,
+                "{}: the file shrank to {len} bytes while mapped (another program rewrote or truncated it); reading it needs {needed}: do not change checkpoint or offload files while they are in use",
+                path.display()
+            ),
         }
     }
 }

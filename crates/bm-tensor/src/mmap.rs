@@ -14,10 +14,18 @@ struct MappedFile {
     path: PathBuf,
     // None for an empty file, which cannot be mapped.
     map: Option<memmap2::Mmap>,
+    /// Device and inode of the file mapped (Unix), to tell it from another
+    /// file put at the same path later.
+    id: Option<(u64, u64)>,
 }
 
 /// A zero-copy window into a memory-mapped file. Cloning is cheap; the
 /// mapping is unmapped when the last view is dropped.
+///
+/// A mapped file that another program truncates makes reading the lost
+/// pages fault (SIGBUS). [`MmapView::check_intact`] turns that case into an
+/// error before bytes are read; the CLI also installs a handler that names
+/// the file if a fault happens anyway.
 #[derive(Clone, Debug)]
 pub struct MmapView {
     file: Arc<MappedFile>,
@@ -26,30 +34,82 @@ pub struct MmapView {
 }
 
 impl MmapView {
-    /// Maps the whole of `path` read-only.
+    /// Maps the whole of `path` read-only. Anything but a regular file (a
+    /// FIFO, socket or device) is refused before it is opened.
     pub fn open(path: impl AsRef<Path>) -> Result<Self, Error> {
         let path = path.as_ref();
         let io = |source| Error::Io {
             path: path.to_path_buf(),
             source,
         };
+        let meta = std::fs::metadata(path).map_err(io)?;
+        if !meta.is_file() {
+            return Err(io(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "not a regular file; refusing to map it",
+            )));
+        }
         let file = File::open(path).map_err(io)?;
-        let len = file.metadata().map_err(io)?.len() as usize;
+        Self::map_file(&file, path)
+    }
+
+    /// Maps the whole of an open regular file read-only; `path` names it in
+    /// errors and checks.
+    pub fn map_file(file: &File, path: &Path) -> Result<Self, Error> {
+        let io = |source| Error::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        let meta = file.metadata().map_err(io)?;
+        if !meta.is_file() {
+            return Err(io(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "not a regular file; refusing to map it",
+            )));
+        }
+        let len = usize::try_from(meta.len()).map_err(|_| {
+            io(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "larger than the address space",
+            ))
+        })?;
         let map = if len == 0 {
             None
         } else {
-            // SAFETY: the mapping is read-only. Like every mmap-based loader we
-            // rely on checkpoint files not being truncated while mapped.
-            Some(unsafe { memmap2::Mmap::map(&file) }.map_err(io)?)
+            // SAFETY: the mapping is read-only and never handed out as
+            // mutable. A file truncated by another process while mapped
+            // makes reads of the lost pages fault: check_intact reports it
+            // before reads, and the CLI's SIGBUS handler names the file.
+            Some(unsafe { memmap2::Mmap::map(file) }.map_err(io)?)
         };
         Ok(MmapView {
             file: Arc::new(MappedFile {
                 path: path.to_path_buf(),
                 map,
+                id: file_id(&meta),
             }),
             start: 0,
             end: len,
         })
+    }
+
+    /// Checks that the file behind this view still holds its bytes: an
+    /// error names the file when it has shrunk below the end of the view
+    /// since it was mapped (reading the lost bytes would fault). A file
+    /// replaced by a new one at the same path (a rename) is fine: the
+    /// mapping keeps the old one alive.
+    pub fn check_intact(&self) -> Result<(), Error> {
+        let Ok(meta) = std::fs::metadata(&self.file.path) else {
+            return Ok(()); // removed: the mapping keeps the bytes alive
+        };
+        if file_id(&meta) == self.file.id && meta.len() < self.end as u64 {
+            return Err(Error::Truncated {
+                path: self.file.path.clone(),
+                needed: self.end as u64,
+                len: meta.len(),
+            });
+        }
+        Ok(())
     }
 
     /// The file this view maps.
@@ -99,6 +159,17 @@ impl MmapView {
     }
 }
 
+#[cfg(unix)]
+fn file_id(meta: &std::fs::Metadata) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    Some((meta.dev(), meta.ino()))
+}
+
+#[cfg(not(unix))]
+fn file_id(_: &std::fs::Metadata) -> Option<(u64, u64)> {
+    None
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -123,5 +194,36 @@ mod tests {
         let f = tempfile::NamedTempFile::new().unwrap();
         let v = MmapView::open(f.path()).unwrap();
         assert!(v.is_empty());
+    }
+
+    #[test]
+    fn truncation_is_reported_before_reading() {
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        f.write_all(&[7; 64]).unwrap();
+        let view = MmapView::open(f.path()).unwrap().slice(8..40).unwrap();
+        view.check_intact().unwrap();
+        f.as_file().set_len(16).unwrap();
+        let err = view.check_intact().unwrap_err().to_string();
+        assert!(
+            err.contains(&f.path().display().to_string())
+                && err.contains("shrank to 16 bytes")
+                && err.contains("needs 40"),
+            "{err}"
+        );
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn fifos_are_not_opened() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("w.dat");
+        let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+        if !made.is_ok_and(|s| s.success()) {
+            eprintln!("skipped: no mkfifo");
+            return;
+        }
+        // Opening would block until a writer appears.
+        let err = MmapView::open(&fifo).unwrap_err().to_string();
+        assert!(err.contains("not a regular file"), "{err}");
     }
 }

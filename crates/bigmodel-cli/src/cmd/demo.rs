@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 
 use bigmodel::device::DeviceSet;
 use bigmodel::plan::{Device, MaxMemory, Mode, human_bytes};
-use bigmodel::shard::{SaveTensor, ShardOptions, shard_checkpoint};
+use bigmodel::shard::{
+    SaveTensor, ShardOptions, create_temp_folder, shard_checkpoint, write_atomic,
+};
 use bigmodel::tensor::{DType, TensorMeta};
 use bigmodel::{DeviceMapSpec, Options};
 use bm_models::{CausalLm, GenerateOptions, Generation, open_causal_lm};
@@ -181,7 +183,9 @@ fn ensure_checkpoint(root: &Path, shape: &Shape) -> Result<PathBuf, String> {
         return Ok(dir);
     }
     std::fs::create_dir_all(root).map_err(|e| format!("creating {}: {e}", root.display()))?;
-    let temp = root.join(format!(".{}-v1.tmp-{}", shape.name, std::process::id()));
+    // A fresh folder (never an existing one or a planted link), which a
+    // later run removes if this one is killed before the rename.
+    let temp = create_temp_folder(root).map_err(|e| e.to_string())?;
     let result = write_checkpoint(&temp, shape).and_then(|()| {
         std::fs::rename(&temp, &dir).or_else(|e| {
             // Another demo finished the same folder first: use theirs.
@@ -247,8 +251,7 @@ fn write_checkpoint(dir: &Path, shape: &Shape) -> Result<(), String> {
     })
     .map_err(|e| format!("writing the demo checkpoint: {e}"))?;
     let config = serde_json::to_string_pretty(&shape.config()).map_err(|e| e.to_string())?;
-    std::fs::write(dir.join("config.json"), config)
-        .map_err(|e| format!("writing {}: {e}", dir.join("config.json").display()))?;
+    write_atomic(&dir.join("config.json"), config.as_bytes()).map_err(|e| e.to_string())?;
     bar.finish_and_clear();
     eprintln!(
         "created {} of weights in {:.1} s",

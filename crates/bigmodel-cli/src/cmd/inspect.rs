@@ -1,5 +1,6 @@
 //! `bigmodel inspect`: what a checkpoint holds, from its headers alone.
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 
 use bigmodel::shard::Checkpoint;
@@ -40,19 +41,20 @@ struct Summary {
 
 impl Summary {
     fn of(ckpt: &Checkpoint) -> Summary {
-        let mut dtypes = Vec::new();
-        let mut modules = Vec::new();
-        let mut layers: Vec<(String, u64)> = Vec::new();
+        let mut dtypes = Totals::default();
+        let mut modules = Totals::default();
+        let mut layers = Totals::default();
         let mut total_bytes = 0;
         for (name, meta) in ckpt.tensors() {
             let bytes = meta.byte_len() as u64;
             total_bytes += bytes;
-            add(&mut dtypes, meta.dtype.as_safetensors_str(), bytes);
-            add(&mut modules, name.split('.').next().unwrap_or(name), bytes);
-            add(&mut layers, layer_of(name), bytes);
+            dtypes.add(meta.dtype.as_safetensors_str(), bytes);
+            modules.add(name.split('.').next().unwrap_or(name), bytes);
+            layers.add(layer_of(name), bytes);
         }
         // The first of equals wins, as in Accelerate's get_max_layer_size.
         let largest_layer = layers
+            .rows
             .into_iter()
             .fold(None, |best: Option<(String, u64)>, l| match &best {
                 Some(b) if b.1 >= l.1 => best,
@@ -61,8 +63,8 @@ impl Summary {
         Summary {
             tensors: ckpt.len(),
             total_bytes,
-            dtypes,
-            modules,
+            dtypes: dtypes.rows,
+            modules: modules.rows,
             largest_layer,
         }
     }
@@ -118,10 +120,23 @@ impl Summary {
     }
 }
 
-fn add(rows: &mut Vec<(String, u64)>, key: &str, bytes: u64) {
-    match rows.iter_mut().find(|(k, _)| k == key) {
-        Some(row) => row.1 += bytes,
-        None => rows.push((key.to_string(), bytes)),
+/// Byte totals per key in first-seen order; O(1) per addition, so a
+/// checkpoint of a million distinct names is summed in linear time.
+#[derive(Default)]
+struct Totals {
+    rows: Vec<(String, u64)>,
+    position: HashMap<String, usize>,
+}
+
+impl Totals {
+    fn add(&mut self, key: &str, bytes: u64) {
+        match self.position.get(key) {
+            Some(&i) => self.rows[i].1 += bytes,
+            None => {
+                self.position.insert(key.to_string(), self.rows.len());
+                self.rows.push((key.to_string(), bytes));
+            }
+        }
     }
 }
 

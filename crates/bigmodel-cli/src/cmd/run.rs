@@ -216,7 +216,7 @@ pub fn seconds_per_token(generation: &Generation) -> f64 {
 }
 
 /// Writes `logits` (F32 values of shape `shape`) as a one-tensor
-/// safetensors file, through a temporary file renamed into place.
+/// safetensors file, atomically (bm-shard's writer).
 fn write_logits(path: &Path, shape: &[usize], values: &[f32]) -> Result<(), String> {
     let data_len = values.len() * 4;
     let mut header = json!({
@@ -232,20 +232,10 @@ fn write_logits(path: &Path, shape: &[usize], values: &[f32]) -> Result<(), Stri
     for v in values {
         bytes.extend_from_slice(&v.to_le_bytes());
     }
-    let file_name = path
-        .file_name()
-        .ok_or_else(|| format!("--dump-logits {}: not a file path", path.display()))?;
-    let temp = path.with_file_name(format!(
-        ".{}.tmp-{}",
-        file_name.to_string_lossy(),
-        std::process::id()
-    ));
-    let fail = |e: std::io::Error| format!("writing {}: {e}", path.display());
-    std::fs::write(&temp, &bytes).map_err(fail)?;
-    std::fs::rename(&temp, path).map_err(|e| {
-        let _ = std::fs::remove_file(&temp);
-        fail(e)
-    })
+    if path.file_name().is_none() {
+        return Err(format!("--dump-logits {}: not a file path", path.display()));
+    }
+    bigmodel::shard::write_atomic(path, &bytes).map_err(|e| e.to_string())
 }
 
 /// Runs the command.

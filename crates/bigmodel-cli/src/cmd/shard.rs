@@ -3,7 +3,10 @@
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 
-use bigmodel::shard::{Checkpoint, SaveTensor, ShardOptions, parse_size, shard_checkpoint};
+use bigmodel::shard::{
+    AtomicFile, Checkpoint, Error as ShardError, SaveTensor, ShardOptions, parse_size,
+    resolve_in_folder, shard_checkpoint, sync_folder,
+};
 use bigmodel::tensor::{DType, MmapView};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::json;
@@ -65,6 +68,14 @@ pub fn run(args: Args) -> CmdResult {
     let saved = shard_checkpoint(&tensors, &args.out_dir, &options, &mut |done, total| {
         bar.set_length(total);
         bar.set_position(done);
+    })
+    .map_err(|e| match &e {
+        // Name the file the bad tensor came from, not only the output.
+        ShardError::InvalidTensor { name, .. } => match ckpt.file_of(name) {
+            Some(file) => format!("{e} (read from {})", file.display()),
+            None => e.to_string(),
+        },
+        _ => e.to_string(),
     })?;
     bar.finish_and_clear();
     let copied = copy_side_files(&ckpt, &args.out_dir)?;
@@ -121,6 +132,9 @@ pub fn run(args: Args) -> CmdResult {
 
 /// Copies the non-weight files of a checkpoint folder (config.json,
 /// tokenizer files, ...) so that the output loads with `from_pretrained`.
+/// Each is resolved like a shard (a link may lead into the folder or its
+/// Hugging Face cache repository, nowhere else) and written atomically;
+/// folders, FIFOs and other non-files are left alone.
 fn copy_side_files(ckpt: &Checkpoint, out_dir: &Path) -> Result<Vec<PathBuf>, String> {
     let source = ckpt.path();
     let folder = if source.is_dir() {
@@ -148,25 +162,35 @@ fn copy_side_files(ckpt: &Checkpoint, out_dir: &Path) -> Result<Vec<PathBuf>, St
     let mut copied = Vec::new();
     for entry in listing {
         let entry = entry.map_err(|e| format!("listing {}: {e}", folder.display()))?;
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let is_file = entry.file_type().is_ok_and(|t| t.is_file());
-        if !is_file || name.starts_with('.') || weights.iter().any(|w| name.ends_with(w)) {
+        let Some(name) = entry.file_name().to_str().map(str::to_string) else {
+            continue; // not UTF-8: no file transformers reads
+        };
+        // file_type() does not follow links: a link is resolved below.
+        let file_type = entry
+            .file_type()
+            .map_err(|e| format!("reading the type of {}: {e}", entry.path().display()))?;
+        // A link to a folder, a FIFO or nothing is not a side file.
+        let candidate = file_type.is_file()
+            || file_type.is_symlink() && std::fs::metadata(entry.path()).is_ok_and(|m| m.is_file());
+        if !candidate || name.starts_with('.') || weights.iter().any(|w| name.ends_with(w)) {
             continue;
         }
+        let side = resolve_in_folder(folder, &name)
+            .map_err(|problem| format!("{}, which {problem}", entry.path().display()))?;
         let dest = out_dir.join(&name);
-        let temp = out_dir.join(format!(".{name}.tmp{}", std::process::id()));
-        std::fs::copy(entry.path(), &temp)
-            .and_then(|_| std::fs::rename(&temp, &dest))
-            .map_err(|e| {
-                let _ = std::fs::remove_file(&temp);
-                format!(
-                    "copying {} to {}: {e}",
-                    entry.path().display(),
-                    dest.display()
-                )
-            })?;
+        let mut from = side.open().map_err(|e| e.to_string())?;
+        let mut to = AtomicFile::create(&dest).map_err(|e| e.to_string())?;
+        std::io::copy(&mut from, &mut to).map_err(|e| {
+            format!(
+                "copying {} to {}: {e}",
+                side.named.display(),
+                dest.display()
+            )
+        })?;
+        to.commit().map_err(|e| e.to_string())?;
         copied.push(dest);
     }
+    sync_folder(out_dir).map_err(|e| e.to_string())?;
     copied.sort();
     Ok(copied)
 }
@@ -182,8 +206,11 @@ fn parse_dtype(s: &str) -> Result<DType, String> {
     }
 }
 
-/// Writing into the folder the checkpoint is read from would replace or
-/// remove the very files being read.
+/// `shard` never modifies, removes or writes through anything it reads, so
+/// the output folder must not be a folder the checkpoint is read from: not
+/// the folder of the index or of any shard as named, nor the folder a
+/// shard's link resolves to (a Hugging Face cache snapshot's shards are
+/// links into `blobs/`), whatever links lead to the output folder.
 fn refuse_own_folder(ckpt: &Checkpoint, out_dir: &Path) -> Result<(), String> {
     let Ok(out) = out_dir.canonicalize() else {
         return Ok(()); // does not exist yet, so it holds no source file
@@ -194,11 +221,17 @@ fn refuse_own_folder(ckpt: &Checkpoint, out_dir: &Path) -> Result<(), String> {
         .map(|f| f.path.as_path())
         .chain(ckpt.index_path());
     for source in sources {
-        let parent = source
+        let named_folder = match source.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p,
+            _ => Path::new("."),
+        };
+        let real_folder = source
             .canonicalize()
             .ok()
             .and_then(|p| p.parent().map(Path::to_path_buf));
-        if parent.as_deref() == Some(out.as_path()) {
+        if named_folder.canonicalize().ok().as_deref() == Some(out.as_path())
+            || real_folder.as_deref() == Some(out.as_path())
+        {
             return Err(format!(
                 "{} holds the checkpoint being read ({}); write to another folder",
                 out_dir.display(),
