@@ -5,12 +5,13 @@
 use rayon::prelude::*;
 
 use crate::Tensor;
-use crate::ops::{Heads, Mask};
+use crate::ops::{Heads, Mask, Scores};
 
 /// A raw output pointer shared by threads that write disjoint parts.
 #[derive(Clone, Copy)]
 struct SharedOut(*mut f32);
-// SAFETY: only used by `linear`, whose blocks write disjoint columns.
+// SAFETY: only used by `linear` and `linear_t`, whose blocks write
+// disjoint columns.
 unsafe impl Send for SharedOut {}
 // SAFETY: as above.
 unsafe impl Sync for SharedOut {}
@@ -99,6 +100,91 @@ pub(crate) fn linear(
     });
 }
 
+/// `out[m, n] = x[m, k] · weight[k, n] (+ bias[n])`: the product of
+/// transformers' `Conv1D` (GPT-2), whose weight is stored `[in, out]`.
+/// Threads split the weight's columns; a half-precision block is widened
+/// to f32 on the fly, an F32 one is read in place.
+pub(crate) fn linear_t(
+    x: &[f32],
+    m: usize,
+    k: usize,
+    weight: &Tensor,
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+) {
+    let n = weight.shape()[1];
+    debug_assert_eq!(out.len(), m * n);
+    if let Some(b) = bias {
+        for row in out.chunks_exact_mut(n) {
+            row.copy_from_slice(b);
+        }
+    }
+    let block = block_rows(n, k);
+    if m == 1 {
+        // One token: for each input row l, out[j0..j1] += x[l] · w[l, j0..j1],
+        // so each task streams its columns of every weight row once.
+        out.par_chunks_mut(block).enumerate().for_each(|(b, o)| {
+            let j0 = b * block;
+            let mut row = vec![0f32; o.len()];
+            for (l, xl) in x.iter().enumerate() {
+                weight.widen_range_into(l * n + j0, &mut row);
+                for (acc, w) in o.iter_mut().zip(&row) {
+                    *acc += xl * w;
+                }
+            }
+        });
+        return;
+    }
+    let dst = SharedOut(out.as_mut_ptr());
+    let f32_weight = (weight.dtype() == bm_tensor::DType::F32).then(|| weight.f32_values());
+    (0..n.div_ceil(block)).into_par_iter().for_each(|b| {
+        let (j0, j1) = (b * block, ((b + 1) * block).min(n));
+        let width = j1 - j0;
+        // The k × width block: in place for F32 (row stride n), else widened
+        // into a dense copy (row stride width).
+        let widened;
+        let (rhs, row_stride) = match &f32_weight {
+            Some(w) => (&w[j0..], n),
+            None => {
+                let mut dense = vec![0f32; k * width];
+                for (l, row) in dense.chunks_exact_mut(width).enumerate() {
+                    weight.widen_range_into(l * n + j0, row);
+                }
+                widened = dense;
+                (&widened[..], width)
+            }
+        };
+        // SAFETY: `dst` points to `out` (m × n, row stride n); this task
+        // writes only columns j0..j1, which no other task touches. `x` is
+        // m × k with row stride k; `rhs` holds the k × width block with the
+        // given row stride and column stride 1, and the last element read,
+        // (k - 1) * row_stride + width - 1, is inside it.
+        unsafe {
+            gemm::gemm(
+                m,
+                width,
+                k,
+                dst.at(j0),
+                1,
+                n as isize,
+                bias.is_some(),
+                x.as_ptr(),
+                1,
+                k as isize,
+                rhs.as_ptr(),
+                1,
+                row_stride as isize,
+                1.0,
+                1.0,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            )
+        }
+    });
+}
+
 /// Dot product with eight independent partial sums, so it vectorises.
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
@@ -174,10 +260,19 @@ pub(crate) fn softmax_row(row: &mut [f32]) {
 }
 
 /// Llama's rotary embedding on `x` ([seq, heads * head_dim]), rows at
-/// positions `start_pos..`: the `rotate_half` convention, where dimension i
-/// pairs with i + head_dim / 2. `cos`/`sin` give row-major [seq, head_dim/2].
-pub(crate) fn rotary(x: &[f32], head_dim: usize, cos: &[f32], sin: &[f32], out: &mut [f32]) {
-    let half = head_dim / 2;
+/// positions `start_pos..`: the `rotate_half` convention over the first
+/// `rotary_dim` dimensions of each head, where dimension i pairs with
+/// i + rotary_dim / 2; the other dimensions pass through (partial rotary).
+/// `cos`/`sin` give row-major [seq, rotary_dim / 2].
+pub(crate) fn rotary(
+    x: &[f32],
+    head_dim: usize,
+    rotary_dim: usize,
+    cos: &[f32],
+    sin: &[f32],
+    out: &mut [f32],
+) {
+    let half = rotary_dim / 2;
     let width = x.len() / (cos.len() / half);
     out.par_chunks_mut(width)
         .zip(x.par_chunks(width))
@@ -190,19 +285,22 @@ pub(crate) fn rotary(x: &[f32], head_dim: usize, cos: &[f32], sin: &[f32], out: 
                     oh[i] = a * c[i] - b * s[i];
                     oh[i + half] = b * c[i] + a * s[i];
                 }
+                oh[rotary_dim..].copy_from_slice(&xh[rotary_dim..]);
             }
         });
 }
 
 /// Scaled dot-product attention for `s` queries against `t` cached
 /// keys/values; the queries are the last `s` positions. Grouped-query
-/// attention: query head h reads kv head h / (heads / kv_heads).
+/// attention: query head h reads kv head h / (heads / kv_heads). Scores
+/// are `q · k` times `scores.scale`, soft-capped when asked.
 pub(crate) fn attention(
     q: &[f32],
     keys: &[f32],
     values: &[f32],
     heads: Heads,
     mask: Mask,
+    scores: Scores,
     out: &mut [f32],
 ) {
     let Heads {
@@ -215,13 +313,13 @@ pub(crate) fn attention(
     let t = keys.len() / kv_width;
     let past = t - s;
     let group = nh / nkv;
-    let scale = 1.0 / (hd as f32).sqrt();
+    let Scores { scale, softcap } = scores;
     let per_head: Vec<Vec<f32>> = (0..nh)
         .into_par_iter()
         .map(|h| {
             let g = h / group;
             let mut o = vec![0f32; s * hd];
-            let mut scores = Vec::with_capacity(t);
+            let mut row = Vec::with_capacity(t);
             for i in 0..s {
                 let pos = past + i;
                 let (lo, hi) = match mask {
@@ -230,14 +328,18 @@ pub(crate) fn attention(
                     Mask::SlidingWindow(w) => ((pos + 1).saturating_sub(w), pos + 1),
                 };
                 let qi = &q[i * q_width + h * hd..][..hd];
-                scores.clear();
-                scores.extend((lo..hi).map(|j| {
+                row.clear();
+                row.extend((lo..hi).map(|j| {
                     let kj = &keys[j * kv_width + g * hd..][..hd];
-                    qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * scale
+                    let score = qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * scale;
+                    match softcap {
+                        Some(cap) => soft_cap(score, cap),
+                        None => score,
+                    }
                 }));
-                softmax_row(&mut scores);
+                softmax_row(&mut row);
                 let oi = &mut o[i * hd..][..hd];
-                for (p, j) in scores.iter().zip(lo..hi) {
+                for (p, j) in row.iter().zip(lo..hi) {
                     let vj = &values[j * kv_width + g * hd..][..hd];
                     for (acc, v) in oi.iter_mut().zip(vj) {
                         *acc += p * v;
@@ -257,6 +359,20 @@ pub(crate) fn attention(
 /// `x * sigmoid(x)`.
 pub(crate) fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
+}
+
+/// `cap · tanh(x / cap)`: Gemma 2's soft-capping of attention scores and
+/// final logits, which squashes values into (-cap, cap).
+pub(crate) fn soft_cap(x: f32, cap: f32) -> f32 {
+    (x / cap).tanh() * cap
+}
+
+/// GELU's tanh approximation, `0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³)))`:
+/// GPT-2's `gelu_new` and PyTorch's `gelu(approximate="tanh")`, in f32 as
+/// PyTorch's CPU kernel computes it.
+pub(crate) fn gelu_tanh(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)).tanh())
 }
 
 /// BERT's exact GELU, `0.5 x (1 + erf(x / √2))`.

@@ -131,6 +131,29 @@ pub(crate) fn rows(
     Ok(out)
 }
 
+/// Columns `start..start + width` of the 2-D GPU tensor `x`, one
+/// device-to-device copy per row.
+pub(crate) fn columns(x: &Tensor, start: usize, width: usize) -> Result<Tensor, Error> {
+    let src = buffer(x);
+    let gpu = src.gpu().clone();
+    let (rows, cols) = (x.shape()[0], x.shape()[1]);
+    let size = x.dtype().size_in_bytes();
+    let mut out = empty(&gpu, x.dtype(), &[rows, width])?;
+    if width > 0 {
+        let dst = out_buffer(&mut out);
+        for r in 0..rows {
+            let from = (r * cols + start) * size;
+            dst.copy_from_device(
+                r * width * size,
+                src,
+                from..from + width * size,
+                gpu.compute_stream(),
+            )?;
+        }
+    }
+    Ok(out)
+}
+
 /// `x · wᵀ + bias` with x `[m, k]` (any leading shape flattened), w `[n, k]`.
 pub(crate) fn linear(
     gpu: &Gpu,

@@ -32,6 +32,11 @@ pub enum Error {
         /// The vocabulary size.
         vocab_size: usize,
     },
+    /// An operation whose CUDA side is not written yet, given a GPU operand.
+    NotOnCuda {
+        /// The operation (and the variant of it, when only some are missing).
+        op: &'static str,
+    },
     /// An error from bm-tensor (casts, buffers, mmaps).
     Tensor(bm_tensor::Error),
     /// A device, its memory or its compute failed.
@@ -50,6 +55,10 @@ impl fmt::Display for Error {
             Error::TokenOutOfVocab { id, vocab_size } => write!(
                 f,
                 "token id {id} is out of the vocabulary (size {vocab_size})"
+            ),
+            Error::NotOnCuda { op } => write!(
+                f,
+                "{op} is not implemented on CUDA yet: place this block on the CPU (device map \"cpu\")"
             ),
             Error::Tensor(e) => e.fmt(f),
             Error::Device(e) => e.fmt(f),

@@ -37,6 +37,33 @@ pub enum Mask {
     SlidingWindow(usize),
 }
 
+/// How attention scores are formed from `q · k`: multiplied by `scale`,
+/// then, with `softcap`, squashed into (-cap, cap) by `cap · tanh(s / cap)`
+/// (Gemma 2's attention-logit soft-capping).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Scores {
+    /// Factor on `q · k` (`1 / √head_dim` in most models).
+    pub scale: f32,
+    /// Soft-capping bound, if any.
+    pub softcap: Option<f32>,
+}
+
+impl Scores {
+    /// Standard scaled dot-product scores: `1 / √head_dim`, no capping.
+    pub fn standard(head_dim: usize) -> Scores {
+        Scores::scaled_by(head_dim as f32)
+    }
+
+    /// Scores scaled by `1 / √divisor` (Gemma 2's `query_pre_attn_scalar`),
+    /// no capping.
+    pub fn scaled_by(divisor: f32) -> Scores {
+        Scores {
+            scale: 1.0 / divisor.sqrt(),
+            softcap: None,
+        }
+    }
+}
+
 /// Where an op runs: on the GPU of its first GPU operand (host operands
 /// are uploaded for it, as an offloaded weight is streamed to the execution
 /// device), on the CPU when every operand is there.
@@ -118,6 +145,44 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
     }
 }
 
+/// `x · weight + bias` with `weight` stored `[in_features, out_features]`:
+/// the product of transformers' `Conv1D` (GPT-2's layers), read in place
+/// rather than transposed. `x` is `[..., in_features]`; the result
+/// `[..., out_features]`.
+pub fn linear_t(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor, Error> {
+    let mut operands = vec![x, weight];
+    operands.extend(bias);
+    let (m, k) = rows_cols(x);
+    if weight.shape().len() != 2 || weight.shape()[0] != k {
+        return Err(bad(
+            "linear_t",
+            format!(
+                "input of shape {:?} does not fit [in, out] weight of shape {:?}",
+                x.shape(),
+                weight.shape()
+            ),
+        ));
+    }
+    let n = weight.shape()[1];
+    if let Some(b) = bias {
+        expect_vector("linear_t", b, n, "bias")?;
+    }
+    let mut shape = x.shape().to_vec();
+    *shape.last_mut().expect("input has a last dimension") = n;
+    match backend_of(&operands) {
+        Backend::Cuda(_) => Err(Error::NotOnCuda {
+            op: "linear_t (Conv1D weights stored [in, out])",
+        }),
+        Backend::Cpu => {
+            let xs = x.f32_values();
+            let bs = bias.map(|b| b.f32_values());
+            Tensor::build(x.dtype(), &shape, |out| {
+                cpu::linear_t(&xs, m, k, weight, bs.as_deref(), out)
+            })
+        }
+    }
+}
+
 /// Rows of `table` picked by `ids`, as `[ids.len(), hidden]` in `dtype`.
 pub fn embedding(ids: &[u32], table: &Tensor, dtype: DType) -> Result<Tensor, Error> {
     if table.shape().len() != 2 {
@@ -160,6 +225,20 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor, Error> 
     }
 }
 
+/// Gemma's RMSNorm: `x / rms(x) · (1 + weight)` computed in f32 and
+/// rounded to `x`'s dtype once (Llama's rounds before the weight). Built
+/// from the other ops, so it runs wherever they do.
+pub fn rms_norm_plus_one(x: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor, Error> {
+    let ones = Tensor::from_f32(DType::F32, weight.shape(), &vec![1.0; weight.numel()])?;
+    let scale = add(&ones, weight)?;
+    let normed = rms_norm(&x.to_dtype(DType::F32)?, &scale, eps)?;
+    if x.dtype() == DType::F32 {
+        Ok(normed)
+    } else {
+        normed.to_dtype(x.dtype())
+    }
+}
+
 /// LayerNorm over the last dimension, with weight and bias.
 pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f32) -> Result<Tensor, Error> {
     let backend = backend_of(&[x, weight, bias]);
@@ -177,17 +256,23 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f32) -> Resul
     }
 }
 
-/// Rotary position embedding with Llama's `rotate_half` convention and
-/// default (unscaled) frequencies `1 / theta^(2i / head_dim)`.
+/// Rotary position embedding with Llama's `rotate_half` convention: the
+/// default frequencies `1 / theta^(2i / head_dim)` over the whole head, or
+/// frequencies a model computed itself (scaled variants such as Phi-3's
+/// LongRoPE), possibly over only the first dimensions of each head
+/// (partial rotary), with cos/sin multiplied by an attention scaling.
 #[derive(Clone, Debug)]
 pub struct Rope {
     head_dim: usize,
-    theta: f32,
+    /// The base, when the frequencies are the default ones (the CUDA
+    /// kernel computes those itself).
+    theta: Option<f32>,
     inv_freq: Vec<f32>,
+    scaling: f32,
 }
 
 impl Rope {
-    /// Frequencies for heads of `head_dim` (even) and base `theta`,
+    /// Default frequencies for heads of `head_dim` (even) and base `theta`,
     /// computed in f32 as transformers does.
     pub fn new(head_dim: usize, theta: f32) -> Rope {
         let inv_freq = (0..head_dim / 2)
@@ -195,9 +280,35 @@ impl Rope {
             .collect();
         Rope {
             head_dim,
-            theta,
+            theta: Some(theta),
             inv_freq,
+            scaling: 1.0,
         }
+    }
+
+    /// Given frequencies: dimension i of the first `2 * inv_freq.len()` of
+    /// each head turns at `inv_freq[i % len]` radians per position, the
+    /// rest pass through; cos and sin are multiplied by `scaling`.
+    pub fn with_frequencies(
+        head_dim: usize,
+        inv_freq: Vec<f32>,
+        scaling: f32,
+    ) -> Result<Rope, Error> {
+        if inv_freq.is_empty() || 2 * inv_freq.len() > head_dim {
+            return Err(bad(
+                "rotary",
+                format!(
+                    "{} frequencies do not fit heads of {head_dim} dimensions",
+                    inv_freq.len()
+                ),
+            ));
+        }
+        Ok(Rope {
+            head_dim,
+            theta: None,
+            inv_freq,
+            scaling,
+        })
     }
 
     /// Rotates every head of `x` (`[seq, heads * head_dim]`), row r being
@@ -214,12 +325,21 @@ impl Rope {
                 ),
             ));
         }
+        let rotary_dim = 2 * self.inv_freq.len();
         if let Backend::Cuda(_) = x.backend() {
-            return cuda::rotary(x, self.head_dim, start_pos, self.theta);
+            return match self.theta {
+                Some(theta) if rotary_dim == self.head_dim => {
+                    cuda::rotary(x, self.head_dim, start_pos, theta)
+                }
+                _ => Err(Error::NotOnCuda {
+                    op: "rotary embedding with scaled or partial frequencies",
+                }),
+            };
         }
-        // transformers casts cos/sin to the activation dtype before use.
+        // transformers multiplies cos/sin by the attention scaling in f32,
+        // then casts them to the activation dtype.
         let round = rounding(x.dtype());
-        let half = self.head_dim / 2;
+        let half = rotary_dim / 2;
         let (mut cos, mut sin) = (
             Vec::with_capacity(rows * half),
             Vec::with_capacity(rows * half),
@@ -228,13 +348,13 @@ impl Rope {
             let pos = (start_pos + r) as f32;
             for f in &self.inv_freq {
                 let angle = pos * f;
-                cos.push(round(angle.cos()));
-                sin.push(round(angle.sin()));
+                cos.push(round(angle.cos() * self.scaling));
+                sin.push(round(angle.sin() * self.scaling));
             }
         }
         let xs = x.f32_values();
         Tensor::build(x.dtype(), x.shape(), |out| {
-            cpu::rotary(&xs, self.head_dim, &cos, &sin, out)
+            cpu::rotary(&xs, self.head_dim, rotary_dim, &cos, &sin, out)
         })
     }
 }
@@ -243,11 +363,17 @@ impl Rope {
 ///
 /// Values are kept widened to f32: they were rounded to the model's dtype
 /// before being appended, so the widening is exact.
+///
+/// A sliding-window layer may [`LayerCache::forget_outside_window`]: the
+/// host cache then drops positions no future query can see, so it stays
+/// within twice the window however long the sequence grows.
 #[derive(Debug, Default)]
 pub struct LayerCache {
     width: usize,
     keys: Vec<f32>,
     values: Vec<f32>,
+    /// Positions dropped from the front (sliding-window layers).
+    dropped: usize,
     /// The cache of a layer computed on a GPU.
     device: Option<cuda::DeviceKv>,
 }
@@ -258,12 +384,34 @@ impl LayerCache {
         LayerCache::default()
     }
 
-    /// Positions cached so far.
+    /// Positions seen so far (the next position's index), dropped ones
+    /// included.
     pub fn len(&self) -> usize {
+        self.dropped + self.rows()
+    }
+
+    /// Positions held.
+    fn rows(&self) -> usize {
         match &self.device {
             Some(kv) => kv.rows,
             None => self.keys.len().checked_div(self.width).unwrap_or(0),
         }
+    }
+
+    /// Lets a layer attending through `Mask::SlidingWindow(window)` drop
+    /// positions that no later query can see: the newest `window - 1` are
+    /// always kept. Drops happen in batches (when twice the window is held)
+    /// so the cost per token stays constant. GPU caches keep every position.
+    pub fn forget_outside_window(&mut self, window: usize) {
+        let keep = window.saturating_sub(1);
+        let rows = self.rows();
+        if self.device.is_some() || rows < 2 * window.max(1) {
+            return;
+        }
+        let drop = rows - keep;
+        self.keys.drain(..drop * self.width);
+        self.values.drain(..drop * self.width);
+        self.dropped += drop;
     }
 
     /// True when nothing is cached.
@@ -327,6 +475,18 @@ pub fn attention(
     heads: Heads,
     mask: Mask,
 ) -> Result<Tensor, Error> {
+    attention_with(q, cache, heads, mask, Scores::standard(heads.head_dim))
+}
+
+/// [`attention`] with the scores formed as `scores` says (another scale,
+/// soft-capping).
+pub fn attention_with(
+    q: &Tensor,
+    cache: &LayerCache,
+    heads: Heads,
+    mask: Mask,
+    scores: Scores,
+) -> Result<Tensor, Error> {
     let (s, width) = rows_cols(q);
     if heads.kv_heads == 0 || heads.heads % heads.kv_heads != 0 {
         return Err(bad(
@@ -346,25 +506,37 @@ pub fn attention(
             ),
         ));
     }
-    if cache.len() < s {
+    if cache.rows() < s {
         return Err(bad(
             "attention",
-            format!("{s} queries but only {} cached positions", cache.len()),
+            format!("{s} queries but only {} cached positions", cache.rows()),
+        ));
+    }
+    if cache.dropped > 0 && !matches!(mask, Mask::SlidingWindow(_)) {
+        return Err(bad(
+            "attention",
+            format!(
+                "{mask:?} attention over a cache that dropped {} positions",
+                cache.dropped
+            ),
         ));
     }
     match (&cache.device, q.backend()) {
-        (Some(kv), _) => kv.attention(q, heads, mask),
+        (Some(kv), _) if scores == Scores::standard(heads.head_dim) => kv.attention(q, heads, mask),
+        (Some(_), _) => Err(Error::NotOnCuda {
+            op: "attention with a non-standard scale or soft-capping",
+        }),
         (None, Backend::Cpu) => {
             let qs = q.f32_values();
             Tensor::build(q.dtype(), q.shape(), |out| {
-                cpu::attention(&qs, &cache.keys, &cache.values, heads, mask, out)
+                cpu::attention(&qs, &cache.keys, &cache.values, heads, mask, scores, out)
             })
         }
         (None, Backend::Cuda(_)) => {
             let host = q.to_host()?;
             let qs = host.f32_values();
             Tensor::build(q.dtype(), q.shape(), |out| {
-                cpu::attention(&qs, &cache.keys, &cache.values, heads, mask, out)
+                cpu::attention(&qs, &cache.keys, &cache.values, heads, mask, scores, out)
             })
         }
     }
@@ -385,11 +557,23 @@ pub fn softmax(x: &Tensor) -> Result<Tensor, Error> {
     }
 }
 
-/// An elementwise function; `gelu` picks the GPU kernel (SiLU otherwise).
-fn unary(x: &Tensor, f: fn(f32) -> f32, gelu: bool) -> Result<Tensor, Error> {
-    match x.backend() {
-        Backend::Cuda(_) => cuda::unary(x, gelu),
-        Backend::Cpu => {
+/// The GPU side of an elementwise function.
+enum OnGpu {
+    /// bm-device's SiLU kernel.
+    Silu,
+    /// bm-device's exact GELU kernel.
+    Gelu,
+    /// No kernel yet: the op is refused on a GPU.
+    Missing(&'static str),
+}
+
+/// An elementwise function.
+fn unary(x: &Tensor, f: impl Fn(f32) -> f32, on_gpu: OnGpu) -> Result<Tensor, Error> {
+    match (x.backend(), on_gpu) {
+        (Backend::Cuda(_), OnGpu::Silu) => cuda::unary(x, false),
+        (Backend::Cuda(_), OnGpu::Gelu) => cuda::unary(x, true),
+        (Backend::Cuda(_), OnGpu::Missing(op)) => Err(Error::NotOnCuda { op }),
+        (Backend::Cpu, _) => {
             let xs = x.f32_values();
             Tensor::build(x.dtype(), x.shape(), |out| {
                 for (o, v) in out.iter_mut().zip(xs.iter()) {
@@ -402,12 +586,67 @@ fn unary(x: &Tensor, f: fn(f32) -> f32, gelu: bool) -> Result<Tensor, Error> {
 
 /// SiLU (`x · sigmoid(x)`), elementwise.
 pub fn silu(x: &Tensor) -> Result<Tensor, Error> {
-    unary(x, cpu::silu, false)
+    unary(x, cpu::silu, OnGpu::Silu)
 }
 
 /// GELU in its exact erf form (BERT's `gelu`), elementwise.
 pub fn gelu(x: &Tensor) -> Result<Tensor, Error> {
-    unary(x, cpu::gelu, true)
+    unary(x, cpu::gelu, OnGpu::Gelu)
+}
+
+/// GELU's tanh approximation (GPT-2's `gelu_new`, Gemma's
+/// `gelu_pytorch_tanh`), elementwise.
+pub fn gelu_tanh(x: &Tensor) -> Result<Tensor, Error> {
+    unary(x, cpu::gelu_tanh, OnGpu::Missing("gelu_tanh"))
+}
+
+/// `cap · tanh(x / cap)` elementwise: soft-capping (Gemma 2's final logits).
+pub fn softcap(x: &Tensor, cap: f32) -> Result<Tensor, Error> {
+    unary(x, |v| cpu::soft_cap(v, cap), OnGpu::Missing("softcap"))
+}
+
+/// `x · factor` elementwise, rounded once to `x`'s dtype (the factor is
+/// used as given: round it to the dtype first where the reference does).
+pub fn scale(x: &Tensor, factor: f32) -> Result<Tensor, Error> {
+    match x.backend() {
+        // The GPU has an elementwise product, not a scalar one.
+        Backend::Cuda(_) => {
+            let factors = Tensor::from_f32(x.dtype(), x.shape(), &vec![factor; x.numel()])?;
+            mul(x, &factors)
+        }
+        Backend::Cpu => unary(x, |v| v * factor, OnGpu::Missing("scale")),
+    }
+}
+
+/// Splits the last dimension of `x` (`[rows, sum(widths)]`) into
+/// consecutive column groups of `widths`: the q/k/v parts of a fused
+/// projection's output. Each part is a new tensor on `x`'s backend.
+pub fn split_columns(x: &Tensor, widths: &[usize]) -> Result<Vec<Tensor>, Error> {
+    let (rows, cols) = rows_cols(x);
+    if x.shape().len() != 2 || widths.iter().sum::<usize>() != cols {
+        return Err(bad(
+            "split_columns",
+            format!(
+                "a tensor of shape {:?} cannot be split into columns {widths:?}",
+                x.shape()
+            ),
+        ));
+    }
+    let host = (x.backend() == Backend::Cpu).then(|| x.f32_values());
+    let mut start = 0;
+    let mut parts = Vec::with_capacity(widths.len());
+    for &w in widths {
+        parts.push(match &host {
+            None => cuda::columns(x, start, w)?,
+            Some(xs) => Tensor::build(x.dtype(), &[rows, w], |out| {
+                for (o, row) in out.chunks_exact_mut(w.max(1)).zip(xs.chunks_exact(cols)) {
+                    o.copy_from_slice(&row[start..start + w]);
+                }
+            })?,
+        });
+        start += w;
+    }
+    Ok(parts)
 }
 
 fn binary(
@@ -638,6 +877,176 @@ mod tests {
         assert!((g[0] - 0.8413447).abs() < 1e-6 && (g[1] + 0.04550026).abs() < 1e-6);
         let p = softmax(&t(&[1, 2], &[0., 0.])).unwrap().to_f32_vec();
         assert_eq!(p, [0.5, 0.5]);
+    }
+
+    #[test]
+    fn linear_t_equals_linear_with_the_transposed_weight() {
+        // One row (the column-streaming path) and several (the GEMM path);
+        // sizes that do not divide into blocks evenly.
+        for (m, k, n) in [(1, 37, 101), (3, 37, 101)] {
+            let x: Vec<f32> = (0..m * k)
+                .map(|i| ((i * 7) % 13) as f32 * 0.1 - 0.6)
+                .collect();
+            let w: Vec<f32> = (0..n * k)
+                .map(|i| ((i * 5) % 11) as f32 * 0.05 - 0.25)
+                .collect();
+            let b: Vec<f32> = (0..n).map(|i| i as f32 * 0.01).collect();
+            // w is [n, k]; wt[l, j] = w[j, l] is the same matrix stored [k, n].
+            let wt: Vec<f32> = (0..k * n).map(|i| w[(i % n) * k + i / n]).collect();
+            for dtype in [DType::F32, DType::F16, DType::BF16] {
+                let xt = Tensor::from_f32(dtype, &[m, k], &x).unwrap();
+                let bias = Tensor::from_f32(dtype, &[n], &b).unwrap();
+                let want = linear(
+                    &xt,
+                    &Tensor::from_f32(dtype, &[n, k], &w).unwrap(),
+                    Some(&bias),
+                )
+                .unwrap()
+                .to_f32_vec();
+                let got = linear_t(
+                    &xt,
+                    &Tensor::from_f32(dtype, &[k, n], &wt).unwrap(),
+                    Some(&bias),
+                )
+                .unwrap();
+                assert_eq!((got.shape(), got.dtype()), (&[m, n][..], dtype));
+                let tol = if dtype == DType::F32 { 1e-5 } else { 1e-2 };
+                for (a, e) in got.to_f32_vec().iter().zip(&want) {
+                    assert!(
+                        (a - e).abs() <= tol * (1.0 + e.abs()),
+                        "{m} {dtype}: {a} vs {e}"
+                    );
+                }
+            }
+        }
+        let err = linear_t(&t(&[1, 3], &[0.; 3]), &t(&[4, 2], &[0.; 8]), None).unwrap_err();
+        assert!(
+            err.to_string().contains("does not fit [in, out] weight"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn tanh_gelu_softcap_and_scale() {
+        let x = t(&[3], &[1., -2., 0.5]);
+        // torch.nn.functional.gelu(x, approximate="tanh")
+        let g = gelu_tanh(&x).unwrap().to_f32_vec();
+        for (a, e) in g.iter().zip([0.841192, -0.04540230, 0.34571401]) {
+            assert!((a - e).abs() < 1e-6, "{a} vs {e}");
+        }
+        let c = softcap(&t(&[2], &[100., -1.]), 30.0).unwrap().to_f32_vec();
+        assert!((c[0] - 30.0 * (100f32 / 30.0).tanh()).abs() < 1e-5 && c[0] < 30.0);
+        assert!((c[1] + 0.99963).abs() < 1e-4);
+        let half = Tensor::from_f32(DType::BF16, &[1], &[3.0]).unwrap();
+        // 3 · 1.7 = 5.1, rounded once to bf16.
+        assert_eq!(scale(&half, 1.7).unwrap().to_f32_vec(), [5.09375]);
+    }
+
+    #[test]
+    fn gemma_norm_multiplies_by_one_plus_the_weight_in_f32() {
+        let x = t(&[1, 4], &[1., 2., 3., 4.]);
+        let w = t(&[4], &[0., 1., -0.5, 0.]);
+        let y = rms_norm_plus_one(&x, &w, 0.0).unwrap().to_f32_vec();
+        let rms = (30.0f32 / 4.0).sqrt();
+        for (i, (a, f)) in y.iter().zip([1., 2., 0.5, 1.]).enumerate() {
+            assert!((a - (i + 1) as f32 / rms * f).abs() < 1e-6, "{i}: {a}");
+        }
+        let xb = x.to_dtype(DType::BF16).unwrap();
+        let yb = rms_norm_plus_one(&xb, &w, 0.0).unwrap();
+        assert_eq!(yb.dtype(), DType::BF16);
+    }
+
+    #[test]
+    fn split_columns_cuts_fused_outputs() {
+        let x = t(&[2, 5], &[0., 1., 2., 3., 4., 5., 6., 7., 8., 9.]);
+        let parts = split_columns(&x, &[2, 0, 3]).unwrap();
+        assert_eq!(parts[0].to_f32_vec(), [0., 1., 5., 6.]);
+        assert_eq!(parts[1].shape(), [2, 0]);
+        assert_eq!(parts[2].to_f32_vec(), [2., 3., 4., 7., 8., 9.]);
+        assert!(split_columns(&x, &[2, 2]).is_err());
+    }
+
+    #[test]
+    fn partial_and_scaled_rope() {
+        // Head of 6, rotary over the first 4 (frequencies 1 and 0.5),
+        // cos/sin scaled by 2; the last two dimensions pass through.
+        let rope = Rope::with_frequencies(6, vec![1.0, 0.5], 2.0).unwrap();
+        let x = t(&[1, 6], &[1., 0., 0., 0., 7., 8.]);
+        let y = rope.apply(&x, 1).unwrap().to_f32_vec();
+        assert!((y[0] - 2.0 * 1f32.cos()).abs() < 1e-6);
+        assert!((y[2] - 2.0 * 1f32.sin()).abs() < 1e-6);
+        assert_eq!((y[1], y[3], y[4], y[5]), (0., 0., 7., 8.));
+        // Default frequencies given explicitly rotate as Rope::new does.
+        let default = Rope::new(4, 100.0);
+        let explicit = Rope::with_frequencies(4, vec![1.0, 0.1], 1.0).unwrap();
+        let x = t(&[2, 8], &[0.3; 16]);
+        assert_eq!(
+            default.apply(&x, 5).unwrap().to_f32_vec(),
+            explicit.apply(&x, 5).unwrap().to_f32_vec()
+        );
+        assert!(Rope::with_frequencies(2, vec![1.0, 2.0], 1.0).is_err());
+        assert!(Rope::with_frequencies(2, vec![], 1.0).is_err());
+    }
+
+    #[test]
+    fn attention_scale_and_softcap() {
+        let heads = Heads {
+            heads: 1,
+            kv_heads: 1,
+            head_dim: 1,
+        };
+        let mut cache = LayerCache::new();
+        cache
+            .append(&t(&[2, 1], &[1., 3.]), &t(&[2, 1], &[0., 1.]))
+            .unwrap();
+        let q = t(&[1, 1], &[2.]);
+        let weight_of_second = |scores: Scores| {
+            attention_with(&q, &cache, heads, Mask::Causal, scores)
+                .unwrap()
+                .to_f32_vec()[0]
+        };
+        // Scores 2 and 6 at scale 1: softmax weight of the second key.
+        let plain = weight_of_second(Scores::standard(1));
+        assert!((plain - 1.0 / (1.0 + (-4f32).exp())).abs() < 1e-6);
+        let halved = weight_of_second(Scores::scaled_by(4.0));
+        assert!((halved - 1.0 / (1.0 + (-2f32).exp())).abs() < 1e-6);
+        let capped = weight_of_second(Scores {
+            scale: 1.0,
+            softcap: Some(2.0),
+        });
+        let gap = 2.0 * (3f32.tanh() - 1f32.tanh());
+        assert!((capped - 1.0 / (1.0 + (-gap).exp())).abs() < 1e-6);
+    }
+
+    #[test]
+    fn a_windowed_cache_forgets_old_positions_and_attends_the_same() {
+        let heads = Heads {
+            heads: 2,
+            kv_heads: 1,
+            head_dim: 2,
+        };
+        let window = 3;
+        let (mut full, mut rolling) = (LayerCache::new(), LayerCache::new());
+        for pos in 0..20 {
+            let v = |seed: f32| {
+                t(
+                    &[1, 2],
+                    &[(pos as f32 * seed).sin(), (pos as f32 + seed).cos()],
+                )
+            };
+            for cache in [&mut full, &mut rolling] {
+                cache.append(&v(0.7), &v(1.3)).unwrap();
+            }
+            let q = t(&[1, 4], &[0.5, -0.2, 0.1, 0.9]);
+            let want = attention(&q, &full, heads, Mask::SlidingWindow(window)).unwrap();
+            let got = attention(&q, &rolling, heads, Mask::SlidingWindow(window)).unwrap();
+            assert_eq!(want.to_f32_vec(), got.to_f32_vec(), "position {pos}");
+            rolling.forget_outside_window(window);
+            assert_eq!(rolling.len(), pos + 1);
+            assert!(rolling.rows() < 2 * window);
+        }
+        let err = attention(&t(&[1, 4], &[0.; 4]), &rolling, heads, Mask::Causal).unwrap_err();
+        assert!(err.to_string().contains("dropped"), "{err}");
     }
 
     #[test]

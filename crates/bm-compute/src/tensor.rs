@@ -145,6 +145,8 @@ impl Tensor {
         let numel: usize = shape.iter().product();
         let mut buf = HostBuffer::zeroed(numel * dtype.size_in_bytes())?;
         match dtype {
+            // An empty buffer's pointer need not be aligned for f32.
+            DType::F32 if numel == 0 => fill(&mut []),
             DType::F32 => fill(bytemuck::cast_slice_mut(buf.as_mut_bytes())),
             DType::F16 | DType::BF16 => {
                 let mut wide = vec![0f32; numel];
@@ -311,6 +313,43 @@ impl Tensor {
         )
     }
 
+    /// Elements `start..start + out.len()` (flat, row-major) widened to f32
+    /// into `out`: a window of a matrix row without widening the whole row.
+    pub(crate) fn widen_range_into(&self, start: usize, out: &mut [f32]) {
+        use half::slice::HalfFloatSliceExt;
+        let size = self.dtype.size_in_bytes();
+        let bytes = &self.host_bytes()[start * size..(start + out.len()) * size];
+        // Lengths were checked at construction, so typed_slice cannot fail.
+        match self.dtype {
+            DType::F32 => {
+                out.copy_from_slice(&typed_slice::<f32>(bytes).expect("F32 tensor bytes"))
+            }
+            DType::F16 => typed_slice::<f16>(bytes)
+                .expect("F16 tensor bytes")
+                .convert_to_f32_slice(out),
+            DType::BF16 => typed_slice::<bf16>(bytes)
+                .expect("BF16 tensor bytes")
+                .convert_to_f32_slice(out),
+            other => unreachable!("tensor of non-compute dtype {other}"),
+        }
+    }
+
+    /// The same elements seen with another shape of the same element
+    /// count (no copy, on any backend): `[seq, heads * head_dim]` as
+    /// `[seq * heads, head_dim]` for a per-head norm.
+    pub fn reshape(self, shape: &[usize]) -> Result<Tensor, Error> {
+        if shape.iter().product::<usize>() != self.numel() {
+            return Err(Error::BadOperands {
+                op: "reshape",
+                message: format!("shape {:?} cannot be seen as {shape:?}", self.shape),
+            });
+        }
+        Ok(Tensor {
+            shape: shape.to_vec(),
+            ..self
+        })
+    }
+
     /// The values as a new f32 vector.
     pub fn to_f32_vec(&self) -> Vec<f32> {
         self.f32_values().into_owned()
@@ -416,6 +455,24 @@ mod tests {
         assert!(err.to_string().contains("emulated device 0"), "{err}");
         // A host tensor's to_host is a copy of the same values.
         assert_eq!(t.to_host().unwrap().to_f32_vec(), [1.0, 2.0]);
+    }
+
+    #[test]
+    fn reshape_keeps_the_elements_and_checks_the_count() {
+        let t = Tensor::from_f32(DType::BF16, &[2, 3], &[0., 1., 2., 3., 4., 5.]).unwrap();
+        let r = t.reshape(&[3, 2]).unwrap();
+        assert_eq!(
+            (r.shape(), r.to_f32_vec()),
+            (&[3, 2][..], vec![0., 1., 2., 3., 4., 5.])
+        );
+        let mut window = [0f32; 2];
+        r.widen_range_into(3, &mut window);
+        assert_eq!(window, [3., 4.]);
+        let err = r.reshape(&[4]).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "reshape: shape [3, 2] cannot be seen as [4]"
+        );
     }
 
     #[test]

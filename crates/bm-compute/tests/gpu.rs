@@ -3,7 +3,7 @@
 //! gpu-bundle`; without a GPU each test prints "skipped: no CUDA device"
 //! and returns, unless `BM_GPU_TESTS=1`, which makes that a failure.
 
-use bm_compute::ops::{self, Heads, LayerCache, Mask, Rope};
+use bm_compute::ops::{self, Heads, LayerCache, Mask, Rope, Scores};
 use bm_compute::{Backend, Tensor};
 use bm_device::DeviceSet;
 use bm_tensor::DType;
@@ -128,6 +128,54 @@ fn every_op_on_a_gpu_matches_the_cpu_op() {
             &x.to_dtype(DType::F32).unwrap(),
         );
         assert_matches("rows", &gx.rows(1, 3).unwrap(), &x.rows(1, 3).unwrap());
+        for (i, (g, c)) in ops::split_columns(&gx, &[16, 40, 8])
+            .unwrap()
+            .iter()
+            .zip(ops::split_columns(&x, &[16, 40, 8]).unwrap())
+            .enumerate()
+        {
+            assert_matches(&format!("split_columns part {i}"), g, &c);
+        }
+        assert_matches(
+            "scale",
+            &ops::scale(&gx, 1.7).unwrap(),
+            &ops::scale(&x, 1.7).unwrap(),
+        );
+        assert_matches(
+            "rms_norm_plus_one",
+            &ops::rms_norm_plus_one(&gx, &gnw, 1e-6).unwrap(),
+            &ops::rms_norm_plus_one(&x, &norm_w, 1e-6).unwrap(),
+        );
+        let head_w = host(dtype, &[16], 8);
+        assert_matches(
+            "per-head rms_norm",
+            &ops::rms_norm(
+                &gx.to_dtype(dtype).unwrap().reshape(&[s * 4, 16]).unwrap(),
+                &head_w.to_gpu(gpu).unwrap(),
+                1e-6,
+            )
+            .unwrap(),
+            &ops::rms_norm(
+                &x.to_dtype(dtype).unwrap().reshape(&[s * 4, 16]).unwrap(),
+                &head_w,
+                1e-6,
+            )
+            .unwrap(),
+        );
+        // Ops without a CUDA side yet say so instead of computing.
+        let wt = host(dtype, &[hidden, out], 9);
+        let missing = [
+            ops::linear_t(&gx, &wt, None).unwrap_err(),
+            ops::gelu_tanh(&gx).unwrap_err(),
+            ops::softcap(&gx, 30.0).unwrap_err(),
+            Rope::with_frequencies(16, vec![1.0; 4], 1.0)
+                .unwrap()
+                .apply(&gx, 0)
+                .unwrap_err(),
+        ];
+        for err in missing {
+            assert!(matches!(err, bm_compute::Error::NotOnCuda { .. }), "{err}");
+        }
 
         // Attention over a cache filled in two appends (prefill, one step).
         let heads = Heads {
@@ -151,6 +199,14 @@ fn every_op_on_a_gpu_matches_the_cpu_op() {
                     &ops::attention(&q.to_gpu(gpu).unwrap(), &gpu_cache, heads, mask).unwrap(),
                     &ops::attention(&q, &cpu_cache, heads, mask).unwrap(),
                 );
+                let capped = Scores {
+                    scale: 0.1,
+                    softcap: Some(5.0),
+                };
+                let err =
+                    ops::attention_with(&q.to_gpu(gpu).unwrap(), &gpu_cache, heads, mask, capped)
+                        .unwrap_err();
+                assert!(matches!(err, bm_compute::Error::NotOnCuda { .. }), "{err}");
             }
         }
     }
