@@ -10,6 +10,8 @@ use crate::Error;
 pub(crate) struct ConfigFile {
     path: PathBuf,
     json: Value,
+    /// `"outer."` for a nested object, so errors name the full key.
+    prefix: String,
 }
 
 impl ConfigFile {
@@ -26,18 +28,36 @@ impl ConfigFile {
             });
         }
         let json = read_json(&path)?;
-        Ok(ConfigFile { path, json })
+        Ok(ConfigFile::from_value(path, json))
     }
 
     /// A config from JSON already in memory (`path` is only used in errors).
     pub(crate) fn from_value(path: PathBuf, json: Value) -> ConfigFile {
-        ConfigFile { path, json }
+        ConfigFile {
+            path,
+            json,
+            prefix: String::new(),
+        }
+    }
+
+    /// The object under `key` (e.g. `rope_parameters`), read with the same
+    /// accessors; its errors name `key.inner`.
+    pub(crate) fn nested(&self, key: &str) -> Result<Option<ConfigFile>, Error> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v @ Value::Object(_)) => Ok(Some(ConfigFile {
+                path: self.path.clone(),
+                json: v.clone(),
+                prefix: format!("{}{key}.", self.prefix),
+            })),
+            Some(v) => Err(self.error(key, format!("expected an object, found {v}"))),
+        }
     }
 
     pub(crate) fn error(&self, key: &str, message: impl Into<String>) -> Error {
         Error::Config {
             path: self.path.clone(),
-            key: key.to_string(),
+            key: format!("{}{key}", self.prefix),
             message: message.into(),
         }
     }
@@ -69,6 +89,64 @@ impl ConfigFile {
                 .as_f64()
                 .map(Some)
                 .ok_or_else(|| self.error(key, format!("expected a number, found {v}"))),
+        }
+    }
+
+    /// A number whose absence means `default` and whose `null` means none
+    /// (transformers' `float | None = default` fields).
+    pub(crate) fn nullable_f64(
+        &self,
+        key: &str,
+        default: Option<f64>,
+    ) -> Result<Option<f64>, Error> {
+        match self.json.get(key) {
+            None => Ok(default),
+            Some(Value::Null) => Ok(None),
+            Some(v) => v
+                .as_f64()
+                .map(Some)
+                .ok_or_else(|| self.error(key, format!("expected a number or null, found {v}"))),
+        }
+    }
+
+    /// A positive integer whose absence means `default` and whose `null`
+    /// means none (transformers' `int | None = default` fields).
+    pub(crate) fn nullable_usize(
+        &self,
+        key: &str,
+        default: Option<usize>,
+    ) -> Result<Option<usize>, Error> {
+        match self.json.get(key) {
+            None => Ok(default),
+            Some(_) => self.opt_usize(key),
+        }
+    }
+
+    /// A list of numbers, if present.
+    pub(crate) fn opt_f64s(&self, key: &str) -> Result<Option<Vec<f64>>, Error> {
+        let bad = |v: &Value| self.error(key, format!("expected a list of numbers, found {v}"));
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|v| v.as_f64().ok_or_else(|| bad(v)))
+                .collect::<Result<_, _>>()
+                .map(Some),
+            Some(v) => Err(bad(v)),
+        }
+    }
+
+    /// A list of strings, if present.
+    pub(crate) fn opt_strings(&self, key: &str) -> Result<Option<Vec<&str>>, Error> {
+        let bad = |v: &Value| self.error(key, format!("expected a list of strings, found {v}"));
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|v| v.as_str().ok_or_else(|| bad(v)))
+                .collect::<Result<_, _>>()
+                .map(Some),
+            Some(v) => Err(bad(v)),
         }
     }
 

@@ -1,4 +1,5 @@
-//! The Llama-family decoder (llama, mistral, qwen2), one block at a time.
+//! The decoder, one block at a time: the blocks every family in
+//! `family.rs` is made of, run as its [`DecoderConfig`] says.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -6,174 +7,11 @@ use std::time::Instant;
 
 use bm_tensor::DType;
 
-use crate::config::ConfigFile;
-use crate::ops::{self, Heads, LayerCache, Mask, Rope};
+use crate::family::{Activation, DecoderConfig, Mlp, Norm, Positions, Projections, RopeConfig};
+use crate::ops::{self, LayerCache, Mask, Rope};
 use crate::text::TextTokenizer;
 use crate::weights::{FolderWeights, WeightSource};
 use crate::{Error, Tensor};
-
-/// The decoder architectures this crate runs.
-pub const SUPPORTED_DECODERS: &str =
-    "llama, mistral, qwen2 (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)";
-
-/// Which member of the Llama family a config describes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DecoderArch {
-    /// `LlamaForCausalLM`.
-    Llama,
-    /// `MistralForCausalLM` (sliding-window attention).
-    Mistral,
-    /// `Qwen2ForCausalLM` (biases on q/k/v).
-    Qwen2,
-}
-
-/// What a decoder's `config.json` says, in the terms the blocks use.
-#[derive(Clone, Debug, PartialEq)]
-pub struct DecoderConfig {
-    /// Architecture.
-    pub arch: DecoderArch,
-    /// Vocabulary size (rows of the embedding and of `lm_head`).
-    pub vocab_size: usize,
-    /// Width of the residual stream.
-    pub hidden_size: usize,
-    /// Width of the MLP.
-    pub intermediate_size: usize,
-    /// Decoder layers.
-    pub num_layers: usize,
-    /// Attention geometry.
-    pub heads: Heads,
-    /// RMSNorm epsilon.
-    pub rms_norm_eps: f32,
-    /// Rotary base.
-    pub rope_theta: f32,
-    /// Biases on the q/k/v projections.
-    pub qkv_bias: bool,
-    /// Bias on the attention output projection.
-    pub o_bias: bool,
-    /// Biases on the MLP projections.
-    pub mlp_bias: bool,
-    /// `lm_head` shares `model.embed_tokens.weight`.
-    pub tie_word_embeddings: bool,
-    /// Mistral's attention window, if any.
-    pub sliding_window: Option<usize>,
-    /// Tokens that end generation (`eos_token_id`).
-    pub eos_token_ids: Vec<u32>,
-}
-
-impl DecoderConfig {
-    /// Reads `dir/config.json`.
-    pub fn from_dir(dir: impl AsRef<Path>) -> Result<DecoderConfig, Error> {
-        DecoderConfig::parse(&ConfigFile::open(dir.as_ref())?)
-    }
-
-    /// Parses config JSON already in memory; `path` names it in errors.
-    pub fn from_json(
-        path: impl Into<PathBuf>,
-        json: serde_json::Value,
-    ) -> Result<DecoderConfig, Error> {
-        DecoderConfig::parse(&ConfigFile::from_value(path.into(), json))
-    }
-
-    fn parse(c: &ConfigFile) -> Result<DecoderConfig, Error> {
-        let model_type = c.opt_str("model_type").unwrap_or_default();
-        let arch = match model_type {
-            "llama" => DecoderArch::Llama,
-            "mistral" => DecoderArch::Mistral,
-            "qwen2" => DecoderArch::Qwen2,
-            other => {
-                let archs = c
-                    .get("architectures")
-                    .map(|a| a.to_string())
-                    .unwrap_or_default();
-                return Err(Error::UnsupportedArchitecture {
-                    found: format!("{other} {archs}").trim().to_string(),
-                    supported: SUPPORTED_DECODERS,
-                });
-            }
-        };
-        let hidden_size = c.usize("hidden_size")?;
-        let num_heads = c.usize("num_attention_heads")?;
-        let kv_heads = c.opt_usize("num_key_value_heads")?.unwrap_or(num_heads);
-        if num_heads % kv_heads != 0 {
-            return Err(c.error(
-                "num_key_value_heads",
-                format!("{kv_heads} does not divide num_attention_heads {num_heads}"),
-            ));
-        }
-        let head_dim = match c.opt_usize("head_dim")? {
-            Some(d) => d,
-            None if hidden_size % num_heads == 0 => hidden_size / num_heads,
-            None => return Err(c.error("hidden_size", "not a multiple of num_attention_heads")),
-        };
-        if head_dim % 2 != 0 {
-            return Err(c.error("head_dim", format!("{head_dim} is odd; rotary needs pairs")));
-        }
-        if let Some(act) = c.opt_str("hidden_act") {
-            if act != "silu" {
-                return Err(c.error(
-                    "hidden_act",
-                    format!("{act:?} is not supported (only silu)"),
-                ));
-            }
-        }
-        // transformers 5 keeps rope settings in rope_parameters; older
-        // configs in rope_theta / rope_scaling. Only unscaled rope is run.
-        let rope = c.get("rope_parameters").or_else(|| c.get("rope_scaling"));
-        let rope_type = rope
-            .and_then(|r| r.get("rope_type").or_else(|| r.get("type")))
-            .and_then(|t| t.as_str())
-            .unwrap_or("default");
-        if rope_type != "default" {
-            return Err(c.error(
-                "rope_scaling",
-                format!("rope type {rope_type:?} is not supported (only unscaled rope)"),
-            ));
-        }
-        let rope_theta = rope
-            .and_then(|r| r.get("rope_theta"))
-            .and_then(|t| t.as_f64())
-            .or(c.opt_f64("rope_theta")?)
-            .unwrap_or(10000.0);
-        let attention_bias = c.bool_or("attention_bias", false)?;
-        let sliding_window = match arch {
-            DecoderArch::Mistral => c.opt_usize("sliding_window")?,
-            DecoderArch::Qwen2 if c.bool_or("use_sliding_window", false)? => {
-                return Err(c.error(
-                    "use_sliding_window",
-                    "Qwen2 sliding-window layers are not supported",
-                ));
-            }
-            _ => None,
-        };
-        Ok(DecoderConfig {
-            arch,
-            vocab_size: c.usize("vocab_size")?,
-            hidden_size,
-            intermediate_size: c.usize("intermediate_size")?,
-            num_layers: c.usize("num_hidden_layers")?,
-            heads: Heads {
-                heads: num_heads,
-                kv_heads,
-                head_dim,
-            },
-            rms_norm_eps: c.opt_f64("rms_norm_eps")?.unwrap_or(1e-6) as f32,
-            rope_theta: rope_theta as f32,
-            qkv_bias: arch == DecoderArch::Qwen2 || attention_bias,
-            o_bias: arch == DecoderArch::Llama && attention_bias,
-            mlp_bias: arch == DecoderArch::Llama && c.bool_or("mlp_bias", false)?,
-            tie_word_embeddings: c.bool_or("tie_word_embeddings", false)?,
-            sliding_window,
-            eos_token_ids: c.token_ids("eos_token_id")?,
-        })
-    }
-
-    fn mask(&self) -> Mask {
-        match self.sliding_window {
-            Some(w) => Mask::SlidingWindow(w),
-            None => Mask::Causal,
-        }
-    }
-}
 
 /// Fetches `name` and checks its shape against the config.
 pub(crate) fn fetch(
@@ -204,10 +42,12 @@ pub(crate) fn in_block<T>(
     out
 }
 
-/// A linear layer's weights.
+/// A linear layer's weights: `nn.Linear` (weight `[out, in]`) or
+/// transformers' `Conv1D` (weight `[in, out]`, GPT-2).
 struct Linear {
     weight: Arc<Tensor>,
     bias: Option<Arc<Tensor>>,
+    conv1d: bool,
 }
 
 impl Linear {
@@ -225,11 +65,31 @@ impl Linear {
             } else {
                 None
             },
+            conv1d: false,
+        })
+    }
+
+    /// A `Conv1D` module (always with a bias).
+    fn load_conv1d(
+        src: &dyn WeightSource,
+        name: &str,
+        out: usize,
+        inp: usize,
+    ) -> Result<Linear, Error> {
+        Ok(Linear {
+            weight: fetch(src, &format!("{name}.weight"), &[inp, out])?,
+            bias: Some(fetch(src, &format!("{name}.bias"), &[out])?),
+            conv1d: true,
         })
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor, Error> {
-        Ok(ops::linear(x, &self.weight, self.bias.as_deref())?)
+        let bias = self.bias.as_deref();
+        Ok(if self.conv1d {
+            ops::linear_t(x, &self.weight, bias)?
+        } else {
+            ops::linear(x, &self.weight, bias)?
+        })
     }
 }
 
@@ -260,24 +120,84 @@ pub enum Logits {
     Last,
 }
 
+/// The rotary tables of a config: one set, or LongRoPE's short and long
+/// sets with the length that switches between them.
+#[derive(Debug)]
+struct Rotary {
+    short: Rope,
+    long: Option<(usize, Rope)>,
+}
+
+impl Rotary {
+    fn new(rope: &RopeConfig, head_dim: usize) -> Result<Rotary, Error> {
+        // Frequencies as transformers computes them, in f32:
+        // 1 / (factor_i · theta^(2i / rotary_dim)).
+        let frequencies = |factors: Option<&[f32]>| -> Vec<f32> {
+            (0..rope.rotary_dim / 2)
+                .map(|i| {
+                    let base = rope.theta.powf((2 * i) as f32 / rope.rotary_dim as f32);
+                    1.0 / (factors.map_or(1.0, |f| f[i]) * base)
+                })
+                .collect()
+        };
+        Ok(match &rope.long_rope {
+            None if rope.rotary_dim == head_dim => Rotary {
+                short: Rope::new(head_dim, rope.theta),
+                long: None,
+            },
+            None => Rotary {
+                short: Rope::with_frequencies(head_dim, frequencies(None), 1.0)?,
+                long: None,
+            },
+            Some(l) => Rotary {
+                short: Rope::with_frequencies(
+                    head_dim,
+                    frequencies(Some(&l.short_factor)),
+                    l.attention_factor,
+                )?,
+                long: Some((
+                    l.original_max_positions,
+                    Rope::with_frequencies(
+                        head_dim,
+                        frequencies(Some(&l.long_factor)),
+                        l.attention_factor,
+                    )?,
+                )),
+            },
+        })
+    }
+
+    /// The table for a forward pass ending at position `end` (exclusive):
+    /// transformers picks LongRoPE's factors per pass, by its last position.
+    fn for_pass_ending_at(&self, end: usize) -> &Rope {
+        match &self.long {
+            Some((original, long)) if end > *original => long,
+            _ => &self.short,
+        }
+    }
+}
+
 /// The decoder: config plus rotary tables, no weights. Each block's
 /// forward takes its weights from a [`WeightSource`] at call time.
 #[derive(Debug)]
 pub struct Decoder {
     config: DecoderConfig,
     dtype: DType,
-    rope: Rope,
+    rotary: Option<Rotary>,
 }
 
 impl Decoder {
     /// A decoder computing in `dtype` (F32, F16 or BF16).
     pub fn new(config: DecoderConfig, dtype: DType) -> Result<Decoder, Error> {
         ops::check_compute_dtype("decoder compute dtype", dtype)?;
-        let rope = Rope::new(config.heads.head_dim, config.rope_theta);
+        let rotary = match &config.positions {
+            Positions::Rotary(rope) => Some(Rotary::new(rope, config.heads.head_dim)?),
+            Positions::Learned { .. } => None,
+        };
         Ok(Decoder {
             config,
             dtype,
-            rope,
+            rotary,
         })
     }
 
@@ -293,9 +213,11 @@ impl Decoder {
 
     /// Block names in execution order, as transformers names the modules.
     pub fn block_names(&self) -> Vec<String> {
-        let mut names = vec!["model.embed_tokens".to_string()];
-        names.extend((0..self.config.num_layers).map(|i| format!("model.layers.{i}")));
-        names.extend(["model.norm".to_string(), "lm_head".to_string()]);
+        let n = self.config.names();
+        let mut names = vec![n.embed.to_string()];
+        names.extend(n.positions.map(str::to_string));
+        names.extend((0..self.config.num_layers).map(|i| format!("{}.{i}", n.layers)));
+        names.extend([n.final_norm.to_string(), "lm_head".to_string()]);
         names
     }
 
@@ -308,20 +230,166 @@ impl Decoder {
         }
     }
 
-    /// Block `model.embed_tokens`: `[ids.len(), hidden]`.
-    pub fn embed(&self, src: &dyn WeightSource, ids: &[u32]) -> Result<Tensor, Error> {
+    /// The embedding blocks (tokens, and learned positions where the family
+    /// has them) for `ids` at positions `start..`: `[ids.len(), hidden]`.
+    pub fn embed(
+        &self,
+        src: &dyn WeightSource,
+        ids: &[u32],
+        start: usize,
+    ) -> Result<Tensor, Error> {
         let c = &self.config;
-        in_block(src, "model.embed_tokens", || {
-            let table = fetch(
-                src,
-                "model.embed_tokens.weight",
-                &[c.vocab_size, c.hidden_size],
-            )?;
-            Ok(ops::embedding(ids, &table, self.dtype)?)
+        let n = c.names();
+        let x = in_block(src, n.embed, || {
+            let table = fetch(src, &c.embedding_weight(), &[c.vocab_size, c.hidden_size])?;
+            let x = ops::embedding(ids, &table, self.dtype)?;
+            Ok(match c.embed_scale {
+                // transformers rounds the factor to the weights' dtype first.
+                Some(factor) => {
+                    let rounded = Tensor::from_f32(self.dtype, &[1], &[factor])?.to_f32_vec()[0];
+                    ops::scale(&x, rounded)?
+                }
+                None => x,
+            })
+        })?;
+        match (&c.positions, n.positions) {
+            (Positions::Learned { max_positions }, Some(block)) => in_block(src, block, || {
+                let end = start + ids.len();
+                if end > *max_positions {
+                    return Err(Error::SequenceTooLong {
+                        len: end,
+                        max: *max_positions,
+                    });
+                }
+                let table = fetch(
+                    src,
+                    &format!("{block}.weight"),
+                    &[*max_positions, c.hidden_size],
+                )?;
+                let positions: Vec<u32> = (start as u32..end as u32).collect();
+                Ok(ops::add(
+                    &x,
+                    &ops::embedding(&positions, &table, self.dtype)?,
+                )?)
+            }),
+            _ => Ok(x),
+        }
+    }
+
+    /// A norm module (`{module}.weight`, and `.bias` for LayerNorm).
+    fn norm(&self, src: &dyn WeightSource, module: &str, x: &Tensor) -> Result<Tensor, Error> {
+        let h = self.config.hidden_size;
+        let weight = fetch(src, &format!("{module}.weight"), &[h])?;
+        Ok(match self.config.norm {
+            Norm::Rms { eps } => ops::rms_norm(x, &weight, eps)?,
+            Norm::RmsPlusOne { eps } => ops::rms_norm_plus_one(x, &weight, eps)?,
+            Norm::Layer { eps } => {
+                let bias = fetch(src, &format!("{module}.bias"), &[h])?;
+                ops::layer_norm(x, &weight, &bias, eps)?
+            }
         })
     }
 
-    /// Block `model.layers.{index}` on `x` (`[seq, hidden]`), appending the
+    /// Queries, keys and values of `x`, and the attention output projection.
+    fn projections(
+        &self,
+        src: &dyn WeightSource,
+        block: &str,
+        x: &Tensor,
+    ) -> Result<([Tensor; 3], Linear), Error> {
+        let c = &self.config;
+        let h = c.hidden_size;
+        let (qw, kw) = (
+            c.heads.heads * c.heads.head_dim,
+            c.heads.kv_heads * c.heads.head_dim,
+        );
+        let split = |fused: Tensor| -> Result<[Tensor; 3], Error> {
+            let parts = ops::split_columns(&fused, &[qw, kw, kw])?;
+            Ok(parts.try_into().expect("three widths give three parts"))
+        };
+        Ok(match c.projections {
+            Projections::Separate { qkv_bias, o_bias } => {
+                let attn = format!("{block}.self_attn");
+                let proj = |name: &str, out: usize| {
+                    Linear::load(src, &format!("{attn}.{name}"), out, h, qkv_bias)?.forward(x)
+                };
+                (
+                    [
+                        proj("q_proj", qw)?,
+                        proj("k_proj", kw)?,
+                        proj("v_proj", kw)?,
+                    ],
+                    Linear::load(src, &format!("{attn}.o_proj"), h, qw, o_bias)?,
+                )
+            }
+            Projections::FusedQkv => {
+                let attn = format!("{block}.self_attn");
+                let qkv = Linear::load(src, &format!("{attn}.qkv_proj"), qw + 2 * kw, h, false)?;
+                (
+                    split(qkv.forward(x)?)?,
+                    Linear::load(src, &format!("{attn}.o_proj"), h, qw, false)?,
+                )
+            }
+            Projections::Conv1D => {
+                let attn = format!("{block}.attn");
+                let c_attn = Linear::load_conv1d(src, &format!("{attn}.c_attn"), qw + 2 * kw, h)?;
+                (
+                    split(c_attn.forward(x)?)?,
+                    Linear::load_conv1d(src, &format!("{attn}.c_proj"), h, qw)?,
+                )
+            }
+        })
+    }
+
+    /// Qwen3's RMS norm over each head of `x` (`[seq, heads * head_dim]`).
+    fn head_norm(&self, src: &dyn WeightSource, name: &str, x: Tensor) -> Result<Tensor, Error> {
+        let Norm::Rms { eps } = self.config.norm else {
+            unreachable!("per-head norms are only configured with RMSNorm")
+        };
+        let hd = self.config.heads.head_dim;
+        let shape = x.shape().to_vec();
+        let weight = fetch(src, name, &[hd])?;
+        let heads = x.reshape(&[shape.iter().product::<usize>() / hd, hd])?;
+        Ok(ops::rms_norm(&heads, &weight, eps)?.reshape(&shape)?)
+    }
+
+    /// The MLP of layer `block` on the normed `x`.
+    fn mlp(&self, src: &dyn WeightSource, block: &str, x: &Tensor) -> Result<Tensor, Error> {
+        let c = &self.config;
+        let (h, i) = (c.hidden_size, c.intermediate_size);
+        let mlp = format!("{block}.mlp");
+        let act = |t: &Tensor| -> Result<Tensor, Error> {
+            Ok(match c.activation {
+                Activation::Silu => ops::silu(t)?,
+                Activation::Gelu => ops::gelu(t)?,
+                Activation::GeluTanh => ops::gelu_tanh(t)?,
+            })
+        };
+        Ok(match c.mlp {
+            Mlp::Gated { bias } => {
+                let gate = Linear::load(src, &format!("{mlp}.gate_proj"), i, h, bias)?;
+                let up = Linear::load(src, &format!("{mlp}.up_proj"), i, h, bias)?;
+                let down = Linear::load(src, &format!("{mlp}.down_proj"), h, i, bias)?;
+                let gated = ops::mul(&act(&gate.forward(x)?)?, &up.forward(x)?)?;
+                down.forward(&gated)?
+            }
+            Mlp::FusedGated => {
+                let gate_up = Linear::load(src, &format!("{mlp}.gate_up_proj"), 2 * i, h, false)?;
+                let down = Linear::load(src, &format!("{mlp}.down_proj"), h, i, false)?;
+                let [gate, up]: [Tensor; 2] = ops::split_columns(&gate_up.forward(x)?, &[i, i])?
+                    .try_into()
+                    .expect("two widths give two parts");
+                down.forward(&ops::mul(&act(&gate)?, &up)?)?
+            }
+            Mlp::Conv1D => {
+                let fc = Linear::load_conv1d(src, &format!("{mlp}.c_fc"), i, h)?;
+                let proj = Linear::load_conv1d(src, &format!("{mlp}.c_proj"), h, i)?;
+                proj.forward(&act(&fc.forward(x)?)?)?
+            }
+        })
+    }
+
+    /// Block `{layers}.{index}` on `x` (`[seq, hidden]`), appending the
     /// new positions' keys and values to `cache`.
     pub fn layer(
         &self,
@@ -331,89 +399,72 @@ impl Decoder {
         cache: &mut LayerCache,
     ) -> Result<Tensor, Error> {
         let c = &self.config;
-        let block = format!("model.layers.{index}");
+        let n = c.names();
+        let block = format!("{}.{index}", n.layers);
+        let window = c.windows.get(index).copied().flatten();
         in_block(src, &block, || {
-            let (h, i) = (c.hidden_size, c.intermediate_size);
-            let Heads {
-                heads,
-                kv_heads,
-                head_dim,
-            } = c.heads;
-            let attn = format!("{block}.self_attn");
-            let mlp = format!("{block}.mlp");
-            let input_norm = fetch(src, &format!("{block}.input_layernorm.weight"), &[h])?;
-            let q_proj = Linear::load(
-                src,
-                &format!("{attn}.q_proj"),
-                heads * head_dim,
-                h,
-                c.qkv_bias,
-            )?;
-            let k_proj = Linear::load(
-                src,
-                &format!("{attn}.k_proj"),
-                kv_heads * head_dim,
-                h,
-                c.qkv_bias,
-            )?;
-            let v_proj = Linear::load(
-                src,
-                &format!("{attn}.v_proj"),
-                kv_heads * head_dim,
-                h,
-                c.qkv_bias,
-            )?;
-            let o_proj = Linear::load(
-                src,
-                &format!("{attn}.o_proj"),
-                h,
-                heads * head_dim,
-                c.o_bias,
-            )?;
-
+            let normed = self.norm(src, &format!("{block}.{}", n.pre_attention), x)?;
+            let ([q, k, v], o_proj) = self.projections(src, &block, &normed)?;
+            let (q, k) = if c.qk_norm {
+                let attn = format!("{block}.self_attn");
+                (
+                    self.head_norm(src, &format!("{attn}.q_norm.weight"), q)?,
+                    self.head_norm(src, &format!("{attn}.k_norm.weight"), k)?,
+                )
+            } else {
+                (q, k)
+            };
             let start = cache.len();
-            let normed = ops::rms_norm(x, &input_norm, c.rms_norm_eps)?;
-            let q = self.rope.apply(&q_proj.forward(&normed)?, start)?;
-            let k = self.rope.apply(&k_proj.forward(&normed)?, start)?;
-            cache.append(&k, &v_proj.forward(&normed)?)?;
-            let attended = ops::attention(&q, cache, c.heads, c.mask())?;
-            let x = ops::add(x, &o_proj.forward(&attended)?)?;
+            let (q, k) = match &self.rotary {
+                Some(rotary) => {
+                    let rope = rotary.for_pass_ending_at(start + x.shape()[0]);
+                    (rope.apply(&q, start)?, rope.apply(&k, start)?)
+                }
+                None => (q, k),
+            };
+            cache.append(&k, &v)?;
+            let mask = window.map_or(Mask::Causal, Mask::SlidingWindow);
+            let attended = ops::attention_with(&q, cache, c.heads, mask, c.scores)?;
+            if let Some(w) = window {
+                cache.forget_outside_window(w);
+            }
+            let mut out = o_proj.forward(&attended)?;
+            if let Some(post) = n.post_attention {
+                out = self.norm(src, &format!("{block}.{post}"), &out)?;
+            }
+            let x = ops::add(x, &out)?;
 
-            let post_norm = fetch(
-                src,
-                &format!("{block}.post_attention_layernorm.weight"),
-                &[h],
-            )?;
-            let gate = Linear::load(src, &format!("{mlp}.gate_proj"), i, h, c.mlp_bias)?;
-            let up = Linear::load(src, &format!("{mlp}.up_proj"), i, h, c.mlp_bias)?;
-            let down = Linear::load(src, &format!("{mlp}.down_proj"), h, i, c.mlp_bias)?;
-            let normed = ops::rms_norm(&x, &post_norm, c.rms_norm_eps)?;
-            let act = ops::mul(&ops::silu(&gate.forward(&normed)?)?, &up.forward(&normed)?)?;
-            Ok(ops::add(&x, &down.forward(&act)?)?)
+            let normed = self.norm(src, &format!("{block}.{}", n.pre_mlp), &x)?;
+            let mut out = self.mlp(src, &block, &normed)?;
+            if let Some(post) = n.post_mlp {
+                out = self.norm(src, &format!("{block}.{post}"), &out)?;
+            }
+            Ok(ops::add(&x, &out)?)
         })
     }
 
-    /// Block `model.norm`.
+    /// The final norm block.
     pub fn final_norm(&self, src: &dyn WeightSource, x: &Tensor) -> Result<Tensor, Error> {
-        let c = &self.config;
-        in_block(src, "model.norm", || {
-            let w = fetch(src, "model.norm.weight", &[c.hidden_size])?;
-            Ok(ops::rms_norm(x, &w, c.rms_norm_eps)?)
-        })
+        let block = self.config.names().final_norm;
+        in_block(src, block, || self.norm(src, block, x))
     }
 
-    /// Block `lm_head`: logits `[seq, vocab]`. With tied embeddings it reads
-    /// `model.embed_tokens.weight`.
+    /// Block `lm_head`: logits `[seq, vocab]`, soft-capped where the family
+    /// does. With tied embeddings it reads the token embedding's weight.
     pub fn lm_head(&self, src: &dyn WeightSource, x: &Tensor) -> Result<Tensor, Error> {
         let c = &self.config;
         in_block(src, "lm_head", || {
             let name = if c.tie_word_embeddings {
-                "model.embed_tokens.weight"
+                c.embedding_weight()
             } else {
-                "lm_head.weight"
+                "lm_head.weight".to_string()
             };
-            let w = fetch(src, name, &[c.vocab_size, c.hidden_size])?;
-            Ok(ops::linear(x, &w, None)?)
+            let w = fetch(src, &name, &[c.vocab_size, c.hidden_size])?;
+            let logits = ops::linear(x, &w, None)?;
+            Ok(match c.final_softcap {
+                Some(cap) => ops::softcap(&logits, cap)?,
+                None => logits,
+            })
         })
     }
 
@@ -428,7 +479,7 @@ impl Decoder {
         if ids.is_empty() {
             return Err(Error::EmptyInput("token sequence"));
         }
-        let mut x = self.embed(src, ids)?;
+        let mut x = self.embed(src, ids, cache.len())?;
         for (index, layer_cache) in cache.layers.iter_mut().enumerate() {
             x = self.layer(src, index, &x, layer_cache)?;
         }
@@ -538,7 +589,7 @@ impl CausalLm {
         let dtype = match dtype {
             Some(d) => d,
             None => probe
-                .meta("model.embed_tokens.weight")
+                .meta(&config.embedding_weight())
                 .map(|m| m.dtype)
                 .filter(|d| bm_compute::is_compute_dtype(*d))
                 .unwrap_or(DType::F32),

@@ -327,7 +327,7 @@ pub fn open_causal_lm(
     let dir = dir.as_ref();
     let config = DecoderConfig::from_dir(dir)?;
     let probe = FolderWeights::open(dir, None)?;
-    let dtype = pick_dtype(&probe, "model.embed_tokens.weight", options.dtype);
+    let dtype = pick_dtype(&probe, &config.embedding_weight(), options.dtype);
     let hf = bigmodel::plan::hf::tree_from_config(&config::read_json(&dir.join("config.json"))?)?;
     let weights = dispatch(dir, hf.tree, hf.no_split, devices, options, dtype)?;
     let model = CausalLm::with_weights(dir, config, dtype, Box::new(weights.clone()))?;

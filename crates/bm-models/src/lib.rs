@@ -40,18 +40,20 @@ mod decoder;
 mod dispatched;
 mod encoder;
 mod error;
+mod family;
 mod text;
 mod weights;
 
 pub use bm_compute::ops;
 pub use bm_compute::{Backend, HostBytes, SharedDeviceBuffer, Tensor};
 
-pub use decoder::{
-    CausalLm, Decoder, DecoderArch, DecoderConfig, GenerateOptions, Generation, KvCache, Logits,
-    SUPPORTED_DECODERS,
-};
+pub use decoder::{CausalLm, Decoder, GenerateOptions, Generation, KvCache, Logits};
 pub use dispatched::{Dispatched, DispatchedWeights, open_causal_lm, open_sentence_embedder};
 pub use encoder::{Encoder, EncoderConfig, SUPPORTED_ENCODERS, SentenceEmbedder};
 pub use error::Error;
+pub use family::{
+    Activation, DecoderArch, DecoderConfig, LongRope, Mlp, Norm, Positions, Projections,
+    RopeConfig, SUPPORTED_DECODERS,
+};
 pub use text::TextTokenizer;
 pub use weights::{FolderWeights, WeightSource};

@@ -218,7 +218,7 @@ fn bad_folders_and_maps_are_clear_errors() {
     );
 
     config["intermediate_size"] = json!(128);
-    config["model_type"] = json!("gpt2");
+    config["model_type"] = json!("t5");
     std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
     let err = open_causal_lm(dir.path(), Arc::clone(&devices), &none).unwrap_err();
     assert!(

@@ -1,0 +1,794 @@
+//! The decoder families: what each architecture's `config.json` means and
+//! how its modules are named. Every difference between the families is
+//! decided here, once; `decoder.rs` runs whatever a [`DecoderConfig`]
+//! describes.
+
+use std::path::{Path, PathBuf};
+
+use crate::Error;
+use crate::config::ConfigFile;
+use crate::ops::{Heads, Scores};
+
+/// The decoder architectures this crate runs.
+pub const SUPPORTED_DECODERS: &str = "llama, mistral, qwen2, qwen3, gemma2, phi3, gpt2 \
+     (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, \
+     Gemma2ForCausalLM, Phi3ForCausalLM, GPT2LMHeadModel)";
+
+/// Which decoder family a config describes (its `model_type`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum DecoderArch {
+    /// `LlamaForCausalLM`.
+    Llama,
+    /// `MistralForCausalLM` (sliding-window attention).
+    Mistral,
+    /// `Qwen2ForCausalLM` (biases on q/k/v, optional sliding-window layers).
+    Qwen2,
+    /// `Qwen3ForCausalLM` (RMS norms on each query and key head).
+    Qwen3,
+    /// `Gemma2ForCausalLM` (scaled embedding, `1 + w` norms around both
+    /// sub-blocks, soft-capping, alternating sliding-window layers).
+    Gemma2,
+    /// `Phi3ForCausalLM` (fused `qkv_proj` and `gate_up_proj`, LongRoPE).
+    Phi3,
+    /// `GPT2LMHeadModel` (`Conv1D` weights, learned positions, LayerNorm).
+    Gpt2,
+}
+
+impl DecoderArch {
+    fn from_model_type(model_type: &str) -> Option<DecoderArch> {
+        Some(match model_type {
+            "llama" => DecoderArch::Llama,
+            "mistral" => DecoderArch::Mistral,
+            "qwen2" => DecoderArch::Qwen2,
+            "qwen3" => DecoderArch::Qwen3,
+            "gemma2" => DecoderArch::Gemma2,
+            "phi3" => DecoderArch::Phi3,
+            "gpt2" => DecoderArch::Gpt2,
+            _ => return None,
+        })
+    }
+
+    /// transformers' module names for this family.
+    pub(crate) fn names(self) -> Names {
+        match self {
+            DecoderArch::Gpt2 => Names {
+                embed: "transformer.wte",
+                positions: Some("transformer.wpe"),
+                layers: "transformer.h",
+                final_norm: "transformer.ln_f",
+                pre_attention: "ln_1",
+                post_attention: None,
+                pre_mlp: "ln_2",
+                post_mlp: None,
+            },
+            DecoderArch::Gemma2 => Names {
+                post_attention: Some("post_attention_layernorm"),
+                pre_mlp: "pre_feedforward_layernorm",
+                post_mlp: Some("post_feedforward_layernorm"),
+                ..Names::LLAMA
+            },
+            _ => Names::LLAMA,
+        }
+    }
+}
+
+/// Module names of a family: the blocks outside the layers, and the norms
+/// inside a layer (the projections are named by [`Projections`] and
+/// [`Mlp`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Names {
+    /// The token embedding block.
+    pub(crate) embed: &'static str,
+    /// The learned position embedding block, if any.
+    pub(crate) positions: Option<&'static str>,
+    /// The list of layers (`{layers}.{i}` are the blocks).
+    pub(crate) layers: &'static str,
+    /// The final norm block.
+    pub(crate) final_norm: &'static str,
+    /// Norm before attention.
+    pub(crate) pre_attention: &'static str,
+    /// Norm of the attention output, before the residual add.
+    pub(crate) post_attention: Option<&'static str>,
+    /// Norm before the MLP.
+    pub(crate) pre_mlp: &'static str,
+    /// Norm of the MLP output, before the residual add.
+    pub(crate) post_mlp: Option<&'static str>,
+}
+
+impl Names {
+    const LLAMA: Names = Names {
+        embed: "model.embed_tokens",
+        positions: None,
+        layers: "model.layers",
+        final_norm: "model.norm",
+        pre_attention: "input_layernorm",
+        post_attention: None,
+        pre_mlp: "post_attention_layernorm",
+        post_mlp: None,
+    };
+}
+
+/// The normalisation layers of a family.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Norm {
+    /// Llama's RMSNorm, `w · round(x / rms(x))`.
+    Rms {
+        /// Epsilon.
+        eps: f32,
+    },
+    /// Gemma's RMSNorm, `round(x / rms(x) · (1 + w))`.
+    RmsPlusOne {
+        /// Epsilon.
+        eps: f32,
+    },
+    /// LayerNorm with weight and bias.
+    Layer {
+        /// Epsilon.
+        eps: f32,
+    },
+}
+
+/// The MLP's activation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activation {
+    /// `silu` / `swish`.
+    Silu,
+    /// `gelu`: the exact erf form.
+    Gelu,
+    /// `gelu_new` / `gelu_pytorch_tanh`: the tanh approximation.
+    GeluTanh,
+}
+
+impl Activation {
+    fn parse(c: &ConfigFile, key: &str, default: &str) -> Result<Activation, Error> {
+        match c.opt_str(key).unwrap_or(default) {
+            "silu" | "swish" => Ok(Activation::Silu),
+            "gelu" => Ok(Activation::Gelu),
+            "gelu_new" | "gelu_pytorch_tanh" => Ok(Activation::GeluTanh),
+            other => Err(c.error(
+                key,
+                format!(
+                    "activation {other:?} is not supported (silu, swish, gelu, gelu_new, gelu_pytorch_tanh)"
+                ),
+            )),
+        }
+    }
+}
+
+/// How a layer projects queries, keys, values and the attention output.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Projections {
+    /// `self_attn.{q,k,v,o}_proj` linears.
+    Separate {
+        /// Biases on q/k/v.
+        qkv_bias: bool,
+        /// Bias on o.
+        o_bias: bool,
+    },
+    /// One `self_attn.qkv_proj` linear (queries, keys, values in that
+    /// order along its outputs) and `self_attn.o_proj`, without biases.
+    FusedQkv,
+    /// GPT-2's `attn.c_attn` and `attn.c_proj`: `Conv1D` (weights stored
+    /// `[in, out]`) with biases.
+    Conv1D,
+}
+
+/// How a layer's MLP is built.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mlp {
+    /// `down(act(gate(x)) · up(x))` with `mlp.{gate,up,down}_proj`.
+    Gated {
+        /// Biases on the three projections.
+        bias: bool,
+    },
+    /// The same with gate and up fused in `mlp.gate_up_proj` (gate first).
+    FusedGated,
+    /// GPT-2's `c_proj(act(c_fc(x)))`, `Conv1D` with biases.
+    Conv1D,
+}
+
+/// Where positions enter the model.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Positions {
+    /// Rotary embedding of queries and keys.
+    Rotary(RopeConfig),
+    /// A learned table added to the token embedding (GPT-2's `wpe`).
+    Learned {
+        /// Rows of the table: the longest sequence.
+        max_positions: usize,
+    },
+}
+
+/// Rotary embedding settings.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RopeConfig {
+    /// Base of the frequencies.
+    pub theta: f32,
+    /// Dimensions of each head that rotate (the head size unless
+    /// `partial_rotary_factor` says less).
+    pub rotary_dim: usize,
+    /// Phi-3's LongRoPE scaling, if configured.
+    pub long_rope: Option<LongRope>,
+}
+
+/// LongRoPE (Phi-3): frequencies divided by per-dimension factors, the
+/// short ones while a forward pass ends within the original context, the
+/// long ones beyond it; cos and sin multiplied by an attention factor.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LongRope {
+    /// Factors up to `original_max_positions` (`rotary_dim / 2` of them).
+    pub short_factor: Vec<f32>,
+    /// Factors beyond it.
+    pub long_factor: Vec<f32>,
+    /// The pre-training context (`original_max_position_embeddings`).
+    pub original_max_positions: usize,
+    /// Multiplier of cos and sin.
+    pub attention_factor: f32,
+}
+
+/// What a decoder's `config.json` says, in the terms the blocks use.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DecoderConfig {
+    /// Architecture.
+    pub arch: DecoderArch,
+    /// Vocabulary size (rows of the embedding and of `lm_head`).
+    pub vocab_size: usize,
+    /// Width of the residual stream.
+    pub hidden_size: usize,
+    /// Width of the MLP.
+    pub intermediate_size: usize,
+    /// Decoder layers.
+    pub num_layers: usize,
+    /// Attention geometry.
+    pub heads: Heads,
+    /// The norms (every norm of the model is of this kind).
+    pub norm: Norm,
+    /// Positions.
+    pub positions: Positions,
+    /// The attention projections.
+    pub projections: Projections,
+    /// RMS norms of each query and key head before rotary (Qwen3).
+    pub qk_norm: bool,
+    /// How attention scores are scaled and capped.
+    pub scores: Scores,
+    /// The attention window of each layer (`None`: full causal attention).
+    pub windows: Vec<Option<usize>>,
+    /// The MLP.
+    pub mlp: Mlp,
+    /// The MLP's activation.
+    pub activation: Activation,
+    /// Factor on the token embedding (Gemma's `√hidden_size`), rounded to
+    /// the compute dtype before use.
+    pub embed_scale: Option<f32>,
+    /// Soft-capping of the final logits.
+    pub final_softcap: Option<f32>,
+    /// `lm_head` shares the token embedding's weight.
+    pub tie_word_embeddings: bool,
+    /// Tokens that end generation (`eos_token_id`).
+    pub eos_token_ids: Vec<u32>,
+}
+
+impl DecoderConfig {
+    /// Reads `dir/config.json`.
+    pub fn from_dir(dir: impl AsRef<Path>) -> Result<DecoderConfig, Error> {
+        DecoderConfig::parse(&ConfigFile::open(dir.as_ref())?)
+    }
+
+    /// Parses config JSON already in memory; `path` names it in errors.
+    pub fn from_json(
+        path: impl Into<PathBuf>,
+        json: serde_json::Value,
+    ) -> Result<DecoderConfig, Error> {
+        DecoderConfig::parse(&ConfigFile::from_value(path.into(), json))
+    }
+
+    /// The module names of this config's family.
+    pub(crate) fn names(&self) -> Names {
+        self.arch.names()
+    }
+
+    /// The token embedding's weight (`model.embed_tokens.weight`,
+    /// `transformer.wte.weight`): its stored dtype is the model's.
+    pub fn embedding_weight(&self) -> String {
+        format!("{}.weight", self.names().embed)
+    }
+
+    fn parse(c: &ConfigFile) -> Result<DecoderConfig, Error> {
+        let model_type = c.opt_str("model_type").unwrap_or_default();
+        let Some(arch) = DecoderArch::from_model_type(model_type) else {
+            let archs = c
+                .get("architectures")
+                .map(|a| a.to_string())
+                .unwrap_or_default();
+            return Err(Error::UnsupportedArchitecture {
+                found: format!("{model_type} {archs}").trim().to_string(),
+                supported: SUPPORTED_DECODERS,
+            });
+        };
+        let config = match arch {
+            DecoderArch::Gpt2 => gpt2(c)?,
+            _ => rotary_decoder(c, arch)?,
+        };
+        if config.windows.len() != config.num_layers {
+            return Err(c.error(
+                "layer_types",
+                format!(
+                    "{} entries for {} layers",
+                    config.windows.len(),
+                    config.num_layers
+                ),
+            ));
+        }
+        Ok(config)
+    }
+}
+
+/// The rotary families (Llama and its descendants).
+fn rotary_decoder(c: &ConfigFile, arch: DecoderArch) -> Result<DecoderConfig, Error> {
+    use DecoderArch::*;
+    let hidden_size = c.usize("hidden_size")?;
+    let num_layers = c.usize("num_hidden_layers")?;
+    let heads = heads(c, hidden_size)?;
+    let attention_bias = c.bool_or("attention_bias", false)?;
+    let eps = c.opt_f64("rms_norm_eps")?.unwrap_or(1e-6) as f32;
+    let gemma = arch == Gemma2;
+    let activation = if gemma {
+        // Gemma 2 names it hidden_activation; older configs hidden_act.
+        let key = if c.get("hidden_activation").is_some() {
+            "hidden_activation"
+        } else {
+            "hidden_act"
+        };
+        Activation::parse(c, key, "gelu_pytorch_tanh")?
+    } else {
+        Activation::parse(c, "hidden_act", "silu")?
+    };
+    if gemma && c.bool_or("use_bidirectional_attention", false)? {
+        return Err(c.error(
+            "use_bidirectional_attention",
+            "bidirectional Gemma 2 (an encoder) is not supported",
+        ));
+    }
+    let scores = match arch {
+        Gemma2 => Scores {
+            softcap: c
+                .nullable_f64("attn_logit_softcapping", Some(50.0))?
+                .map(|v| v as f32),
+            ..Scores::scaled_by(c.opt_f64("query_pre_attn_scalar")?.unwrap_or(256.0) as f32)
+        },
+        _ => Scores::standard(heads.head_dim),
+    };
+    Ok(DecoderConfig {
+        arch,
+        vocab_size: c.usize("vocab_size")?,
+        hidden_size,
+        intermediate_size: c.usize("intermediate_size")?,
+        num_layers,
+        heads,
+        norm: if gemma {
+            Norm::RmsPlusOne { eps }
+        } else {
+            Norm::Rms { eps }
+        },
+        positions: Positions::Rotary(rope(c, arch, heads.head_dim)?),
+        projections: match arch {
+            Mistral => Projections::Separate {
+                qkv_bias: false,
+                o_bias: false,
+            },
+            Qwen2 => Projections::Separate {
+                qkv_bias: true,
+                o_bias: false,
+            },
+            Phi3 => Projections::FusedQkv,
+            _ => Projections::Separate {
+                qkv_bias: attention_bias,
+                o_bias: attention_bias,
+            },
+        },
+        qk_norm: arch == Qwen3,
+        scores,
+        windows: windows(c, arch, num_layers)?,
+        mlp: match arch {
+            Phi3 => Mlp::FusedGated,
+            Llama => Mlp::Gated {
+                bias: c.bool_or("mlp_bias", false)?,
+            },
+            _ => Mlp::Gated { bias: false },
+        },
+        activation,
+        embed_scale: gemma.then(|| (hidden_size as f64).sqrt() as f32),
+        final_softcap: if gemma {
+            c.nullable_f64("final_logit_softcapping", Some(30.0))?
+                .map(|v| v as f32)
+        } else {
+            None
+        },
+        // transformers' defaults: Gemma 2 ties, the others do not.
+        tie_word_embeddings: c.bool_or("tie_word_embeddings", gemma)?,
+        eos_token_ids: c.token_ids("eos_token_id")?,
+    })
+}
+
+/// `GPT2LMHeadModel`.
+fn gpt2(c: &ConfigFile) -> Result<DecoderConfig, Error> {
+    let hidden_size = c.usize("n_embd")?;
+    let num_heads = c.usize("n_head")?;
+    if hidden_size % num_heads != 0 {
+        return Err(c.error(
+            "n_embd",
+            format!("{hidden_size} is not a multiple of n_head {num_heads}"),
+        ));
+    }
+    // Variants of the attention this crate does not run.
+    for (key, supported) in [
+        ("scale_attn_weights", true),
+        ("scale_attn_by_inverse_layer_idx", false),
+        ("add_cross_attention", false),
+    ] {
+        if c.bool_or(key, supported)? != supported {
+            return Err(c.error(
+                key,
+                format!("{} is not supported (only {supported})", !supported),
+            ));
+        }
+    }
+    let num_layers = c.usize("n_layer")?;
+    let head_dim = hidden_size / num_heads;
+    Ok(DecoderConfig {
+        arch: DecoderArch::Gpt2,
+        vocab_size: c.usize("vocab_size")?,
+        hidden_size,
+        intermediate_size: c.opt_usize("n_inner")?.unwrap_or(4 * hidden_size),
+        num_layers,
+        heads: Heads {
+            heads: num_heads,
+            kv_heads: num_heads,
+            head_dim,
+        },
+        norm: Norm::Layer {
+            eps: c.opt_f64("layer_norm_epsilon")?.unwrap_or(1e-5) as f32,
+        },
+        positions: Positions::Learned {
+            max_positions: c.usize("n_positions")?,
+        },
+        projections: Projections::Conv1D,
+        qk_norm: false,
+        scores: Scores::standard(head_dim),
+        windows: vec![None; num_layers],
+        mlp: Mlp::Conv1D,
+        activation: Activation::parse(c, "activation_function", "gelu_new")?,
+        embed_scale: None,
+        final_softcap: None,
+        tie_word_embeddings: c.bool_or("tie_word_embeddings", true)?,
+        eos_token_ids: c.token_ids("eos_token_id")?,
+    })
+}
+
+/// Heads from `num_attention_heads`, `num_key_value_heads` and `head_dim`
+/// (default `hidden_size / num_attention_heads`).
+fn heads(c: &ConfigFile, hidden_size: usize) -> Result<Heads, Error> {
+    let heads = c.usize("num_attention_heads")?;
+    let kv_heads = c.opt_usize("num_key_value_heads")?.unwrap_or(heads);
+    if heads % kv_heads != 0 {
+        return Err(c.error(
+            "num_key_value_heads",
+            format!("{kv_heads} does not divide num_attention_heads {heads}"),
+        ));
+    }
+    let head_dim = match c.opt_usize("head_dim")? {
+        Some(d) => d,
+        None if hidden_size % heads == 0 => hidden_size / heads,
+        None => return Err(c.error("hidden_size", "not a multiple of num_attention_heads")),
+    };
+    if head_dim % 2 != 0 {
+        return Err(c.error("head_dim", format!("{head_dim} is odd; rotary needs pairs")));
+    }
+    Ok(Heads {
+        heads,
+        kv_heads,
+        head_dim,
+    })
+}
+
+/// Rotary settings: transformers 5 keeps them in `rope_parameters`, older
+/// configs in `rope_theta` / `rope_scaling`. Unscaled rope for every
+/// family; Phi-3 also runs LongRoPE (`longrope`, and the legacy `su` and
+/// `yarn` names transformers maps to it) and partial rotary.
+fn rope(c: &ConfigFile, arch: DecoderArch, head_dim: usize) -> Result<RopeConfig, Error> {
+    let (field, params) = match c.nested("rope_parameters")? {
+        Some(p) => ("rope_parameters", Some(p)),
+        None => ("rope_scaling", c.nested("rope_scaling")?),
+    };
+    let get_f64 = |key: &str| -> Result<Option<f64>, Error> {
+        match &params {
+            Some(p) => p.opt_f64(key),
+            None => Ok(None),
+        }
+    };
+    let rope_type = params
+        .as_ref()
+        .and_then(|p| p.opt_str("rope_type").or_else(|| p.opt_str("type")))
+        .unwrap_or("default");
+    let theta = get_f64("rope_theta")?
+        .or(c.opt_f64("rope_theta")?)
+        .unwrap_or(10000.0) as f32;
+    let phi3 = arch == DecoderArch::Phi3;
+    // Only Phi-3's rotary reads the partial factor (transformers' Llama,
+    // Qwen and Gemma rotate the whole head whatever it says).
+    let rotary_dim = if phi3 {
+        let factor = get_f64("partial_rotary_factor")?
+            .or(c.opt_f64("partial_rotary_factor")?)
+            .unwrap_or(1.0);
+        let dim = (head_dim as f64 * factor) as usize;
+        if dim == 0 || dim > head_dim || dim % 2 != 0 {
+            return Err(c.error(
+                "partial_rotary_factor",
+                format!("{factor} of head_dim {head_dim} is not an even number of dimensions"),
+            ));
+        }
+        dim
+    } else {
+        head_dim
+    };
+    let long_rope = match rope_type {
+        "default" => None,
+        "longrope" | "su" | "yarn" if phi3 => {
+            let params = params.as_ref().expect("a rope type comes from the params");
+            Some(long_rope(c, params, rotary_dim)?)
+        }
+        other => {
+            let supported = if phi3 {
+                "default, longrope (su, yarn)"
+            } else {
+                "default"
+            };
+            return Err(c.error(
+                &format!("{field}.rope_type"),
+                format!(
+                    "rope type {other:?} is not supported for {arch:?} (supported: {supported})"
+                ),
+            ));
+        }
+    };
+    Ok(RopeConfig {
+        theta,
+        rotary_dim,
+        long_rope,
+    })
+}
+
+/// Phi-3's LongRoPE parameters, with transformers' defaults: the original
+/// context from the config's top level first, the factor from the context
+/// ratio, the attention factor `√(1 + ln factor / ln original)`.
+fn long_rope(c: &ConfigFile, params: &ConfigFile, rotary_dim: usize) -> Result<LongRope, Error> {
+    let factors = |key: &str| -> Result<Vec<f32>, Error> {
+        let values = params
+            .opt_f64s(key)?
+            .ok_or_else(|| params.error(key, "missing (LongRoPE needs it)"))?;
+        if values.len() != rotary_dim / 2 {
+            return Err(params.error(
+                key,
+                format!(
+                    "{} factors for {} rotary frequencies",
+                    values.len(),
+                    rotary_dim / 2
+                ),
+            ));
+        }
+        Ok(values.into_iter().map(|v| v as f32).collect())
+    };
+    let original = match c.opt_usize("original_max_position_embeddings")? {
+        Some(n) => n,
+        None => match params.opt_usize("original_max_position_embeddings")? {
+            Some(n) => n,
+            None => c.usize("max_position_embeddings")?,
+        },
+    };
+    let factor = match params.opt_f64("factor")? {
+        Some(f) => f,
+        None => c.usize("max_position_embeddings")? as f64 / original as f64,
+    };
+    let attention_factor = match params.opt_f64("attention_factor")? {
+        Some(a) => a,
+        None if factor <= 1.0 => 1.0,
+        None => (1.0 + factor.ln() / (original as f64).ln()).sqrt(),
+    };
+    Ok(LongRope {
+        short_factor: factors("short_factor")?,
+        long_factor: factors("long_factor")?,
+        original_max_positions: original,
+        attention_factor: attention_factor as f32,
+    })
+}
+
+/// Each layer's attention window, as transformers decides it:
+/// * Mistral and Phi-3: `sliding_window` for every layer when set;
+/// * Qwen2 and Qwen3: `sliding_window` only with `use_sliding_window`, on
+///   the layers `layer_types` marks `sliding_attention` (by default those
+///   from `max_window_layers` on);
+/// * Gemma 2: `sliding_window` on the `sliding_attention` layers (by
+///   default every other one, starting with the first);
+/// * Llama: none.
+fn windows(c: &ConfigFile, arch: DecoderArch, layers: usize) -> Result<Vec<Option<usize>>, Error> {
+    use DecoderArch::*;
+    // transformers' defaults when the key is absent (null means no window).
+    let window = |default| c.nullable_usize("sliding_window", default);
+    match arch {
+        Mistral => Ok(vec![window(Some(4096))?; layers]),
+        Phi3 => Ok(vec![window(None)?; layers]),
+        Qwen2 | Qwen3 => {
+            let window = if c.bool_or("use_sliding_window", false)? {
+                window(Some(4096))?
+            } else {
+                None
+            };
+            let first_sliding = c.opt_usize("max_window_layers")?.unwrap_or(28);
+            layer_windows(c, window, layers, |i| {
+                window.is_some() && i >= first_sliding
+            })
+        }
+        Gemma2 => layer_windows(c, window(Some(4096))?, layers, |i| i % 2 == 0),
+        Llama | Gpt2 => Ok(vec![None; layers]),
+    }
+}
+
+/// Windows from `layer_types`, or from `default_sliding(layer)` when the
+/// config has none.
+fn layer_windows(
+    c: &ConfigFile,
+    window: Option<usize>,
+    layers: usize,
+    default_sliding: impl Fn(usize) -> bool,
+) -> Result<Vec<Option<usize>>, Error> {
+    let Some(types) = c.opt_strings("layer_types")? else {
+        return Ok((0..layers)
+            .map(|i| window.filter(|_| default_sliding(i)))
+            .collect());
+    };
+    types
+        .iter()
+        .enumerate()
+        .map(|(i, t)| match *t {
+            "full_attention" => Ok(None),
+            "sliding_attention" => window.map(Some).ok_or_else(|| {
+                c.error(
+                    "layer_types",
+                    format!(
+                        "layer {i} is sliding_attention but no sliding_window is in effect \
+                         (sliding_window null, or use_sliding_window false)"
+                    ),
+                )
+            }),
+            other => Err(c.error(
+                "layer_types",
+                format!(
+                    "layer {i} has attention type {other:?} (supported: full_attention, sliding_attention)"
+                ),
+            )),
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn parse(config: serde_json::Value) -> Result<DecoderConfig, Error> {
+        DecoderConfig::from_json("config.json", config)
+    }
+
+    fn qwen(extra: serde_json::Value) -> serde_json::Value {
+        let mut c = json!({
+            "model_type": "qwen2", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
+            "num_hidden_layers": 4, "num_attention_heads": 2,
+        });
+        for (k, v) in extra.as_object().unwrap() {
+            c[k] = v.clone();
+        }
+        c
+    }
+
+    #[test]
+    fn qwen_windows_follow_use_sliding_window_and_max_window_layers() {
+        let off = parse(qwen(json!({"sliding_window": 4, "max_window_layers": 1}))).unwrap();
+        assert_eq!(off.windows, [None; 4]);
+        // Without layer_types (configs older than transformers 5).
+        let on = json!({"use_sliding_window": true, "sliding_window": 4, "max_window_layers": 2});
+        let derived = parse(qwen(on.clone())).unwrap();
+        assert_eq!(derived.windows, [None, None, Some(4), Some(4)]);
+        // layer_types, when present, decides.
+        let mut typed = on;
+        typed["layer_types"] = json!([
+            "sliding_attention",
+            "full_attention",
+            "full_attention",
+            "full_attention"
+        ]);
+        assert_eq!(
+            parse(qwen(typed)).unwrap().windows,
+            [Some(4), None, None, None]
+        );
+        let err = parse(qwen(json!({"layer_types": vec!["sliding_attention"; 4]}))).unwrap_err();
+        assert!(
+            err.to_string().contains("no sliding_window is in effect"),
+            "{err}"
+        );
+        let err = parse(qwen(json!({
+            "use_sliding_window": true, "sliding_window": 4,
+            "layer_types": ["full_attention", "chunked_attention", "full_attention", "full_attention"]
+        })))
+        .unwrap_err();
+        assert!(err.to_string().contains("\"chunked_attention\""), "{err}");
+        let err = parse(qwen(json!({"layer_types": ["full_attention"]}))).unwrap_err();
+        assert!(err.to_string().contains("1 entries for 4 layers"), "{err}");
+    }
+
+    #[test]
+    fn gemma2_defaults_alternate_windows_and_cap_both_logits() {
+        let g = parse(json!({
+            "model_type": "gemma2", "vocab_size": 8, "hidden_size": 16, "intermediate_size": 8,
+            "num_hidden_layers": 3, "num_attention_heads": 2, "head_dim": 8,
+            "final_logit_softcapping": null,
+        }))
+        .unwrap();
+        assert_eq!(g.windows, [Some(4096), None, Some(4096)]);
+        assert_eq!(g.scores.softcap, Some(50.0));
+        assert_eq!(g.scores.scale, 1.0 / 16.0);
+        assert_eq!(g.final_softcap, None);
+        assert_eq!(g.embed_scale, Some(4.0));
+        assert!(g.tie_word_embeddings);
+        assert_eq!(g.activation, Activation::GeluTanh);
+    }
+
+    #[test]
+    fn unsupported_variants_name_the_field_and_value() {
+        let phi3 = |rope: serde_json::Value| {
+            parse(json!({
+                "model_type": "phi3", "vocab_size": 8, "hidden_size": 16, "intermediate_size": 8,
+                "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 64,
+                "rope_scaling": rope,
+            }))
+        };
+        let err = phi3(json!({"type": "dynamic", "factor": 2.0})).unwrap_err();
+        assert!(
+            err.to_string().contains("\"rope_scaling.rope_type\"")
+                && err.to_string().contains("\"dynamic\""),
+            "{err}"
+        );
+        // The legacy name `su` is LongRoPE; its factors must fit the head.
+        let err = phi3(json!({"type": "su", "short_factor": [1.0], "long_factor": vec![1.0; 4]}))
+            .unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("\"rope_scaling.short_factor\": 1 factors for 4 rotary frequencies"),
+            "{err}"
+        );
+        let su =
+            phi3(json!({"type": "su", "short_factor": vec![1.0; 4], "long_factor": vec![2.0; 4]}))
+                .unwrap();
+        let Positions::Rotary(rope) = su.positions else {
+            panic!("phi3 is rotary")
+        };
+        let long = rope.long_rope.unwrap();
+        // No original context given: max_position_embeddings, factor 1.
+        assert_eq!(
+            (long.original_max_positions, long.attention_factor),
+            (64, 1.0)
+        );
+        let err = parse(json!({
+            "model_type": "gpt2", "vocab_size": 8, "n_embd": 8, "n_layer": 1, "n_head": 2,
+            "n_positions": 8, "scale_attn_by_inverse_layer_idx": true,
+        }))
+        .unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("\"scale_attn_by_inverse_layer_idx\": true is not supported"),
+            "{err}"
+        );
+        let err = parse(qwen(json!({"model_type": "qwen3", "hidden_act": "relu"}))).unwrap_err();
+        assert!(err.to_string().contains("activation \"relu\""), "{err}");
+    }
+}

@@ -1,0 +1,168 @@
+#!/usr/bin/env python3
+"""Makes the tiny random model fixtures of bm-models' family parity tests.
+
+Made with torch 2.15.0, transformers 5.23.0, safetensors 0.8.0 (CPU);
+other versions may give other random weights or (for transformers) other
+config keys, so pin them when regenerating.
+
+Each entry of FAMILIES builds a small random model with transformers, saves
+it with save_pretrained (safetensors; some sharded, to exercise index.json
+loading) into crates/bm-models/tests/fixtures/<name>/ and writes
+`reference.safetensors` beside it, in the layout of tools/make_tiny_llama.py:
+
+* `prompt.N`     I64 [len]          token-id prompts (one longer than every
+                                    sliding window and past Phi-3's LongRoPE
+                                    switch-over length)
+* `logits.N`     F32 [len, vocab]   transformers' logits in float32
+* `logits_bf16.N`, `logits_f16.N`   the same model run in bfloat16 / float16
+                                    (stored as F32)
+* `generated.N`  I64 [new]          greedy continuation (KV cache, no EOS stop)
+
+Models are kept to tens of KB: a vocabulary of 128 and widths of 16.
+To add a family (e.g. a mixture of experts), add an entry to FAMILIES: a
+builder returning the model, an optional shard size, and the spread of the
+random weight matrices (wide enough that the activation's nonlinearity
+shows in the logits).
+
+Usage: /work/pyenv/bin/python tools/make_family_fixtures.py [OUT_DIR] [NAME...]
+(default crates/bm-models/tests/fixtures, every family). Deterministic:
+each family is seeded on its own, so adding one leaves the others as they are.
+"""
+import copy
+import os
+import sys
+import zlib
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from make_tiny_llama import greedy  # noqa: E402
+
+VOCAB = 128
+PROMPTS = [
+    [1, 15, 27, 100, 3],
+    [7],
+    [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12],
+]
+COMMON = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    return GPT2LMHeadModel(GPT2Config(
+        vocab_size=VOCAB, n_embd=16, n_layer=3, n_head=2, n_positions=32,
+        activation_function="gelu_new", **COMMON))
+
+
+def qwen3():
+    # head_dim 12 with 2 heads over a width of 16: the explicit head_dim is
+    # not hidden / heads. Layers from 1 on slide (use_sliding_window with
+    # max_window_layers 1); the window is shorter than the longest prompt.
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    return Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=3,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=12, max_position_embeddings=64,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
+        use_sliding_window=True, sliding_window=4, max_window_layers=1,
+        attn_implementation="eager", **COMMON))
+
+
+def qwen2_sliding():
+    # Qwen2 with sliding-window layers (bigmodel used to refuse them).
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    return Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+        rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True,
+        use_sliding_window=True, sliding_window=4, max_window_layers=2,
+        attn_implementation="eager", **COMMON))
+
+
+def gemma2():
+    # Small soft-capping bounds so that random weights reach them; a
+    # query_pre_attn_scalar other than head_dim; layers 0 and 2 slide.
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    return Gemma2ForCausalLM(Gemma2Config(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=3,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=64,
+        rms_norm_eps=1e-6, rope_theta=10000.0, query_pre_attn_scalar=12,
+        attn_logit_softcapping=5.0, final_logit_softcapping=3.0, sliding_window=4,
+        hidden_activation="gelu_pytorch_tanh", attn_implementation="eager", **COMMON))
+
+
+def phi3():
+    # LongRoPE with partial rotary: the short factors up to 8 positions,
+    # the long ones beyond (the 12-token prompt); attention scaled by the
+    # factor 32 / 8. A sliding window of 6, as Phi-3-mini-4k has one.
+    from transformers import Phi3Config, Phi3ForCausalLM
+    rotary_half = int(8 * 0.75) // 2  # head_dim 16 / 2 heads, partial factor 0.75
+    return Phi3ForCausalLM(Phi3Config(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=3,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+        original_max_position_embeddings=8, rms_norm_eps=1e-5, sliding_window=6,
+        rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "short_factor": [1.0 + 0.1 * i for i in range(rotary_half)],
+            "long_factor": [2.0 + 0.5 * i for i in range(rotary_half)],
+        },
+        tie_word_embeddings=False, attn_implementation="eager", **COMMON))
+
+
+# name -> (builder, max_shard_size or None, std of the weight matrices)
+FAMILIES = {
+    "tiny-gpt2": (gpt2, None, 0.3),
+    "tiny-qwen3": (qwen3, "12KB", 0.08),
+    "tiny-qwen2-swa": (qwen2_sliding, None, 0.08),
+    "tiny-gemma2": (gemma2, None, 0.2),
+    "tiny-phi3": (phi3, None, 0.08),
+}
+
+
+def randomise(model, std):
+    # Default init leaves norms at 1 (Gemma's at 0) and biases at 0: perturb
+    # every tensor so that a wrongly applied norm weight or bias shows.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(p + 0.1 * torch.randn_like(p) if "norm" in name or ".ln_" in name
+                        else 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, std)
+
+
+def write(out, name, build, shard, std):
+    torch.manual_seed(zlib.crc32(name.encode()))
+    model = build()
+    randomise(model, std)
+    model.eval()
+    folder = out / name
+    kw = {"max_shard_size": shard} if shard else {}
+    model.save_pretrained(folder, safe_serialization=True, **kw)
+    ref = {}
+    # Copies: casting the model itself back and forth would round its weights.
+    halves = {tag: copy.deepcopy(model).to(dt)
+              for tag, dt in [("bf16", torch.bfloat16), ("f16", torch.float16)]}
+    for i, ids in enumerate(PROMPTS):
+        x = torch.tensor([ids])
+        ref[f"prompt.{i}"] = x[0].clone()
+        with torch.no_grad():
+            ref[f"logits.{i}"] = model(x).logits[0].float().contiguous()
+            for tag, half_model in halves.items():
+                ref[f"logits_{tag}.{i}"] = half_model(x).logits[0].float().contiguous()
+        ref[f"generated.{i}"] = greedy(model, x)
+    save_file(ref, folder / "reference.safetensors")
+    size = sum(f.stat().st_size for f in folder.iterdir())
+    print(f"wrote {folder} ({size // 1024} KiB)")
+
+
+def main():
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else "crates/bm-models/tests/fixtures")
+    names = sys.argv[2:] or list(FAMILIES)
+    for name in names:
+        write(out, name, *FAMILIES[name])
+
+
+if __name__ == "__main__":
+    main()
