@@ -1,7 +1,7 @@
 //! Module trees from Hugging Face `config.json` files, with transformers'
 //! module names, class names, parameter shapes and registration order (as
-//! of transformers 5.x): the Llama, Mistral and Qwen2 causal LMs, GPT-2's
-//! `GPT2LMHeadModel` and BERT's `BertModel`.
+//! of transformers 5.x): the Llama, Mistral, Qwen2, Qwen3, Gemma 2 and
+//! Phi-3 causal LMs, GPT-2's `GPT2LMHeadModel` and BERT's `BertModel`.
 
 use bm_tensor::{DType, TensorMeta};
 use serde_json::Value;
@@ -18,6 +18,12 @@ pub enum Family {
     Mistral,
     /// `Qwen2ForCausalLM`.
     Qwen2,
+    /// `Qwen3ForCausalLM`.
+    Qwen3,
+    /// `Gemma2ForCausalLM`.
+    Gemma2,
+    /// `Phi3ForCausalLM`.
+    Phi3,
     /// `GPT2LMHeadModel`.
     Gpt2,
     /// `BertModel`.
@@ -150,11 +156,14 @@ pub fn tree_from_config(doc: &Value) -> Result<HfModel, Error> {
         "llama" => Family::Llama,
         "mistral" => Family::Mistral,
         "qwen2" => Family::Qwen2,
+        "qwen3" => Family::Qwen3,
+        "gemma2" => Family::Gemma2,
+        "phi3" => Family::Phi3,
         "gpt2" => Family::Gpt2,
         "bert" => Family::Bert,
         other => {
             return Err(Error::Config(format!(
-                "model_type {other:?} is not supported (supported: llama, mistral, qwen2, gpt2, bert); export the model with tools/export_module_tree.py instead"
+                "model_type {other:?} is not supported (supported: llama, mistral, qwen2, qwen3, gemma2, phi3, gpt2, bert); export the model with tools/export_module_tree.py instead"
             )));
         }
     };
@@ -162,6 +171,9 @@ pub fn tree_from_config(doc: &Value) -> Result<HfModel, Error> {
         Family::Llama => "LlamaForCausalLM",
         Family::Mistral => "MistralForCausalLM",
         Family::Qwen2 => "Qwen2ForCausalLM",
+        Family::Qwen3 => "Qwen3ForCausalLM",
+        Family::Gemma2 => "Gemma2ForCausalLM",
+        Family::Phi3 => "Phi3ForCausalLM",
         Family::Gpt2 => "GPT2LMHeadModel",
         Family::Bert => "BertModel",
     };
@@ -175,9 +187,9 @@ pub fn tree_from_config(doc: &Value) -> Result<HfModel, Error> {
         )));
     }
     match family {
-        Family::Llama | Family::Mistral | Family::Qwen2 => decoder(&cfg, family, dtype),
         Family::Gpt2 => gpt2(&cfg, dtype),
         Family::Bert => bert(&cfg, dtype),
+        _ => decoder(&cfg, family, dtype),
     }
 }
 
@@ -246,11 +258,17 @@ impl B {
     }
 }
 
+/// The Llama-style causal LMs. Their differences (class prefix, biases,
+/// Qwen3's q/k norms, Gemma 2's scaled embedding and four norms, Phi-3's
+/// fused projections and partial rotary) as transformers registers them.
 fn decoder(cfg: &Config<'_>, family: Family, dtype: DType) -> Result<HfModel, Error> {
     let prefix = match family {
         Family::Llama => "Llama",
         Family::Mistral => "Mistral",
-        _ => "Qwen2",
+        Family::Qwen2 => "Qwen2",
+        Family::Qwen3 => "Qwen3",
+        Family::Gemma2 => "Gemma2",
+        _ => "Phi3",
     };
     let vocab = cfg.usize("vocab_size")?;
     let hidden = cfg.usize("hidden_size")?;
@@ -264,23 +282,35 @@ fn decoder(cfg: &Config<'_>, family: Family, dtype: DType) -> Result<HfModel, Er
     }
     let kv_heads = cfg.opt_usize("num_key_value_heads")?.unwrap_or(heads);
     let head_dim = cfg.opt_usize("head_dim")?.unwrap_or(hidden / heads);
+    let attention_bias = cfg.bool_or("attention_bias", false)?;
     let (qkv_bias, o_bias) = match family {
-        Family::Llama => {
-            let b = cfg.bool_or("attention_bias", false)?;
-            (b, b)
-        }
-        Family::Mistral => (false, false),
-        _ => (true, false),
+        Family::Mistral | Family::Phi3 => (false, false),
+        Family::Qwen2 => (true, false),
+        _ => (attention_bias, attention_bias),
     };
     let mlp_bias = family == Family::Llama && cfg.bool_or("mlp_bias", false)?;
-    let tie = cfg.bool_or("tie_word_embeddings", false)?;
-    let act = activation_class(cfg.str_or("hidden_act", "silu"))?;
-    let partial = cfg
-        .obj
-        .get("rope_parameters")
-        .and_then(|r| r.get("partial_rotary_factor"))
-        .and_then(|v| v.as_f64())
-        .unwrap_or_else(|| cfg.f64_or("partial_rotary_factor", 1.0));
+    let gemma = family == Family::Gemma2;
+    let tie = cfg.bool_or("tie_word_embeddings", gemma)?;
+    let act = if gemma {
+        let key = if cfg.obj.contains_key("hidden_activation") {
+            "hidden_activation"
+        } else {
+            "hidden_act"
+        };
+        activation_class(cfg.str_or(key, "gelu_pytorch_tanh"))?
+    } else {
+        activation_class(cfg.str_or("hidden_act", "silu"))?
+    };
+    // Only Phi-3's rotary embedding reads the partial factor.
+    let partial = if family == Family::Phi3 {
+        cfg.obj
+            .get("rope_parameters")
+            .and_then(|r| r.get("partial_rotary_factor"))
+            .and_then(|v| v.as_f64())
+            .unwrap_or_else(|| cfg.f64_or("partial_rotary_factor", 1.0))
+    } else {
+        1.0
+    };
     let rope_dim = (head_dim as f64 * partial) as usize;
 
     let mut b = B {
@@ -288,28 +318,73 @@ fn decoder(cfg: &Config<'_>, family: Family, dtype: DType) -> Result<HfModel, Er
         dtype,
     };
     let model = b.module(0, "model", &format!("{prefix}Model"))?;
-    b.embedding(model, "embed_tokens", vocab, hidden)?;
+    if gemma {
+        let embed = b.module(model, "embed_tokens", "Gemma2TextScaledWordEmbedding")?;
+        b.param(embed, "weight", &[vocab, hidden])?;
+        // A scalar created in the default dtype, which is the model's.
+        b.b.add_buffer(embed, "embed_scale", TensorMeta::new(dtype, []), false)?;
+    } else {
+        b.embedding(model, "embed_tokens", vocab, hidden)?;
+    }
     let list = b.module(model, "layers", "ModuleList")?;
+    let norm_class = format!("{prefix}RMSNorm");
     let mut layer_ids = Vec::with_capacity(layers);
     for i in 0..layers {
         let layer = b.module(list, &i.to_string(), &format!("{prefix}DecoderLayer"))?;
         layer_ids.push(layer);
         let attn = b.module(layer, "self_attn", &format!("{prefix}Attention"))?;
-        b.linear(attn, "q_proj", hidden, heads * head_dim, qkv_bias)?;
-        b.linear(attn, "k_proj", hidden, kv_heads * head_dim, qkv_bias)?;
-        b.linear(attn, "v_proj", hidden, kv_heads * head_dim, qkv_bias)?;
-        b.linear(attn, "o_proj", heads * head_dim, hidden, o_bias)?;
+        if family == Family::Phi3 {
+            b.linear(attn, "o_proj", heads * head_dim, hidden, false)?;
+            b.linear(
+                attn,
+                "qkv_proj",
+                hidden,
+                (heads + 2 * kv_heads) * head_dim,
+                false,
+            )?;
+        } else {
+            b.linear(attn, "q_proj", hidden, heads * head_dim, qkv_bias)?;
+            b.linear(attn, "k_proj", hidden, kv_heads * head_dim, qkv_bias)?;
+            b.linear(attn, "v_proj", hidden, kv_heads * head_dim, qkv_bias)?;
+            b.linear(attn, "o_proj", heads * head_dim, hidden, o_bias)?;
+        }
+        if family == Family::Qwen3 {
+            for norm in ["q_norm", "k_norm"] {
+                let n = b.module(attn, norm, &norm_class)?;
+                b.param(n, "weight", &[head_dim])?;
+            }
+        }
         let mlp = b.module(layer, "mlp", &format!("{prefix}MLP"))?;
-        b.linear(mlp, "gate_proj", hidden, inter, mlp_bias)?;
-        b.linear(mlp, "up_proj", hidden, inter, mlp_bias)?;
-        b.linear(mlp, "down_proj", inter, hidden, mlp_bias)?;
-        b.module(mlp, "act_fn", act)?;
-        for norm in ["input_layernorm", "post_attention_layernorm"] {
-            let n = b.module(layer, norm, &format!("{prefix}RMSNorm"))?;
+        if family == Family::Phi3 {
+            b.linear(mlp, "gate_up_proj", hidden, 2 * inter, false)?;
+            b.linear(mlp, "down_proj", inter, hidden, false)?;
+            b.module(mlp, "activation_fn", act)?;
+        } else {
+            b.linear(mlp, "gate_proj", hidden, inter, mlp_bias)?;
+            b.linear(mlp, "up_proj", hidden, inter, mlp_bias)?;
+            b.linear(mlp, "down_proj", inter, hidden, mlp_bias)?;
+            b.module(mlp, "act_fn", act)?;
+        }
+        let norms: &[&str] = if gemma {
+            &[
+                "input_layernorm",
+                "post_attention_layernorm",
+                "pre_feedforward_layernorm",
+                "post_feedforward_layernorm",
+            ]
+        } else {
+            &["input_layernorm", "post_attention_layernorm"]
+        };
+        for norm in norms {
+            let n = b.module(layer, norm, &norm_class)?;
             b.param(n, "weight", &[hidden])?;
         }
+        if family == Family::Phi3 {
+            b.module(layer, "resid_attn_dropout", "Dropout")?;
+            b.module(layer, "resid_mlp_dropout", "Dropout")?;
+        }
     }
-    let norm = b.module(model, "norm", &format!("{prefix}RMSNorm"))?;
+    let norm = b.module(model, "norm", &norm_class)?;
     b.param(norm, "weight", &[hidden])?;
     let rotary = b.module(model, "rotary_emb", &format!("{prefix}RotaryEmbedding"))?;
     // Computed in float32 whatever the model's dtype.

@@ -28,6 +28,9 @@ fn builders_match_trees_exported_from_transformers() {
         "tiny-bert",
         "tiny-qwen2",
         "tiny-mistral",
+        "tiny-qwen3",
+        "tiny-gemma2",
+        "tiny-phi3",
     ] {
         let config = read_json(&fixture(&format!("configs/{name}.json")));
         let built = tree_from_config(&config).unwrap().tree;
@@ -57,6 +60,22 @@ fn family_defaults() {
     let kv = llama.kv_runtime_bytes(1, 4096, DType::F16).unwrap();
     assert_eq!(kv.len(), 32);
     assert_eq!(kv[0].1, 2 * 4096 * 4096 * 2);
+    // Parameter counts and no-split classes as transformers reports them
+    // (model.num_parameters(), _no_split_modules); Gemma 2 ties by default.
+    for (config, params, no_split, tied) in [
+        ("qwen3-0.6b", 596_049_920, "Qwen3DecoderLayer", true),
+        ("qwen3-8b", 8_190_735_360, "Qwen3DecoderLayer", false),
+        ("gemma-2-2b", 2_614_341_888, "Gemma2DecoderLayer", true),
+        ("gemma-2-9b", 9_241_705_984, "Gemma2DecoderLayer", true),
+        ("phi-3-mini-4k", 3_821_079_552, "Phi3DecoderLayer", false),
+    ] {
+        let model =
+            tree_from_config(&read_json(&fixture(&format!("configs/{config}.json")))).unwrap();
+        assert_eq!(model.tree.parameter_count(), params, "{config}");
+        assert_eq!(model.no_split, [no_split], "{config}");
+        let ties = model.tree.tied_names();
+        assert_eq!(!ties.is_empty(), tied, "{config}: {ties:?}");
+    }
     let bert = tree_from_config(&read_json(&fixture("configs/bert-base.json"))).unwrap();
     assert_eq!(bert.no_split, ["BertEmbeddings", "BertLayer"]);
     assert!(bert.kv_runtime_bytes(1, 1, DType::F32).is_none());
@@ -66,6 +85,10 @@ fn family_defaults() {
 fn bad_configs_are_clear_errors() {
     let err = |v: serde_json::Value| tree_from_config(&v).unwrap_err().to_string();
     assert!(err(serde_json::json!({"model_type": "t5"})).contains("not supported"));
+    assert!(
+        err(serde_json::json!({"model_type": "gemma2", "architectures": ["Gemma2Model"]}))
+            .contains("planned as Gemma2ForCausalLM")
+    );
     assert!(err(serde_json::json!({"model_type": "llama"})).contains("missing \"vocab_size\""));
     assert!(
         err(serde_json::json!({"model_type": "llama", "vocab_size": -3}))
