@@ -58,6 +58,23 @@ const FIXTURES: &[(&str, &str, &[u8])] = &[
     fixture_file!("tiny-qwen2", "model-00008-of-00009.safetensors"),
     fixture_file!("tiny-qwen2", "model-00009-of-00009.safetensors"),
     fixture_file!("tiny-qwen2", "reference.safetensors"),
+    fixture_file!("tiny-qwen3", "config.json"),
+    fixture_file!("tiny-qwen3", "generation_config.json"),
+    fixture_file!("tiny-qwen3", "model.safetensors.index.json"),
+    fixture_file!("tiny-qwen3", "model-00001-of-00004.safetensors"),
+    fixture_file!("tiny-qwen3", "model-00002-of-00004.safetensors"),
+    fixture_file!("tiny-qwen3", "model-00003-of-00004.safetensors"),
+    fixture_file!("tiny-qwen3", "model-00004-of-00004.safetensors"),
+    fixture_file!("tiny-qwen3", "reference.safetensors"),
+    fixture_file!("tiny-qwen2-swa", "config.json"),
+    fixture_file!("tiny-qwen2-swa", "model.safetensors"),
+    fixture_file!("tiny-qwen2-swa", "reference.safetensors"),
+    fixture_file!("tiny-gpt2", "config.json"),
+    fixture_file!("tiny-gpt2", "model.safetensors"),
+    fixture_file!("tiny-gemma2", "config.json"),
+    fixture_file!("tiny-gemma2", "model.safetensors"),
+    fixture_file!("tiny-phi3", "config.json"),
+    fixture_file!("tiny-phi3", "model.safetensors"),
 ];
 
 /// Writes the embedded fixtures into a temporary folder per model.
@@ -118,7 +135,13 @@ fn tiny_decoders_on_gpu_match_transformers() {
     let gpu = set.gpu(0).unwrap();
     let root = fixtures();
     let fixture = |model: &str| -> PathBuf { root.path().join(model) };
-    for model in ["tiny-llama", "tiny-qwen2", "tiny-mistral"] {
+    for model in [
+        "tiny-llama",
+        "tiny-qwen2",
+        "tiny-mistral",
+        "tiny-qwen3",
+        "tiny-qwen2-swa",
+    ] {
         let bytes = std::fs::read(fixture(model).join("reference.safetensors")).unwrap();
         let st = SafeTensors::deserialize(&bytes).unwrap();
         let lm = CausalLm::open(fixture(model), Some(DType::F32)).unwrap();
@@ -159,6 +182,35 @@ fn tiny_decoders_on_gpu_match_transformers() {
             let generation = lm.decoder().generate(&weights, &ids, &options).unwrap();
             assert_eq!(generation.tokens, tokens, "{model} prompt {i}");
         }
+    }
+}
+
+/// Families whose ops have no CUDA side yet (GPT-2's Conv1D, tanh GELU,
+/// soft-capping, LongRoPE) say so when their weights are on a GPU.
+#[test]
+fn families_with_ops_missing_on_cuda_refuse_with_a_typed_error() {
+    let Some(set) = DeviceSet::cuda_for_gpu_tests() else {
+        return;
+    };
+    let gpu = set.gpu(0).unwrap();
+    let root = fixtures();
+    for model in ["tiny-gpt2", "tiny-gemma2", "tiny-phi3"] {
+        let dir = root.path().join(model);
+        let lm = CausalLm::open(&dir, Some(DType::F32)).unwrap();
+        let weights = GpuWeights {
+            folder: FolderWeights::open(&dir, Some(DType::F32)).unwrap(),
+            gpu: gpu.clone(),
+            cache: Mutex::new(HashMap::new()),
+        };
+        let mut cache = lm.decoder().new_cache();
+        let err = lm
+            .decoder()
+            .forward(&weights, &[1, 2, 3], &mut cache, Logits::All)
+            .unwrap_err();
+        assert!(
+            matches!(err, Error::Compute(bm_compute::Error::NotOnCuda { .. })),
+            "{model}: {err}"
+        );
     }
 }
 

@@ -1,8 +1,9 @@
 //! The reference models running on dispatched `bigmodel` models: the tiny
-//! Llama's logits against transformers' under an all-CPU map, a CPU + disk
-//! map and a host-emulated multi-device map, bit for bit the same under
-//! all three and as the plain in-memory run; the tiny BERT and (with
-//! BM_MINILM_DIR) all-MiniLM-L6-v2 with half their layers on disk.
+//! Llama's (and every other decoder family's) logits against transformers'
+//! under an all-CPU map, a CPU + disk map and a host-emulated multi-device
+//! map, bit for bit the same under all three and as the plain in-memory
+//! run; the tiny BERT and (with BM_MINILM_DIR) all-MiniLM-L6-v2 with half
+//! their layers on disk.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -127,6 +128,157 @@ fn tiny_llama_matches_transformers_and_is_bit_identical_under_every_placement() 
             println!("{label} prompt {prompt}: max |diff| vs transformers {diff:e}");
             assert!(diff <= 1e-4, "{label} prompt {prompt}: {diff}");
             assert_eq!(bits(&logits), bits(&expected), "{label} prompt {prompt}");
+        }
+    }
+}
+
+/// The map units of a config's module tree: the children of the base
+/// model (`model`, `transformer`) with its layer list expanded, and the
+/// other top-level modules (`lm_head`).
+fn units(dir: &Path) -> Vec<String> {
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let tree = bigmodel::plan::hf::tree_from_config(&config)
+        .unwrap()
+        .tree
+        .to_json();
+    let children = |node: &serde_json::Value| -> Vec<serde_json::Value> {
+        node["children"].as_array().cloned().unwrap_or_default()
+    };
+    let mut units = Vec::new();
+    for top in children(&tree["root"]) {
+        let top_name = top["name"].as_str().unwrap().to_string();
+        let below = children(&top);
+        if below.is_empty() {
+            units.push(top_name);
+            continue;
+        }
+        for child in below {
+            let name = format!("{top_name}.{}", child["name"].as_str().unwrap());
+            if child["class"] == "ModuleList" {
+                for layer in children(&child) {
+                    units.push(format!("{name}.{}", layer["name"].as_str().unwrap()));
+                }
+            } else {
+                units.push(name);
+            }
+        }
+    }
+    units
+}
+
+/// All-CPU, CPU + disk (later layers and the head on disk) and two
+/// emulated GPUs + CPU + disk maps over `units`.
+fn family_placements(
+    units: &[String],
+    offload: &Path,
+) -> Vec<(&'static str, Arc<DeviceSet>, Options)> {
+    let layers: Vec<&String> = units
+        .iter()
+        .filter(|u| u.rsplit('.').next().unwrap().parse::<usize>().is_ok())
+        .collect();
+    let map = |place: &dyn Fn(&str) -> serde_json::Value| -> serde_json::Value {
+        units
+            .iter()
+            .map(|u| (u.clone(), place(u)))
+            .collect::<serde_json::Map<_, _>>()
+            .into()
+    };
+    let layer_index = |u: &str| layers.iter().position(|l| *l == u);
+    let cpu = map(&|_| json!("cpu"));
+    let disk = map(&|u| match layer_index(u) {
+        Some(i) if i >= layers.len() / 2 => json!("disk"),
+        _ if u == "lm_head" => json!("disk"),
+        _ => json!("cpu"),
+    });
+    let multi = map(&|u| match layer_index(u) {
+        Some(0) => json!(0),
+        Some(1) => json!(1),
+        Some(_) => json!("cpu"),
+        None if u == "lm_head" => json!("disk"),
+        None => json!(1),
+    });
+    vec![
+        (
+            "all-cpu",
+            Arc::new(DeviceSet::cpu_only()),
+            options(cpu, None),
+        ),
+        (
+            "cpu+disk",
+            Arc::new(DeviceSet::cpu_only()),
+            options(disk, Some(&offload.join("disk"))),
+        ),
+        (
+            "emulated 2 GPUs + cpu + disk",
+            Arc::new(DeviceSet::emulated(&[1 << 20, 1 << 20])),
+            options(multi, Some(&offload.join("multi"))),
+        ),
+    ]
+}
+
+#[test]
+fn every_family_matches_transformers_and_is_bit_identical_under_every_placement() {
+    for model in [
+        "tiny-gpt2",
+        "tiny-qwen3",
+        "tiny-qwen2-swa",
+        "tiny-gemma2",
+        "tiny-phi3",
+        "tiny-mistral",
+    ] {
+        let dir = fixture(model);
+        let reference = std::fs::read(dir.join("reference.safetensors")).unwrap();
+        let in_memory = CausalLm::open(&dir, Some(DType::F32)).unwrap();
+        let folder = FolderWeights::open(&dir, Some(DType::F32)).unwrap();
+        let offload = tempfile::tempdir().unwrap();
+        let units = units(&dir);
+        // Every block the decoder runs is its own map entry.
+        for block in in_memory.decoder().block_names() {
+            assert!(units.contains(&block), "{model}: {block} not in {units:?}");
+        }
+        let placements = family_placements(&units, offload.path());
+        let opened: Vec<_> = placements
+            .into_iter()
+            .map(|(label, devices, options)| {
+                (label, open_causal_lm(&dir, devices, &options).unwrap())
+            })
+            .collect();
+        for prompt in 0..3 {
+            let prompt_ids = ids(&reference, &format!("prompt.{prompt}"));
+            let want = floats(&reference, &format!("logits.{prompt}"));
+            let mut cache = in_memory.decoder().new_cache();
+            let expected = in_memory
+                .decoder()
+                .forward(&folder, &prompt_ids, &mut cache, Logits::All)
+                .unwrap()
+                .to_f32_vec();
+            for (label, Dispatched { model: lm, weights }) in &opened {
+                let mut cache = lm.decoder().new_cache();
+                let logits = lm
+                    .decoder()
+                    .forward(weights, &prompt_ids, &mut cache, Logits::All)
+                    .unwrap()
+                    .to_f32_vec();
+                let diff = logits
+                    .iter()
+                    .zip(&want)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0f32, f32::max);
+                assert!(diff <= 1e-4, "{model} {label} prompt {prompt}: {diff}");
+                assert_eq!(
+                    bits(&logits),
+                    bits(&expected),
+                    "{model} {label} prompt {prompt}"
+                );
+            }
+        }
+        for (label, Dispatched { weights, .. }) in &opened {
+            assert_eq!(
+                weights.streamed_bytes() > 0,
+                *label != "all-cpu",
+                "{model} {label}"
+            );
         }
     }
 }
