@@ -1,6 +1,7 @@
 //! `bigmodel run` on the tiny Llama fixture of bm-models: JSON keys, the
 //! logits dump against transformers' logits, a CPU + disk map streaming
-//! weights with the same output, and bad input.
+//! weights with the same output, and bad input; and on the tiny fixture of
+//! every other decoder family, with and without disk offload.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -54,8 +55,18 @@ fn read_safetensors(path: &Path) -> Vec<(String, Vec<usize>, Vec<u8>)> {
         .collect()
 }
 
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../bm-models/tests/fixtures")
+        .join(name)
+}
+
 fn reference(name: &str) -> (Vec<usize>, Vec<u8>) {
-    read_safetensors(&tiny_llama().join("reference.safetensors"))
+    reference_of(&tiny_llama(), name)
+}
+
+fn reference_of(model: &Path, name: &str) -> (Vec<usize>, Vec<u8>) {
+    read_safetensors(&model.join("reference.safetensors"))
         .into_iter()
         .find(|(k, _, _)| k == name)
         .map(|(_, s, b)| (s, b))
@@ -63,7 +74,11 @@ fn reference(name: &str) -> (Vec<usize>, Vec<u8>) {
 }
 
 fn reference_ids(name: &str) -> Vec<u64> {
-    reference(name)
+    reference_ids_of(&tiny_llama(), name)
+}
+
+fn reference_ids_of(model: &Path, name: &str) -> Vec<u64> {
+    reference_of(model, name)
         .1
         .chunks_exact(8)
         .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u64)
@@ -136,6 +151,71 @@ fn json_has_every_key_and_greedy_ids_match_transformers() {
         .map(|(a, b)| (a - b).abs())
         .fold(0f32, f32::max);
     assert!(diff <= 1e-4, "max |diff| {diff}");
+}
+
+#[test]
+fn every_decoder_family_runs_in_memory_and_with_disk_offload() {
+    for family in [
+        "tiny-gpt2",
+        "tiny-qwen3",
+        "tiny-qwen2-swa",
+        "tiny-gemma2",
+        "tiny-phi3",
+    ] {
+        let model = fixture(family);
+        // The longest prompt: past every sliding window.
+        let prompt = ids_arg(&reference_ids_of(&model, "prompt.2"));
+        let want = reference_ids_of(&model, "generated.2");
+        let (want_shape, want_logits) = reference_of(&model, "logits.2");
+        let dir = tempfile::tempdir().unwrap();
+        let dump = dir.path().join("logits.safetensors");
+        let offload = dir.path().join("offload");
+        let mut streamed = Vec::new();
+        // Everything in RAM, then a CPU budget that sends layers to disk.
+        for budget in [None, Some("cpu=30KB")] {
+            let mut args = vec![
+                "run",
+                model.to_str().unwrap(),
+                "--prompt-ids",
+                &prompt,
+                "--max-new-tokens",
+                "8",
+                "--dump-logits",
+                dump.to_str().unwrap(),
+                "--json",
+            ];
+            if let Some(budget) = budget {
+                args.extend([
+                    "--max-memory",
+                    budget,
+                    "--offload-folder",
+                    offload.to_str().unwrap(),
+                ]);
+            }
+            let v = json_of(&bigmodel(&args));
+            let got: Vec<u64> = v["generated_ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|i| i.as_u64().unwrap())
+                .collect();
+            // Generation stops early at eos (2); transformers' run did not.
+            assert!(!got.is_empty(), "{family}");
+            assert_eq!(got[..], want[..got.len()], "{family} {budget:?}");
+            assert!(got.len() == want.len() || got.last() == Some(&2));
+            streamed.push(v["bytes_streamed_per_token"].as_u64().unwrap());
+            let (name, shape, bytes) = read_safetensors(&dump).remove(0);
+            assert_eq!((name.as_str(), &shape), ("logits", &want_shape));
+            let diff = floats(&bytes)
+                .iter()
+                .zip(floats(&want_logits))
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(diff <= 1e-4, "{family} {budget:?}: max |diff| {diff}");
+        }
+        assert_eq!(streamed[0], 0, "{family}");
+        assert!(streamed[1] > 0, "{family}: nothing went to disk");
+    }
 }
 
 #[test]
@@ -247,7 +327,7 @@ fn bad_input_is_a_clear_error() {
             "--prompt-ids",
             "1",
         ],
-        "supported are llama, mistral, qwen2",
+        "supported are llama, mistral, qwen2, qwen3, gemma2, phi3, gpt2",
     );
     config["model_type"] = json!("llama");
     config["hidden_size"] = json!(96);
@@ -261,6 +341,20 @@ fn bad_input_is_a_clear_error() {
             "1",
         ],
         "model.embed_tokens.weight",
+    );
+
+    // GPT-2's learned positions end at n_positions (32).
+    let gpt2 = fixture("tiny-gpt2");
+    fails_with(
+        &[
+            "run",
+            gpt2.to_str().unwrap(),
+            "--prompt-ids",
+            &ids_arg(&[3; 30]),
+            "--max-new-tokens",
+            "8",
+        ],
+        "sequence of 33 tokens is longer than the model's 32 positions",
     );
 
     fails_with(&["run", model, "--prompt", ""], "--prompt is empty");
