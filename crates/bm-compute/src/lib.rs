@@ -17,12 +17,18 @@
 //!   CPU kernels, which are also the reference the CUDA kernels are tested
 //!   against.
 //! * [`ops`] has what the model families need: matmul (`linear`, on the
-//!   `gemm` crate's kernels with rayon threads over weight-row blocks),
-//!   embedding lookup, RMSNorm, LayerNorm, rotary embedding, attention with
-//!   a causal or sliding-window mask, grouped-query heads and a KV cache,
-//!   softmax, SiLU, GELU, add and mul. Half-precision values are widened to
-//!   f32, computed, and rounded once per op, as PyTorch's CPU kernels
-//!   accumulate in f32.
+//!   `gemm` crate's kernels with rayon threads over weight-row blocks, and
+//!   `linear_t` for `Conv1D` weights stored `[in, out]`), embedding lookup,
+//!   RMSNorm (Llama's and Gemma's `1 + w`), LayerNorm, rotary embedding
+//!   (default, given or partial frequencies), attention with a causal or
+//!   sliding-window mask, grouped-query heads, a score scale and
+//!   soft-capping, and a KV cache that can forget what a window no longer
+//!   sees; softmax, SiLU, GELU (exact and tanh), soft-capping, scale, add,
+//!   mul and column splits. Half-precision values are widened to f32,
+//!   computed, and rounded once per op, as PyTorch's CPU kernels accumulate
+//!   in f32. The few ops without a CUDA side yet (`linear_t`, tanh GELU,
+//!   soft-capping, non-default rotary or scores) return
+//!   [`Error::NotOnCuda`] for GPU operands.
 //!
 //! Why a crate of its own: the model families and the quantized kernels
 //! grow independently, a framework that brings its own models can use the

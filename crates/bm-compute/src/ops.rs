@@ -931,7 +931,7 @@ mod tests {
         let x = t(&[3], &[1., -2., 0.5]);
         // torch.nn.functional.gelu(x, approximate="tanh")
         let g = gelu_tanh(&x).unwrap().to_f32_vec();
-        for (a, e) in g.iter().zip([0.841192, -0.04540230, 0.34571401]) {
+        for (a, e) in g.iter().zip([0.841_192, -0.045_402_3, 0.345_714]) {
             assert!((a - e).abs() < 1e-6, "{a} vs {e}");
         }
         let c = softcap(&t(&[2], &[100., -1.]), 30.0).unwrap().to_f32_vec();

@@ -7,7 +7,7 @@
 //! from `bm-compute` (re-exported here as [`Tensor`], [`Backend`] and
 //! [`ops`]); this crate holds the models:
 //!
-//! * [`Decoder`] (Llama, Mistral, Qwen2) and [`Encoder`] (BERT) hold only a
+//! * [`Decoder`] (every decoder family) and [`Encoder`] (BERT) hold only a
 //!   config. Every block (`model.embed_tokens`, `model.layers.N`,
 //!   `model.norm`, `lm_head`; `embeddings`, `encoder.layer.N`) is a method
 //!   that takes its activations and a [`WeightSource`], fetches its tensors
@@ -28,12 +28,16 @@
 //!   folder under a device map, strategy, budgets and offload folder, as
 //!   Accelerate's `load_checkpoint_and_dispatch` does.
 //!
+//! The decoder families (`llama`, `mistral`, `qwen2`, `qwen3`, `gemma2`,
+//! `phi3`, `gpt2`) differ only in a [`DecoderConfig`]: `family.rs` reads
+//! each family's config.json the way transformers does and names its
+//! modules; one set of blocks runs them all.
+//!
 //! Known limits: batch size 1 (embeddings run text by text, so no padding
-//! is needed); rotary scaling other than none is refused; Qwen2's
-//! sliding-window layers are refused. Mistral's window is applied in the
-//! attention mask (checked against transformers with a window shorter than
-//! the prompt), but the KV cache keeps every position rather than a rolling
-//! window, so memory grows with the sequence.
+//! is needed); rotary scaling other than Phi-3's LongRoPE is refused with
+//! the key and value named. Sliding windows are applied in the attention
+//! mask and the CPU KV cache of a sliding layer drops positions no later
+//! query can see (GPU caches keep every position).
 
 mod config;
 mod decoder;
