@@ -113,7 +113,10 @@ impl MaxMemory {
             let mut pairs = Vec::with_capacity(object.len());
             for (key, size) in object {
                 let device = Device::parse_key(key)?;
-                pairs.push((device, parse_size_value(size, key)?));
+                pairs.push((
+                    device,
+                    parse_size_value(size, key).map_err(naming_device(key))?,
+                ));
             }
             return MaxMemory::new(pairs);
         }
@@ -126,7 +129,10 @@ impl MaxMemory {
                 Error::BadMemorySpec(format!("{item:?} is not KEY=SIZE (e.g. 0=10GiB,cpu=30GiB)"))
             })?;
             let device = Device::parse_key(key)?;
-            pairs.push((device, parse_size_text(size, key.trim())?));
+            pairs.push((
+                device,
+                parse_size_text(size, key.trim()).map_err(naming_device(key.trim()))?,
+            ));
         }
         MaxMemory::new(pairs)
     }
@@ -180,6 +186,20 @@ impl MaxMemory {
     }
 }
 
+/// A size that does not parse names the device it was given for
+/// (`--max-memory 0=` says which key has no size).
+fn naming_device(key: &str) -> impl Fn(Error) -> Error + '_ {
+    move |e| match e {
+        Error::BadSize(size) => Error::BadBudget {
+            what: key.to_string(),
+            reason: format!(
+                "{size:?} is not in a valid format; use an integer for bytes, or a string with a unit (like '5.0GB')"
+            ),
+        },
+        other => other,
+    }
+}
+
 /// Per-device byte reserves (`--reserve 0=2GiB,cpu=1GiB`), same syntax as
 /// [`MaxMemory::parse`].
 pub fn parse_reserve(spec: &str) -> Result<MaxMemory, Error> {
@@ -207,16 +227,20 @@ mod tests {
     }
 
     #[test]
-    fn unknown_keys_are_rejected_with_accelerates_message() {
-        for key in ["cuda:0", "gpu", "mps", "-1"] {
+    fn unknown_keys_are_rejected_naming_what_is_available() {
+        for key in ["cuda:0", "gpu", "-1"] {
             let err = MaxMemory::parse(&format!("{key}=10GiB")).unwrap_err();
             assert_eq!(
                 err.to_string(),
                 format!(
-                    "Device {key} is not recognized, available devices are integers(for GPU/XPU), 'mps', 'cpu' and 'disk'"
+                    "Device {key} is not recognized, available devices are integers (GPU ordinals), 'cpu' and 'disk'"
                 )
             );
         }
+        // Accelerate's message would list 'mps' as available.
+        let err = MaxMemory::parse("mps=10GiB").unwrap_err().to_string();
+        assert!(err.contains("mps (Apple Metal) is not supported"), "{err}");
+        assert!(!err.contains("'mps'"), "{err}");
         assert!(MaxMemory::parse("0=10GiB,0=1GB").is_err());
         assert!(MaxMemory::parse("0").is_err());
         assert!(
@@ -226,5 +250,22 @@ mod tests {
                 .contains("not in a valid format")
         );
         assert!(MaxMemory::parse("{").is_err());
+    }
+
+    #[test]
+    fn a_missing_or_bad_size_names_its_device() {
+        for (spec, key) in [
+            ("0=", "0"),
+            ("cpu=,0=1GB", "cpu"),
+            ("0=1GB, disk = lots", "disk"),
+            (r#"{"1": "x"}"#, "1"),
+        ] {
+            let err = MaxMemory::parse(spec).unwrap_err().to_string();
+            assert!(
+                err.starts_with(&format!("bad memory budget for {key}: "))
+                    && err.contains("is not in a valid format"),
+                "{spec}: {err}"
+            );
+        }
     }
 }

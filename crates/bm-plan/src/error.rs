@@ -48,9 +48,16 @@ impl fmt::Display for Error {
             Error::BadBudget { what, reason } => {
                 write!(f, "bad memory budget for {what}: {reason}")
             }
+            // Accelerate's message lists 'mps', which bigmodel does not
+            // support (docs/compat.md); naming it as available would
+            // contradict the refusal.
+            Error::UnknownDevice(key) if key == "mps" => write!(
+                f,
+                "Device mps (Apple Metal) is not supported by bigmodel; available devices are integers (GPU ordinals), 'cpu' and 'disk'"
+            ),
             Error::UnknownDevice(key) => write!(
                 f,
-                "Device {key} is not recognized, available devices are integers(for GPU/XPU), 'mps', 'cpu' and 'disk'"
+                "Device {key} is not recognized, available devices are integers (GPU ordinals), 'cpu' and 'disk'"
             ),
             Error::BadMemorySpec(msg) => write!(f, "bad memory specification: {msg}"),
             Error::Tree { path, reason } => {
