@@ -7,6 +7,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 mod cmd;
+mod sigbus;
 
 /// Load, plan and run models larger than any one device.
 #[derive(Parser)]
@@ -35,6 +36,7 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    sigbus::install();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Inspect(a) => cmd::inspect::run(a),

@@ -207,3 +207,139 @@ fn inspect_errors_are_one_paragraph() {
         "{e}"
     );
 }
+
+/// A Hugging Face hub cache snapshot of the fixture: every file of
+/// `snapshots/REV/` a link to `../../blobs/<name>`.
+#[cfg(unix)]
+fn hub_snapshot(root: &Path) -> PathBuf {
+    let repo = root.join("models--org--llama-tiny");
+    let snap = repo.join("snapshots/cafe");
+    std::fs::create_dir_all(&snap).unwrap();
+    std::fs::create_dir_all(repo.join("blobs")).unwrap();
+    for entry in std::fs::read_dir(fixture()).unwrap() {
+        let entry = entry.unwrap();
+        let name = entry.file_name();
+        let blob = format!("blob-{}", name.to_string_lossy());
+        std::fs::copy(entry.path(), repo.join("blobs").join(&blob)).unwrap();
+        std::os::unix::fs::symlink(format!("../../blobs/{blob}"), snap.join(&name)).unwrap();
+    }
+    snap
+}
+
+/// Every file under `dir` with its bytes (links listed as links).
+#[cfg(unix)]
+fn tree_state(dir: &Path) -> Vec<(PathBuf, String)> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            let meta = std::fs::symlink_metadata(&p).unwrap();
+            let state = if meta.is_symlink() {
+                format!("-> {}", std::fs::read_link(&p).unwrap().display())
+            } else if meta.is_dir() {
+                stack.push(p.clone());
+                "dir".into()
+            } else {
+                format!("{:?}", std::fs::read(&p).unwrap())
+            };
+            out.push((p, state));
+        }
+    }
+    out.sort();
+    out
+}
+
+#[cfg(unix)]
+#[test]
+fn shard_reads_a_hub_snapshot_and_never_writes_into_it() {
+    let root = tempfile::tempdir().unwrap();
+    let snap = hub_snapshot(root.path());
+    let repo = root.path().join("models--org--llama-tiny");
+    let before = tree_state(&repo);
+    // The snapshot itself, through a link to it, and the blobs folder its
+    // shards resolve to: all are folders the checkpoint is read from.
+    let link = root.path().join("link-to-snapshot");
+    std::os::unix::fs::symlink(&snap, &link).unwrap();
+    for out in [&snap, &link, &repo.join("blobs")] {
+        let e = fails(args!("shard", &snap, out, "--max-shard-size", "20KB"));
+        assert!(e.contains("holds the checkpoint being read"), "{e}");
+    }
+    assert_eq!(tree_state(&repo), before, "the input was modified");
+    // Elsewhere it works, side files included (they are links too).
+    let out = root.path().join("out");
+    let report = ok_json(args!(
+        "shard",
+        &snap,
+        &out,
+        "--max-shard-size",
+        "20KB",
+        "--json"
+    ));
+    assert!(report["files"].as_array().unwrap().len() > 1);
+    let config = std::fs::read(out.join("config.json")).unwrap();
+    assert_eq!(
+        config,
+        std::fs::read(fixture().join("config.json")).unwrap()
+    );
+    assert!(
+        !std::fs::symlink_metadata(out.join("config.json"))
+            .unwrap()
+            .is_symlink()
+    );
+    assert_eq!(tree_state(&repo), before);
+}
+
+#[test]
+fn shard_errors_name_the_input_file_and_the_tensor() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("empty-name.safetensors");
+    let mut json = r#"{"":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}"#.to_string();
+    while json.len() % 8 != 0 {
+        json.push(' ');
+    }
+    let mut bytes = (json.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(json.as_bytes());
+    bytes.push(1);
+    std::fs::write(&input, bytes).unwrap();
+    let out = dir.path().join("out");
+    let e = fails(args!("shard", &input, &out, "--max-shard-size", "1KB"));
+    assert!(
+        e.contains("tensor \"\"")
+            && e.contains("not a valid safetensors tensor name")
+            && e.contains(&format!("read from {}", input.display()))
+            && e.contains(&out.display().to_string()),
+        "{e}"
+    );
+}
+
+#[cfg(unix)]
+#[test]
+fn inspect_refuses_a_fifo_instead_of_waiting_on_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("model.safetensors");
+    let made = Command::new("mkfifo").arg(&fifo).status();
+    assert!(made.is_ok_and(|s| s.success()));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_bigmodel"))
+        .args([std::ffi::OsStr::new("inspect"), fifo.as_os_str()])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Opening a FIFO for reading blocks until a writer comes: a hang is a
+    // failure, not a slow pass.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            child.kill().unwrap();
+            panic!("inspect of a FIFO blocked");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert!(!status.success());
+    assert!(stderr.contains("is a FIFO, not a regular file"), "{stderr}");
+}

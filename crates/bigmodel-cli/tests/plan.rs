@@ -107,6 +107,14 @@ fn bad_input_is_a_clear_error() {
             "Device gpu is not recognized",
         ),
         (vec!["--max-memory", "0=10TB"], "is not in a valid format"),
+        (
+            vec!["--max-memory", "0="],
+            "bad memory budget for 0: \"\" is not in a valid format",
+        ),
+        (
+            vec!["--max-memory", "mps=1GB"],
+            "mps (Apple Metal) is not supported",
+        ),
         (vec!["--max-memory", "0=-5"], "negative"),
         (vec!["--max-memory", "0=99999999999GiB"], "too large"),
         (vec!["--max-memory", "0=2000000000GiB"], "1 EiB"),

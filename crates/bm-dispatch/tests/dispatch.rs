@@ -583,6 +583,37 @@ fn a_failed_offload_write_leaves_no_index() {
     assert_eq!(hidden, 0);
 }
 
+#[cfg(unix)]
+#[test]
+fn offload_writes_never_follow_a_planted_link() {
+    let folder = tempfile::tempdir().unwrap();
+    let outside = tempfile::tempdir().unwrap();
+    let victim = outside.path().join("victim");
+    std::fs::write(&victim, b"precious").unwrap();
+    // Links at the temporary name earlier versions used and at a final name.
+    for name in [".3.weight.dat.tmp", "3.bias.dat"] {
+        std::os::unix::fs::symlink(&victim, folder.path().join(name)).unwrap();
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = Checkpoint::open(write_checkpoint(dir.path())).unwrap();
+    let model = Model::empty(tree(), Arc::new(DeviceSet::cpu_only())).unwrap();
+    let load = LoadOptions {
+        dtype: Some(DType::F16),
+        offload_folder: Some(folder.path().to_path_buf()),
+        ..LoadOptions::default()
+    };
+    load_checkpoint_in_model(
+        &model,
+        &ckpt,
+        Some(&map(serde_json::json!({"": "disk"}))),
+        &load,
+    )
+    .unwrap();
+    assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
+    let bias = std::fs::symlink_metadata(folder.path().join("3.bias.dat")).unwrap();
+    assert!(bias.is_file(), "the link was replaced by the written file");
+}
+
 #[test]
 fn missing_and_unexpected_keys_are_reported_and_strict_refuses_them() {
     let dir = tempfile::tempdir().unwrap();

@@ -301,3 +301,100 @@ fn bad_files_name_the_file() {
         "{e}"
     );
 }
+
+/// A Hugging Face hub cache repository: `snapshots/REV/` holds links to
+/// `../../blobs/HASH`, as huggingface_hub lays it out.
+#[cfg(unix)]
+fn hub_snapshot(root: &Path) -> PathBuf {
+    use std::os::unix::fs::symlink;
+    let repo = root.join("models--org--tiny");
+    let snap = repo.join("snapshots/0123abcd");
+    std::fs::create_dir_all(&snap).unwrap();
+    std::fs::create_dir_all(repo.join("blobs")).unwrap();
+    let built = tempfile::tempdir().unwrap();
+    u8_tensor_file(built.path(), "a", &["a"]);
+    u8_tensor_file(built.path(), "b", &["b"]);
+    std::fs::write(
+        built.path().join("i"),
+        r#"{"metadata":{"total_size":4},"weight_map":{"a":"model-00001-of-00002.safetensors","b":"model-00002-of-00002.safetensors"}}"#,
+    )
+    .unwrap();
+    for (blob, name) in [
+        ("a", "model-00001-of-00002.safetensors"),
+        ("b", "model-00002-of-00002.safetensors"),
+        ("i", "model.safetensors.index.json"),
+    ] {
+        let hash = format!("{blob}0f1e2d3c");
+        std::fs::copy(built.path().join(blob), repo.join("blobs").join(&hash)).unwrap();
+        symlink(format!("../../blobs/{hash}"), snap.join(name)).unwrap();
+    }
+    snap
+}
+
+#[cfg(unix)]
+#[test]
+fn hugging_face_cache_snapshots_open() {
+    let root = tempfile::tempdir().unwrap();
+    let snap = hub_snapshot(root.path());
+    let ckpt = Checkpoint::open(&snap).unwrap();
+    assert_eq!(ckpt.len(), 2);
+    assert_eq!(
+        ckpt.file_of("b").unwrap(),
+        snap.join("model-00002-of-00002.safetensors")
+    );
+    assert_eq!(ckpt.view("a").unwrap().as_bytes(), [7, 7]);
+    // A link from the snapshot to a file outside the repository is refused.
+    std::fs::write(root.path().join("secret"), b"x").unwrap();
+    std::fs::remove_file(snap.join("model-00002-of-00002.safetensors")).unwrap();
+    std::os::unix::fs::symlink(
+        root.path().join("secret"),
+        snap.join("model-00002-of-00002.safetensors"),
+    )
+    .unwrap();
+    let e = open_err(&snap);
+    assert!(e.contains("outside the folder"), "{e}");
+}
+
+#[test]
+fn a_file_truncated_after_opening_is_an_error_not_a_fault() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = u8_tensor_file(dir.path(), "m.safetensors", &["a", "b"]);
+    let ckpt = Checkpoint::open(&path).unwrap();
+    let len = std::fs::metadata(&path).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_len(len - 1)
+        .unwrap();
+    assert_eq!(ckpt.view("a").unwrap().as_bytes(), [7, 7]);
+    for e in [
+        ckpt.view("b").unwrap_err().to_string(),
+        ckpt.read_as("b", DType::U8).unwrap_err().to_string(),
+    ] {
+        assert!(
+            e.contains("m.safetensors")
+                && e.contains("tensor \"b\" cannot be read: the file shrank"),
+            "{e}"
+        );
+    }
+}
+
+#[cfg(unix)]
+#[test]
+fn a_fifo_is_refused_without_blocking() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("model.safetensors");
+    let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+    assert!(made.is_ok_and(|s| s.success()));
+    // Both as the file given and as a folder's model.safetensors: opening
+    // it for reading would block until a writer came.
+    let e = open_err(&fifo);
+    assert!(e.contains("is a FIFO, not a regular file"), "{e}");
+    let e = open_err(dir.path());
+    assert!(e.contains("model.safetensors is a FIFO, not a file"), "{e}");
+    let index = dir.path().join("x.index.json");
+    std::fs::rename(&fifo, &index).unwrap();
+    let e = open_err(&index);
+    assert!(e.contains("is a FIFO"), "{e}");
+}

@@ -330,3 +330,27 @@ fn single_file_is_identical_to_python_save_file() {
     let ours = std::fs::read(dir.path().join("ours/model.safetensors")).unwrap();
     assert_eq!(ours, std::fs::read(theirs).unwrap());
 }
+
+#[test]
+fn temporaries_left_by_a_killed_writer_are_removed_by_the_next_save() {
+    let dir = tempfile::tempdir().unwrap();
+    // What a `kill -9` mid-save leaves: this crate's temporary name and the
+    // one earlier versions used, owned by a process that is gone (pid 0 is
+    // never a user process), older than this one.
+    let ours = dir.path().join(".bigmodel-tmp-0-0123456789abcdef");
+    let legacy = dir.path().join(".model-00001-of-00002.safetensors.tmp0");
+    let user = dir.path().join(".notes.tmp");
+    let an_hour_ago = std::time::SystemTime::now() - std::time::Duration::from_secs(3600);
+    for p in [&ours, &legacy, &user] {
+        std::fs::write(p, vec![0u8; 1 << 16]).unwrap();
+        std::fs::File::options()
+            .write(true)
+            .open(p)
+            .unwrap()
+            .set_modified(an_hour_ago)
+            .unwrap();
+    }
+    save(&state(MODEL_FOR_TEST), dir.path(), 100);
+    assert!(!ours.exists() && !legacy.exists());
+    assert!(user.exists(), "a file that is not ours stays");
+}
