@@ -14,7 +14,9 @@
 //! * an index: transformers' `{"metadata":{...},"weight_map":{name: file}}`
 //!   or Accelerate's flat `{name: file}`; shard names are checked before any
 //!   file is opened (no absolute paths, no `..`, no symbolic link leading
-//!   outside the folder);
+//!   outside the folder or, for a Hugging Face cache snapshot, its
+//!   repository: see [`resolve_in_folder`]), and only regular files are
+//!   opened ([`open_regular`]);
 //! * a folder holding `model.safetensors` or exactly one `*.index.json`.
 //!
 //! Headers are validated as strictly as the safetensors crate does (see
@@ -26,7 +28,8 @@
 //! transformers writes. Unlike Accelerate it never leaves a half-written
 //! checkpoint (temporary files, renamed into place, index last) and removes
 //! stale shards of an earlier save. [`offload`] reads and writes
-//! Accelerate's disk-offload folder.
+//! Accelerate's disk-offload folder. Every file is written through
+//! [`AtomicFile`], which never opens an existing name or follows a link.
 //!
 //! This crate never allocates device memory and never decides where a tensor
 //! goes; it depends only on `bm-tensor`, `serde_json` and `memmap2`.

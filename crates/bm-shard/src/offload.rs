@@ -311,7 +311,8 @@ impl OffloadFolder {
     /// Opens `folder`, which must hold an `index.json`. Every `.dat` file is
     /// resolved inside the folder (a link leading out of it is refused) and
     /// must be a regular file of exactly the entry's size; every
-    /// `safetensors_file` is checked as [`resolve_safetensors_file`] says.
+    /// `safetensors_file` must be a `*.safetensors` name without `..` whose
+    /// links stay in its own folder (or Hugging Face cache repository).
     /// Nothing refused is opened.
     pub fn open(folder: impl AsRef<Path>) -> Result<OffloadFolder, Error> {
         let folder = folder.as_ref();

@@ -65,7 +65,7 @@ pub(crate) fn normalize(name: &str) -> String {
 
 /// Checks a name read from an index as text: it must stay inside the
 /// folder it is relative to whatever the folder holds. The error completes
-/// "<who names it>, which ...".
+/// "(who names it), which ...".
 pub(crate) fn check_name(name: &str) -> Result<(), String> {
     let refuse = |why: &str| format!("{why}; refusing to read it");
     if name.is_empty() {
@@ -99,7 +99,8 @@ pub(crate) fn check_name(name: &str) -> Result<(), String> {
 }
 
 /// Resolves `name` inside `folder`: see the module docs. Only metadata is
-/// touched, never contents. The error completes "<who names it>, which ...".
+/// touched, never contents. The error completes "(who names it), which
+/// ...".
 pub fn resolve_in_folder(folder: &Path, name: &str) -> Result<Resolved, String> {
     check_name(name)?;
     let named = folder.join(normalize(name));
