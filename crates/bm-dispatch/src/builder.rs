@@ -7,7 +7,8 @@ use bm_plan::{ModuleId, ModuleTree, ModuleTreeBuilder};
 use bm_tensor::{DType, HostBuffer, TensorMeta};
 
 use crate::bytes::Bytes;
-use crate::model::{Model, SlotState};
+use crate::model::Model;
+use crate::slots::SlotState;
 use crate::{Error, Result};
 
 /// Records a model's modules (with class names), parameters, buffers and
@@ -98,33 +99,27 @@ impl ModelBuilder {
 /// whose every tensor is allocated, zeroed, on `device`.
 pub fn init_on_device(tree: ModuleTree, device: Device, devices: Arc<DeviceSet>) -> Result<Model> {
     let model = Model::empty(tree, devices)?;
-    {
-        let mut slots = model.shared.slots.write();
-        for (s, slot) in slots.iter_mut().enumerate() {
-            let len = slot.meta.checked_byte_len().ok_or_else(|| {
+    for s in 0..model.slot_count() {
+        let len =
+            model.slots().meta(s).checked_byte_len().ok_or_else(|| {
                 Error::BadOption(format!("slot {s}: tensor too large to allocate"))
             })?;
-            let bytes = match device {
-                Device::Cpu => Bytes::Host(
-                    HostBuffer::zeroed(len).map_err(|e| Error::tensor(format!("slot {s}"), e))?,
-                ),
-                Device::Gpu(i) => {
-                    let gpu = model
-                        .shared
-                        .devices
-                        .gpu(i)
-                        .map_err(|_| Error::NoSuchDevice {
-                            what: "init_on_device".into(),
-                            device,
-                        })?;
-                    Bytes::Device(
-                        gpu.alloc_zeroed(len.max(1))
-                            .map_err(|e| Error::device(format!("slot {s}"), e))?,
-                    )
-                }
-            };
-            slot.state = SlotState::Resident(Arc::new(bytes));
-        }
+        let bytes = match device {
+            Device::Cpu => Bytes::Host(
+                HostBuffer::zeroed(len).map_err(|e| Error::tensor(format!("slot {s}"), e))?,
+            ),
+            Device::Gpu(i) => {
+                let gpu = model.devices().gpu(i).map_err(|_| Error::NoSuchDevice {
+                    what: "init_on_device".into(),
+                    device,
+                })?;
+                Bytes::Device(
+                    gpu.alloc_zeroed(len.max(1))
+                        .map_err(|e| Error::device(format!("slot {s}"), e))?,
+                )
+            }
+        };
+        model.slots().set(s, SlotState::Resident(Arc::new(bytes)));
     }
     Ok(model)
 }

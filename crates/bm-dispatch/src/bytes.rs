@@ -140,9 +140,7 @@ impl Weight {
     }
 }
 
-/// Copies host `src` onto `device`: a new host buffer for the CPU, a
-/// device allocation filled through the pinned staging pool for a GPU (the
-/// compute stream of that GPU then waits for the copy).
+/// Copies host `src` onto `device` (see [`upload_chunks`]).
 pub(crate) fn upload(
     what: &str,
     src: &[u8],
@@ -150,37 +148,67 @@ pub(crate) fn upload(
     devices: &DeviceSet,
     pool: Option<&PinnedPool>,
 ) -> Result<Bytes> {
-    match device {
-        Device::Cpu => Ok(Bytes::Host(
-            HostBuffer::from_bytes(src).map_err(|e| Error::tensor(what, e))?,
-        )),
-        Device::Gpu(i) => {
-            let gpu = devices.gpu(i).map_err(|_| Error::NoSuchDevice {
-                what: what.to_string(),
-                device,
-            })?;
-            let mut buf = gpu
-                .alloc(src.len().max(1))
-                .map_err(|e| Error::device(what, e))?;
-            if src.is_empty() {
-                return Ok(Bytes::Device(buf));
-            }
-            let event = match pool {
-                Some(pool) => buf
-                    .upload(0, src, pool, gpu.copy_stream())
-                    .map_err(|e| Error::device(what, e))?,
-                None => {
-                    buf.copy_from_host(0, src)
-                        .map_err(|e| Error::device(what, e))?;
-                    return Ok(Bytes::Device(buf));
-                }
-            };
-            gpu.compute_stream()
-                .wait(&event)
-                .map_err(|e| Error::device(what, e))?;
-            Ok(Bytes::Device(buf))
+    upload_chunks(what, src.len(), device, devices, pool, |sink| sink(0, src))
+}
+
+/// Where host bytes go on their way to a device: `(offset, piece)`.
+pub(crate) type Sink<'a> = dyn FnMut(usize, &[u8]) -> Result<()> + 'a;
+
+/// The one way host bytes reach a device: `len` bytes that `fill` hands,
+/// piece by piece with their offsets, to its sink, copied into a new host
+/// buffer for the CPU, or into a new allocation on a GPU through the
+/// pinned staging pool when there is one (that GPU's compute stream then
+/// waits for the copies).
+pub(crate) fn upload_chunks(
+    what: &str,
+    len: usize,
+    device: Device,
+    devices: &DeviceSet,
+    pool: Option<&PinnedPool>,
+    fill: impl FnOnce(&mut Sink<'_>) -> Result<()>,
+) -> Result<Bytes> {
+    let Device::Gpu(i) = device else {
+        let mut buf = HostBuffer::zeroed(len).map_err(|e| Error::tensor(what, e))?;
+        let dst = buf.as_mut_bytes();
+        fill(&mut |offset, piece| {
+            dst.get_mut(offset..offset + piece.len())
+                .ok_or_else(|| Error::BadOption(format!("{what}: more bytes than {len}")))?
+                .copy_from_slice(piece);
+            Ok(())
+        })?;
+        return Ok(Bytes::Host(buf));
+    };
+    let gpu = devices.gpu(i).map_err(|_| Error::NoSuchDevice {
+        what: what.to_string(),
+        device,
+    })?;
+    let mut buf = gpu
+        .alloc(len.max(1))
+        .map_err(|e| Error::device(format!("{what} on GPU {i}"), e))?;
+    let mut last = None;
+    fill(&mut |offset, piece| {
+        if piece.is_empty() {
+            return Ok(());
         }
+        match pool {
+            Some(pool) => {
+                let event = buf
+                    .upload(offset, piece, pool, gpu.copy_stream())
+                    .map_err(|e| Error::device(what, e))?;
+                last = Some(event);
+            }
+            None => buf
+                .copy_from_host(offset, piece)
+                .map_err(|e| Error::device(what, e))?,
+        }
+        Ok(())
+    })?;
+    if let Some(event) = last {
+        gpu.compute_stream()
+            .wait(&event)
+            .map_err(|e| Error::device(what, e))?;
     }
+    Ok(Bytes::Device(buf))
 }
 
 /// Copies host `src` into freshly allocated page-locked memory (pageable

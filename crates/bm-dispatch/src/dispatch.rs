@@ -5,14 +5,16 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use bm_device::Device;
-use bm_plan::{DeviceMap, ModuleId, Node};
+use bm_plan::DeviceMap;
 use bm_shard::offload::{OffloadEntry, OffloadFolder, save_index};
 use bm_tensor::MmapView;
 
 use crate::bytes::{Bytes, move_bytes, pin};
 use crate::hooks::{AlignDevicesHook, ModelHook};
-use crate::load::{Target, disk_modules, main_device, target_of, validate_map, write_dat};
-use crate::model::{Model, SlotState, Tier};
+use crate::load::write_dat;
+use crate::model::Model;
+use crate::placement::{MapPlacement, Target, disk_modules, main_device, offload_entries};
+use crate::slots::{SlotState, Tier};
 use crate::{Error, Result};
 
 /// Options of [`dispatch_model`], [`cpu_offload`] and [`disk_offload`].
@@ -66,8 +68,10 @@ pub fn dispatch_model(
     device_map: &DeviceMap,
     options: &DispatchOptions,
 ) -> Result<()> {
-    let tree = model.tree();
-    validate_map(tree, device_map, model.devices())?;
+    let main = options
+        .main_device
+        .unwrap_or_else(|| main_device(device_map));
+    let placement = MapPlacement::new(model, device_map, main, options.offload_buffers)?;
     let mut distinct: Vec<bm_plan::Device> = device_map.iter().map(|(_, d)| d).collect();
     distinct.sort();
     distinct.dedup();
@@ -85,59 +89,45 @@ pub fn dispatch_model(
     if !disk.is_empty() && options.offload_dir.is_none() {
         return Err(Error::NoOffloadFolder { modules: disk });
     }
-    let main = options
-        .main_device
-        .unwrap_or_else(|| main_device(device_map));
-    place(model, device_map, main, options)?;
-
-    let mut order: Vec<ModuleId> = Vec::new();
-    for (name, device) in device_map.iter() {
-        let Some(Node::Module(m)) = tree.find(name) else {
-            continue;
-        };
-        let offload = match device {
-            bm_plan::Device::Disk => true,
-            bm_plan::Device::Cpu => main != Device::Cpu,
-            bm_plan::Device::Gpu(_) => false,
-        };
-        let exec = match device {
-            bm_plan::Device::Gpu(i) => Device::Gpu(i as usize),
-            _ => main,
-        };
+    place(model, &placement, device_map, options)?;
+    for entry in &placement.entries {
         let hook = AlignDevicesHook {
-            execution_device: Some(exec),
-            offload,
-            io_same_device: name.is_empty(),
+            execution_device: Some(entry.exec),
+            offload: entry.offload,
+            io_same_device: entry.name.is_empty(),
             offload_buffers: options.offload_buffers,
             place_submodules: true,
             skip_keys: options.skip_keys.clone(),
         };
-        model.add_hook(name, Arc::new(hook), false)?;
-        if offload {
-            order.push(m);
-        }
+        model.add_hook(&entry.name, Arc::new(hook), false)?;
     }
     if device_map.get("").is_none() {
         let root = AlignDevicesHook {
-            execution_device: Some(main),
+            execution_device: Some(placement.main),
             io_same_device: true,
             skip_keys: options.skip_keys.clone(),
             ..AlignDevicesHook::default()
         };
         model.add_hook("", Arc::new(root), false)?;
     }
-    let pos = |m: &ModuleId| tree.preorder().iter().position(|x| x == m);
-    order.sort_by_key(pos);
     model.set_prefetch_depth(options.prefetch_depth);
     model.set_resident_budget(options.resident_budget);
-    model.set_streaming_order(order);
+    model.set_streaming_order(placement.streaming_order(model.tree()));
     model.set_device_map(Some(device_map.clone()));
     Ok(())
 }
 
-/// Puts every slot where `map` says.
-fn place(model: &Model, map: &DeviceMap, main: Device, options: &DispatchOptions) -> Result<()> {
+/// Puts every loaded slot at its target: moved to a device, page-locked in
+/// host RAM, or on disk (the offload folder's copy when `offload_dir`
+/// already has an index, which must match the model; else written there).
+fn place(
+    model: &Model,
+    placement: &MapPlacement,
+    map: &DeviceMap,
+    options: &DispatchOptions,
+) -> Result<()> {
     let tree = model.tree();
+    let table = model.slots();
     let devices = Arc::clone(model.devices());
     let folder_index = match &options.offload_dir {
         Some(dir) if dir.join(bm_shard::offload::INDEX_FILE).is_file() => {
@@ -146,39 +136,27 @@ fn place(model: &Model, map: &DeviceMap, main: Device, options: &DispatchOptions
         _ => None,
     };
     let mut written: Vec<(String, OffloadEntry)> = Vec::new();
-    let mut done = vec![false; model.slot_count()];
-    for t in 0..tree.tensors().len() {
-        let s = model.shared.slot_of[t];
-        if std::mem::replace(&mut done[s], true) {
-            continue;
-        }
-        let tensor = tree.tensor(t);
-        let target = target_of(tree, t, map, main, options.offload_buffers);
-        let current = {
-            let slots = model.shared.slots.read();
-            match &slots[s].state {
-                SlotState::Meta => None,
-                SlotState::Resident(b) => Some((Arc::clone(b), None)),
-                SlotState::Offloaded { bytes, tier } => Some((Arc::clone(bytes), Some(*tier))),
+    for (s, &target) in placement.slots.iter().enumerate() {
+        let name = table.name(tree, s);
+        let current = table.with(s, |meta, state| match state {
+            SlotState::Meta => None,
+            SlotState::Resident(b) => Some((meta.clone(), Arc::clone(b), None)),
+            SlotState::Offloaded { bytes, tier } => {
+                Some((meta.clone(), Arc::clone(bytes), Some(*tier)))
             }
-        };
-        let Some((bytes, tier)) = current else {
+        });
+        let Some((meta, bytes, tier)) = current else {
             continue;
         };
-        let meta = model.shared.slots.read()[s].meta.clone();
         let new_state = match (target, tier) {
             (Target::Offloaded(want), Some(have)) if want == have => continue,
-            (Target::Resident(d), _) => SlotState::Resident(move_bytes(
-                &tensor.name,
-                &bytes,
-                d,
-                &devices,
-                model.shared.pool.as_ref(),
-            )?),
+            (Target::Resident(d), _) => {
+                SlotState::Resident(move_bytes(&name, &bytes, d, &devices, model.pool())?)
+            }
             (Target::Offloaded(Tier::Cpu), _) => {
                 let host = bytes.to_host()?;
                 SlotState::Offloaded {
-                    bytes: Arc::new(pin(&tensor.name, &host, &devices)?),
+                    bytes: Arc::new(pin(&name, &host, &devices)?),
                     tier: Tier::Cpu,
                 }
             }
@@ -190,14 +168,13 @@ fn place(model: &Model, map: &DeviceMap, main: Device, options: &DispatchOptions
                         modules: disk_modules(map),
                     })?;
                 let view = match &folder_index {
-                    Some(folder) => matching_view(folder, dir, &tensor.name, &meta)?,
+                    Some(folder) => matching_view(folder, dir, &name, &meta)?,
                     None => {
                         let host = bytes.to_host()?;
-                        let entry =
-                            bm_shard::offload::offload_weight(dir, &tensor.name, &meta, &host)?;
-                        written.push((tensor.name.clone(), entry));
-                        MmapView::open(bm_shard::offload::dat_path(dir, &tensor.name)?)
-                            .map_err(|e| Error::tensor(&tensor.name, e))?
+                        let entry = bm_shard::offload::offload_weight(dir, &name, &meta, &host)?;
+                        written.push((name.clone(), entry));
+                        MmapView::open(bm_shard::offload::dat_path(dir, &name)?)
+                            .map_err(|e| Error::tensor(&name, e))?
                     }
                 };
                 SlotState::Offloaded {
@@ -206,7 +183,7 @@ fn place(model: &Model, map: &DeviceMap, main: Device, options: &DispatchOptions
                 }
             }
         };
-        model.shared.slots.write()[s].state = new_state;
+        table.set(s, new_state);
     }
     if let Some(dir) = &options.offload_dir {
         save_index(dir, &written)?;
@@ -242,34 +219,25 @@ fn matching_view(
 /// preload-class subtree.
 fn attach_offload_hooks(model: &Model, exec: Device, options: &DispatchOptions) -> Result<()> {
     let tree = model.tree();
-    let mut order = Vec::new();
-    let mut skip_below: Option<ModuleId> = None;
-    for &m in tree.preorder() {
-        if skip_below.is_some_and(|p| tree.is_within(m, p)) {
-            continue;
-        }
-        let module = tree.module(m);
-        let preload = options.preload_module_classes.contains(&module.class);
-        if preload {
-            skip_below = Some(m);
-        }
-        if !preload && module.params.is_empty() && module.buffers.is_empty() {
-            continue;
-        }
+    let entries = offload_entries(tree, &options.preload_module_classes);
+    for &(m, whole) in &entries {
         let hook = AlignDevicesHook {
             execution_device: Some(exec),
             offload: true,
             offload_buffers: options.offload_buffers,
-            place_submodules: preload,
+            place_submodules: whole,
             skip_keys: options.skip_keys.clone(),
             ..AlignDevicesHook::default()
         };
-        model.add_hook(&module.name, Arc::new(hook) as Arc<dyn ModelHook>, true)?;
-        order.push(m);
+        model.add_hook(
+            &tree.module(m).name,
+            Arc::new(hook) as Arc<dyn ModelHook>,
+            true,
+        )?;
     }
     model.set_prefetch_depth(options.prefetch_depth);
     model.set_resident_budget(options.resident_budget);
-    model.set_streaming_order(order);
+    model.set_streaming_order(entries.into_iter().map(|(m, _)| m).collect());
     Ok(())
 }
 
@@ -309,7 +277,8 @@ pub fn disk_offload(
         offload_dir: Some(offload_dir.to_path_buf()),
         ..options.clone()
     };
-    place(model, &map, execution_device, &options)?;
+    let placement = MapPlacement::new(model, &map, execution_device, options.offload_buffers)?;
+    place(model, &placement, &map, &options)?;
     root_io_hook(model, execution_device, &options)?;
     attach_offload_hooks(model, execution_device, &options)
 }

@@ -1,13 +1,14 @@
 //! Hooks around a module's forward pass: Accelerate's `ModelHook` family.
 
-use std::any::Any;
 use std::sync::Arc;
 
 use bm_device::Device;
 use bm_plan::ModuleId;
 
-use crate::bytes::{Activations, pin};
-use crate::model::{Forward, Model, SlotState, Tier};
+use crate::bytes::Activations;
+use crate::forward::Forward;
+use crate::model::Model;
+use crate::placement::{self, HookRule};
 use crate::{Error, Result};
 
 /// What runs around a module's forward (Accelerate's `ModelHook`).
@@ -15,7 +16,9 @@ use crate::{Error, Result};
 /// `init` runs when the hook is added, `detach` when it is removed;
 /// `pre_forward` and `post_forward` run in [`Model::enter`] and
 /// [`Forward::exit`]. Per-call state lives in the [`Forward`], so one hook
-/// serves concurrent passes.
+/// serves concurrent passes. What the model needs to know of a hook it
+/// asks through [`ModelHook::execution_device`], [`ModelHook::offloads`]
+/// and [`ModelHook::children`].
 pub trait ModelHook: Send + Sync + std::fmt::Debug {
     /// Called when the hook is attached to module `module`.
     fn init(&self, model: &Model, module: ModuleId) -> Result<()> {
@@ -41,8 +44,23 @@ pub trait ModelHook: Send + Sync + std::fmt::Debug {
         Ok(())
     }
 
-    /// For inspection (`downcast_ref`).
-    fn as_any(&self) -> &dyn Any;
+    /// Where the module computes under this hook, when the hook decides it
+    /// (a [`SequentialHook`] answers through its children).
+    fn execution_device(&self) -> Option<Device> {
+        None
+    }
+
+    /// True when the hook streams the module's offloaded weights in for
+    /// each forward.
+    fn offloads(&self) -> bool {
+        false
+    }
+
+    /// The hooks this one runs in order, first to run first: `Some` for a
+    /// [`SequentialHook`], `None` for a single hook.
+    fn children(&self) -> Option<&[Arc<dyn ModelHook>]> {
+        None
+    }
 }
 
 /// Several hooks run in order for every event (Accelerate's `SequentialHook`).
@@ -75,26 +93,26 @@ impl ModelHook for SequentialHook {
         self.hooks.iter().try_for_each(|h| h.detach(model, module))
     }
 
-    fn as_any(&self) -> &dyn Any {
-        self
+    fn execution_device(&self) -> Option<Device> {
+        self.hooks.iter().find_map(|h| h.execution_device())
+    }
+
+    fn offloads(&self) -> bool {
+        self.hooks.iter().any(|h| h.offloads())
+    }
+
+    fn children(&self) -> Option<&[Arc<dyn ModelHook>]> {
+        Some(&self.hooks)
     }
 }
 
-/// The hooks inside `hook` (itself unless it is a [`SequentialHook`]).
+/// The single hooks inside `hook` (itself unless it is a [`SequentialHook`]),
+/// in the order they run.
 pub fn flatten(hook: &Arc<dyn ModelHook>) -> Vec<Arc<dyn ModelHook>> {
-    match hook.as_any().downcast_ref::<SequentialHook>() {
-        Some(seq) => seq.hooks.iter().flat_map(flatten).collect(),
+    match hook.children() {
+        Some(children) => children.iter().flat_map(flatten).collect(),
         None => vec![Arc::clone(hook)],
     }
-}
-
-/// The execution device of the first [`AlignDevicesHook`] in `hook`.
-pub fn execution_device(hook: &Arc<dyn ModelHook>) -> Option<Device> {
-    flatten(hook).iter().find_map(|h| {
-        h.as_any()
-            .downcast_ref::<AlignDevicesHook>()
-            .and_then(|a| a.execution_device)
-    })
 }
 
 /// Accelerate's `AlignDevicesHook`: inputs go to the execution device,
@@ -119,64 +137,24 @@ pub struct AlignDevicesHook {
     pub skip_keys: Vec<String>,
 }
 
+impl AlignDevicesHook {
+    /// How this hook places its module, when it has an execution device.
+    fn rule(&self) -> Option<HookRule> {
+        Some(HookRule {
+            exec: self.execution_device?,
+            offload: self.offload,
+            subtree: self.place_submodules,
+            offload_buffers: self.offload_buffers,
+        })
+    }
+}
+
 impl ModelHook for AlignDevicesHook {
     fn init(&self, model: &Model, module: ModuleId) -> Result<()> {
-        let Some(exec) = self.execution_device else {
-            return Ok(());
-        };
-        if !self.offload {
-            let slots = model.module_slots(module, self.place_submodules, true);
-            let nonpersistent = nonpersistent_slots(model, module, self.place_submodules);
-            return model.move_slots(&[slots, nonpersistent].concat(), exec);
+        match self.rule() {
+            Some(rule) => placement::attach(model, module, rule),
+            None => Ok(()),
         }
-        // Offload: resident weights become the offloaded copy (pinned when a
-        // GPU executes them); buffers not offloaded go to the execution device.
-        let weights = model.module_slots(module, self.place_submodules, self.offload_buffers);
-        let tied: Vec<usize> = model
-            .tree()
-            .tensors()
-            .iter()
-            .enumerate()
-            .filter(|(_, t)| t.tie_group.is_some())
-            .map(|(i, _)| model.shared.slot_of[i])
-            .collect();
-        {
-            let mut slots = model.shared.slots.write();
-            for s in weights {
-                if let SlotState::Resident(b) = &slots[s].state {
-                    // A tied storage kept on a GPU by another module's entry
-                    // stays there: one copy, on the faster device.
-                    if b.device() != Device::Cpu && tied.contains(&s) {
-                        continue;
-                    }
-                    let what = format!("slot {s}");
-                    let bytes = match (exec, b.host()) {
-                        (Device::Gpu(_), Some(host)) => {
-                            Arc::new(pin(&what, host, &model.shared.devices)?)
-                        }
-                        (Device::Cpu, Some(_)) => Arc::clone(b),
-                        (_, None) => crate::bytes::move_bytes(
-                            &what,
-                            b,
-                            Device::Cpu,
-                            &model.shared.devices,
-                            None,
-                        )?,
-                    };
-                    slots[s].state = SlotState::Offloaded {
-                        bytes,
-                        tier: Tier::Cpu,
-                    };
-                }
-            }
-        }
-        let all_buffers = buffer_slots(model, module, self.place_submodules);
-        let kept: Vec<_> = if self.offload_buffers {
-            nonpersistent_slots(model, module, self.place_submodules)
-        } else {
-            all_buffers
-        };
-        model.move_slots(&kept, exec)
     }
 
     fn pre_forward(&self, fwd: &mut Forward, inputs: Activations) -> Result<Activations> {
@@ -211,54 +189,16 @@ impl ModelHook for AlignDevicesHook {
         if !self.offload {
             return Ok(());
         }
-        // The offloaded copy becomes the module's tensor again, on the CPU.
-        let weights = model.module_slots(module, self.place_submodules, self.offload_buffers);
-        let mut slots = model.shared.slots.write();
-        for s in weights {
-            if let SlotState::Offloaded { bytes, .. } = &slots[s].state {
-                slots[s].state = SlotState::Resident(Arc::clone(bytes));
-            }
-        }
-        Ok(())
+        placement::detach(model, module, self.place_submodules, self.offload_buffers)
     }
 
-    fn as_any(&self) -> &dyn Any {
-        self
+    fn execution_device(&self) -> Option<Device> {
+        self.execution_device
     }
-}
 
-fn buffer_slots(model: &Model, module: ModuleId, subtree: bool) -> Vec<usize> {
-    tensors_where(model, module, subtree, |k| {
-        matches!(k, bm_plan::TensorKind::Buffer { .. })
-    })
-}
-
-fn nonpersistent_slots(model: &Model, module: ModuleId, subtree: bool) -> Vec<usize> {
-    tensors_where(model, module, subtree, |k| {
-        k == bm_plan::TensorKind::Buffer { persistent: false }
-    })
-}
-
-fn tensors_where(
-    model: &Model,
-    module: ModuleId,
-    subtree: bool,
-    keep: impl Fn(bm_plan::TensorKind) -> bool,
-) -> Vec<usize> {
-    let tree = model.tree();
-    tree.tensors()
-        .iter()
-        .enumerate()
-        .filter(|(_, t)| {
-            keep(t.kind)
-                && if subtree {
-                    tree.is_within(t.module, module)
-                } else {
-                    t.module == module
-                }
-        })
-        .map(|(i, _)| model.shared.slot_of[i])
-        .collect()
+    fn offloads(&self) -> bool {
+        self.offload
+    }
 }
 
 /// Accelerate's `CpuOffload`: the whole model lives on the CPU and moves to
@@ -292,8 +232,8 @@ impl ModelHook for CpuOffload {
         inputs.to_device(self.execution_device, &devices, &[])
     }
 
-    fn as_any(&self) -> &dyn Any {
-        self
+    fn execution_device(&self) -> Option<Device> {
+        Some(self.execution_device)
     }
 }
 

@@ -14,7 +14,12 @@
 //!   zero-copy view of the mapped checkpoint, or GPU memory), or offloaded:
 //!   in host RAM (page-locked when a GPU will read it) or on disk (a mapped
 //!   file: the checkpoint itself when no cast was needed, else Accelerate's
-//!   offload folder).
+//!   offload folder). [`Bytes`] is where a tensor's bytes are at run time,
+//!   for weights and for the activation [`Tensor`]s forward passes trade.
+//! * Where each storage goes under a device map, which map entries compute
+//!   where and which offload, and what a hook does to its module's storages
+//!   are decided in one place (the `placement` module), which loading,
+//!   dispatch and the hooks consume.
 //! * [`load_checkpoint_in_model`] reads each storage once, casts it before
 //!   it moves (integers never; `keep_in_fp32_modules`), and writes it
 //!   straight to its place through bounded staging ([`STAGING_BYTES`]), so
@@ -41,6 +46,15 @@
 //! one model at once; an offloaded weight is materialised once per device
 //! and shared by all passes that use it at the same time.
 //!
+//! # The code
+//!
+//! `model.rs` (the [`Model`] handle, hooks, `enter`), `slots.rs` (the slot
+//! table), `residency.rs` (offloaded weights materialised on execution
+//! devices, the resident budget and the prefetch worker), `forward.rs` (the
+//! [`Forward`] guard), `placement.rs` (the one placement decision),
+//! `load.rs`, `dispatch.rs`, `hooks.rs`, `builder.rs`, `bytes.rs` (bytes,
+//! activations, and the one upload path to a device).
+//!
 //! # Streaming
 //!
 //! When an offloaded block is entered, a worker thread starts loading the
@@ -60,17 +74,23 @@ mod builder;
 mod bytes;
 mod dispatch;
 mod error;
+mod forward;
 mod hooks;
 mod load;
 mod model;
+mod placement;
+mod residency;
+mod slots;
 
 pub use builder::{ModelBuilder, init_on_device};
 pub use bytes::{Activations, Bytes, Tensor, Weight, tensor_to_device};
 pub use dispatch::{DispatchOptions, cpu_offload, disk_offload, dispatch_model, offload_tensor};
 pub use error::{Error, Result};
+pub use forward::Forward;
 pub use hooks::{
     AlignDevicesHook, CpuOffload, ModelHook, SequentialHook, UserCpuOffloadHook,
-    cpu_offload_with_hook, execution_device, flatten,
+    cpu_offload_with_hook, flatten,
 };
 pub use load::{LoadOptions, LoadProgress, LoadReport, STAGING_BYTES, load_checkpoint_in_model};
-pub use model::{Forward, Model, Placement, SlotId, Tier};
+pub use model::Model;
+pub use slots::{Placement, SlotId, Tier};

@@ -6,13 +6,15 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use bm_device::{Device, DeviceSet};
-use bm_plan::{DeviceMap, ModuleTree, Node, TensorKind};
+use bm_plan::{DeviceMap, Node, TensorKind};
 use bm_shard::offload::{OffloadEntry, dat_path, save_index};
 use bm_shard::{Checkpoint, cast_target};
 use bm_tensor::{DType, HostBuffer, MmapView, TensorMeta, cast_into};
 
-use crate::bytes::Bytes;
-use crate::model::{Model, SlotState, Tier};
+use crate::bytes::{Bytes, Sink, upload_chunks};
+use crate::model::Model;
+use crate::placement::{MapPlacement, Target, disk_modules, main_device};
+use crate::slots::{SlotState, Tier};
 use crate::{Error, Result};
 
 /// Bytes cast or copied at a time on the way to a GPU or the offload
@@ -66,82 +68,6 @@ pub struct LoadReport {
     pub mapped_in_place: Vec<String>,
 }
 
-/// Where a tensor ends up under a device map.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Target {
-    Resident(Device),
-    Offloaded(Tier),
-}
-
-/// Accelerate's main device: the first GPU of the map (the lowest ordinal
-/// here, where Accelerate takes a set's first element), else the CPU.
-pub(crate) fn main_device(map: &DeviceMap) -> Device {
-    map.iter()
-        .filter_map(|(_, d)| match d {
-            bm_plan::Device::Gpu(i) => Some(i as usize),
-            _ => None,
-        })
-        .min()
-        .map_or(Device::Cpu, Device::Gpu)
-}
-
-/// Where tensor `t` goes: GPU entries stay resident; CPU entries are
-/// resident when the CPU computes, offloaded when a GPU does; disk entries
-/// are offloaded. Buffers of offloaded modules stay resident on the main
-/// device unless `offload_buffers` (non-persistent ones always do).
-pub(crate) fn target_of(
-    tree: &ModuleTree,
-    t: usize,
-    map: &DeviceMap,
-    main: Device,
-    offload_buffers: bool,
-) -> Target {
-    let tensor = tree.tensor(t);
-    let mapped = map.device_of(&tensor.name).unwrap_or(bm_plan::Device::Cpu);
-    let offloaded = match mapped {
-        bm_plan::Device::Gpu(i) => return Target::Resident(Device::Gpu(i as usize)),
-        bm_plan::Device::Cpu if main == Device::Cpu => return Target::Resident(Device::Cpu),
-        bm_plan::Device::Cpu => Tier::Cpu,
-        bm_plan::Device::Disk => Tier::Disk,
-    };
-    match tensor.kind {
-        TensorKind::Buffer { persistent: false } => Target::Resident(main),
-        TensorKind::Buffer { .. } if !offload_buffers => Target::Resident(main),
-        _ => Target::Offloaded(offloaded),
-    }
-}
-
-/// Checks a device map against the model and the devices: every tensor
-/// covered (Accelerate's message), every key a module or tensor, every GPU
-/// present.
-pub(crate) fn validate_map(tree: &ModuleTree, map: &DeviceMap, devices: &DeviceSet) -> Result<()> {
-    for (name, device) in map.iter() {
-        if tree.find(name).is_none() {
-            return Err(Error::BadOption(format!(
-                "The device_map key {name:?} does not match any module or tensor of the model"
-            )));
-        }
-        if let bm_plan::Device::Gpu(i) = device {
-            if i as usize >= devices.gpu_count() {
-                return Err(Error::NoSuchDevice {
-                    what: format!("device_map entry {name:?}"),
-                    device: Device::Gpu(i as usize),
-                });
-            }
-        }
-    }
-    bm_plan::check_device_map(tree, map)?;
-    Ok(())
-}
-
-/// The modules the map sends to disk.
-pub(crate) fn disk_modules(map: &DeviceMap) -> Vec<String> {
-    map.iter()
-        .filter(|(_, d)| *d == bm_plan::Device::Disk)
-        .map(|(n, _)| n.to_string())
-        .collect()
-}
-
 /// The dtype tensor `name` (declared `declared`, stored `stored`) is loaded in.
 fn load_dtype(name: &str, declared: DType, stored: DType, options: &LoadOptions) -> DType {
     let Some(requested) = options.dtype else {
@@ -181,12 +107,11 @@ pub fn load_checkpoint_in_model(
     let devices = Arc::clone(model.devices());
     let default_map = DeviceMap::from_entries(vec![(String::new(), bm_plan::Device::Cpu)]);
     let map = device_map.unwrap_or(&default_map);
-    validate_map(tree, map, &devices)?;
+    let placement = MapPlacement::new(model, map, main_device(map), options.offload_buffers)?;
     let disk = disk_modules(map);
     if !disk.is_empty() && options.offload_folder.is_none() {
         return Err(Error::NoOffloadFolder { modules: disk });
     }
-    let main = main_device(map);
 
     let mut report = LoadReport::default();
     for (name, _) in checkpoint.tensors() {
@@ -219,7 +144,7 @@ pub fn load_checkpoint_in_model(
     let slot_count = model.slot_count();
     let mut rep: Vec<Option<usize>> = vec![None; slot_count];
     for (t, tensor) in tree.tensors().iter().enumerate() {
-        let s = model.shared.slot_of[t];
+        let s = model.slots().slot_of(t);
         let better = match rep[s] {
             None => true,
             Some(r) => {
@@ -248,7 +173,7 @@ pub fn load_checkpoint_in_model(
         }
         loaded += stored_bytes(t);
         let tensor = tree.tensor(t);
-        let target = target_of(tree, t, map, main, options.offload_buffers);
+        let target = placement.slots[s];
         let Some(stored) = checkpoint.meta(&tensor.name) else {
             if tensor.kind == (TensorKind::Buffer { persistent: false }) {
                 let state = zeroed(&tensor.name, &tensor.meta, target, &devices)?;
@@ -275,14 +200,17 @@ pub fn load_checkpoint_in_model(
                 };
                 SlotState::Resident(Arc::new(bytes))
             }
-            Target::Resident(device) => SlotState::Resident(Arc::new(to_gpu(
-                &tensor.name,
-                &view,
-                stored.dtype,
-                &meta,
-                device,
-                model,
-            )?)),
+            Target::Resident(device) => {
+                let bytes = upload_chunks(
+                    &tensor.name,
+                    meta.byte_len(),
+                    device,
+                    &devices,
+                    model.pool(),
+                    |sink| cast_chunks(&tensor.name, view.as_bytes(), stored.dtype, dtype, sink),
+                )?;
+                SlotState::Resident(Arc::new(bytes))
+            }
             Target::Offloaded(Tier::Cpu) => {
                 let mut pinned = devices
                     .alloc_pinned(meta.byte_len().max(1))
@@ -295,7 +223,7 @@ pub fn load_checkpoint_in_model(
                     view.as_bytes(),
                     stored.dtype,
                     dtype,
-                    |off, c| {
+                    &mut |off, c| {
                         dst[off..off + c.len()].copy_from_slice(c);
                         Ok(())
                     },
@@ -348,11 +276,7 @@ pub fn load_checkpoint_in_model(
     if let Some(LoadProgress(report)) = &options.progress {
         report(to_load, to_load);
     }
-    let mut slots = model.shared.slots.write();
-    for (s, meta, state) in staged {
-        slots[s].meta = meta;
-        slots[s].state = state;
-    }
+    model.slots().commit(staged);
     Ok(report)
 }
 
@@ -386,13 +310,7 @@ fn zeroed(name: &str, meta: &TensorMeta, target: Target, devices: &DeviceSet) ->
 
 /// Runs `sink(offset, bytes)` over `src` converted from `from` to `to`,
 /// [`STAGING_BYTES`] at a time (borrowing `src` when no cast is needed).
-fn cast_chunks(
-    name: &str,
-    src: &[u8],
-    from: DType,
-    to: DType,
-    mut sink: impl FnMut(usize, &[u8]) -> Result<()>,
-) -> Result<()> {
+fn cast_chunks(name: &str, src: &[u8], from: DType, to: DType, sink: &mut Sink<'_>) -> Result<()> {
     let (src_elem, dst_elem) = (from.size_in_bytes(), to.size_in_bytes());
     let elems = (STAGING_BYTES / src_elem.max(dst_elem)).max(1);
     let mut staging = Vec::new();
@@ -412,49 +330,6 @@ fn cast_chunks(
     Ok(())
 }
 
-/// Allocates `meta` on a GPU and fills it through the pinned pool.
-fn to_gpu(
-    name: &str,
-    view: &MmapView,
-    stored: DType,
-    meta: &TensorMeta,
-    device: Device,
-    model: &Model,
-) -> Result<Bytes> {
-    let devices = model.devices();
-    let Device::Gpu(i) = device else {
-        return Err(Error::BadOption(format!("{name}: not a GPU target")));
-    };
-    let gpu = devices.gpu(i).map_err(|_| Error::NoSuchDevice {
-        what: name.to_string(),
-        device,
-    })?;
-    let mut buf = gpu
-        .alloc(meta.byte_len().max(1))
-        .map_err(|e| Error::device(format!("{name} on GPU {i}"), e))?;
-    let mut last = None;
-    cast_chunks(name, view.as_bytes(), stored, meta.dtype, |off, chunk| {
-        let event = match model.shared.pool.as_ref() {
-            Some(pool) => buf
-                .upload(off, chunk, pool, gpu.copy_stream())
-                .map_err(|e| Error::device(name, e))?,
-            None => {
-                buf.copy_from_host(off, chunk)
-                    .map_err(|e| Error::device(name, e))?;
-                return Ok(());
-            }
-        };
-        last = Some(event);
-        Ok(())
-    })?;
-    if let Some(e) = last {
-        gpu.compute_stream()
-            .wait(&e)
-            .map_err(|e| Error::device(name, e))?;
-    }
-    Ok(Bytes::Device(buf))
-}
-
 /// Writes `name` converted to `to` as `<folder>/<name>.dat` with
 /// bm-shard's atomic writer, [`STAGING_BYTES`] at a time.
 pub(crate) fn write_dat(
@@ -470,7 +345,7 @@ pub(crate) fn write_dat(
         source: e,
     })?;
     let mut file = bm_shard::AtomicFile::create(&path)?;
-    cast_chunks(name, src.as_bytes(), from, to, |_, chunk| {
+    cast_chunks(name, src.as_bytes(), from, to, &mut |_, chunk| {
         file.write_all(chunk).map_err(|e| Error::Io {
             path: path.clone(),
             source: e,

@@ -7,9 +7,8 @@ use std::sync::Arc;
 
 use bm_device::{Device, DeviceSet};
 use bm_dispatch::{
-    AlignDevicesHook, DispatchOptions, Error, LoadOptions, Model, ModelHook, Placement,
-    SequentialHook, Tier, cpu_offload, cpu_offload_with_hook, disk_offload, dispatch_model,
-    load_checkpoint_in_model,
+    AlignDevicesHook, DispatchOptions, Error, LoadOptions, Model, ModelHook, Placement, Tier,
+    cpu_offload, cpu_offload_with_hook, disk_offload, dispatch_model, load_checkpoint_in_model,
 };
 use bm_plan::DeviceMap;
 use bm_shard::Checkpoint;
@@ -381,20 +380,16 @@ fn cpu_and_disk_offload_match_with_and_without_buffers_and_preload() {
 fn hooks_append_replace_and_chain_like_accelerate() {
     let model = Model::empty(tree(), Arc::new(DeviceSet::cpu_only())).unwrap();
     let hook = || Arc::new(AlignDevicesHook::default()) as Arc<dyn ModelHook>;
-    model.add_hook("1", hook(), false).unwrap();
-    model.add_hook("1", hook(), true).unwrap();
+    let (first, second, third) = (hook(), hook(), hook());
+    model.add_hook("1", Arc::clone(&first), false).unwrap();
+    model.add_hook("1", Arc::clone(&second), true).unwrap();
     let h = model.hook("1").unwrap().unwrap();
-    assert_eq!(
-        h.as_any()
-            .downcast_ref::<SequentialHook>()
-            .unwrap()
-            .hooks
-            .len(),
-        2
-    );
-    model.add_hook("1", hook(), false).unwrap();
+    let chain = h.children().expect("appending makes a SequentialHook");
+    assert_eq!(chain.len(), 2);
+    assert!(Arc::ptr_eq(&chain[0], &first) && Arc::ptr_eq(&chain[1], &second));
+    model.add_hook("1", Arc::clone(&third), false).unwrap();
     let h = model.hook("1").unwrap().unwrap();
-    assert!(h.as_any().downcast_ref::<AlignDevicesHook>().is_some());
+    assert!(h.children().is_none() && Arc::ptr_eq(&h, &third));
 
     // cpu_offload_with_hook: model1 moves to the GPU at its forward, and
     // back to the CPU when model2 (chained) starts.
