@@ -38,6 +38,18 @@ pub enum Error {
         /// Why it cannot be read.
         problem: String,
     },
+    /// A PyTorch checkpoint (a `torch.save` zip archive or a legacy pickle
+    /// file) that cannot be read, or whose pickle asks for anything but
+    /// tensors and plain containers.
+    Torch {
+        /// The file.
+        path: PathBuf,
+        /// The record at fault (`archive/data.pkl`, `archive/data/3`), when
+        /// one is.
+        record: Option<String>,
+        /// What is wrong with it.
+        problem: String,
+    },
     /// The checkpoint has no tensor of this name.
     UnknownTensor {
         /// The name asked for.
@@ -100,6 +112,18 @@ impl Error {
         }
     }
 
+    pub(crate) fn torch(
+        path: impl Into<PathBuf>,
+        record: Option<&str>,
+        problem: impl Into<String>,
+    ) -> Self {
+        Error::Torch {
+            path: path.into(),
+            record: record.map(str::to_string),
+            problem: problem.into(),
+        }
+    }
+
     pub(crate) fn checkpoint(path: impl Into<PathBuf>, problem: impl Into<String>) -> Self {
         Error::Checkpoint {
             path: path.into(),
@@ -154,6 +178,16 @@ impl fmt::Display for Error {
                 write!(f, "{}: invalid index: {problem}", path.display())
             }
             Error::Checkpoint { path, problem } => write!(f, "{}: {problem}", path.display()),
+            Error::Torch {
+                path,
+                record: Some(record),
+                problem,
+            } => write!(f, "{}: record {record}: {problem}", path.display()),
+            Error::Torch {
+                path,
+                record: None,
+                problem,
+            } => write!(f, "{}: {problem}", path.display()),
             Error::UnknownTensor { name, checkpoint } => {
                 write!(f, "{}: no tensor named {name:?}", checkpoint.display())
             }

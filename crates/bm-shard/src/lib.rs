@@ -43,6 +43,7 @@ mod json;
 pub mod offload;
 mod paths;
 mod size;
+pub mod torch;
 mod write;
 
 pub use atomic::{
