@@ -196,7 +196,7 @@ fn inspect_errors_are_one_paragraph() {
     let dir = tempfile::tempdir().unwrap();
     let e = fails(args!["inspect", dir.path().as_os_str()]);
     assert!(
-        e.contains("neither model.safetensors nor a *.index.json"),
+        e.contains("holds none of model.safetensors, a *.index.json and pytorch_model.bin"),
         "{e}"
     );
     let bad = dir.path().join("bad.safetensors");

@@ -1,4 +1,5 @@
-//! Reading checkpoints: one safetensors file, an index, or a folder.
+//! Reading checkpoints: one file (safetensors, or PyTorch's `torch.save`
+//! format), an index, or a folder.
 //!
 //! Opening costs O(n log n) in the number of tensors and memory a small
 //! multiple of the headers: tensors are kept in one list, and names are
@@ -6,7 +7,7 @@
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::io::Read;
+use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
 use bm_tensor::{DType, HostBuffer, MmapView, TensorMeta};
@@ -15,18 +16,34 @@ use crate::Error;
 use crate::header::Header;
 use crate::index::Index;
 use crate::paths::{Resolved, open_regular, resolve_in_folder};
+use crate::torch;
 use crate::write::SINGLE_FILE;
 
-/// One safetensors file of a checkpoint.
+/// transformers' name for an unsharded PyTorch checkpoint.
+const TORCH_SINGLE_FILE: &str = "pytorch_model.bin";
+
+/// The format of one file of a checkpoint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Format {
+    /// A `.safetensors` file.
+    Safetensors,
+    /// A PyTorch `torch.save` file (`pytorch_model.bin`), read by
+    /// [`crate::torch`] without running its pickle.
+    Torch,
+}
+
+/// One file of a checkpoint.
 #[derive(Debug)]
 pub struct ShardFile {
     /// Path as found (the index's folder joined with the shard name).
     pub path: PathBuf,
-    /// The `__metadata__` of its header.
+    /// Its format.
+    pub format: Format,
+    /// The `__metadata__` of a safetensors header (`None` for PyTorch files).
     pub metadata: Option<Vec<(String, String)>>,
     /// Number of tensors read from it.
     pub tensors: usize,
-    /// Bytes of tensor data it holds.
+    /// Bytes of tensor data it holds (a shared storage counted once).
     pub data_bytes: u64,
     map: MmapView,
     file: File,
@@ -37,13 +54,38 @@ struct Entry {
     name: String,
     meta: TensorMeta,
     shard: usize,
-    /// Byte range in the file (data start already added).
+    /// Byte range in the file (data start already added): exactly the
+    /// tensor's bytes, or for a strided view the range its elements span.
     start: usize,
     end: usize,
+    /// Strides in elements of a view that is not contiguous (PyTorch files
+    /// only); its bytes are gathered when read.
+    strides: Option<Vec<usize>>,
 }
 
-/// A safetensors checkpoint opened lazily: headers are parsed and validated
-/// at [`Checkpoint::open`]; tensor bytes are only read when asked for.
+/// A tensor's bytes as stored, in C order: a zero-copy window of the
+/// mapped file, or a host buffer for a view that had to be gathered.
+#[derive(Debug)]
+pub enum TensorBytes {
+    /// A contiguous tensor, straight from the mapping.
+    Mapped(MmapView),
+    /// A strided view of a PyTorch storage, gathered into C order.
+    Gathered(HostBuffer),
+}
+
+impl TensorBytes {
+    /// The bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        match self {
+            TensorBytes::Mapped(v) => v.as_bytes(),
+            TensorBytes::Gathered(b) => b.as_bytes(),
+        }
+    }
+}
+
+/// A checkpoint opened lazily: headers (or a PyTorch file's pickle) are
+/// parsed and validated at [`Checkpoint::open`]; tensor bytes are only read
+/// when asked for.
 #[derive(Debug)]
 pub struct Checkpoint {
     path: PathBuf,
@@ -55,9 +97,15 @@ pub struct Checkpoint {
 }
 
 impl Checkpoint {
-    /// Opens a `.safetensors` file, a `*.index.json` (transformers'
-    /// `weight_map` form or Accelerate's flat form), or a folder holding
-    /// `model.safetensors` or exactly one `*.index.json`. Reads headers only.
+    /// Opens a checkpoint file (`.safetensors`, or a PyTorch `torch.save`
+    /// file such as `pytorch_model.bin`), a `*.index.json` (transformers'
+    /// `weight_map` form or Accelerate's flat form, naming files of either
+    /// format), or a folder. Reads headers (or a PyTorch file's pickle) only.
+    ///
+    /// A folder is read as transformers reads one. What is opened, in order
+    /// of preference: `model.safetensors`; its one safetensors index (any
+    /// `*.index.json` but `*.bin.index.json`); `pytorch_model.bin`; its one
+    /// `*.bin.index.json`. So safetensors win when both formats are there.
     ///
     /// Files a folder or an index names are resolved inside that folder
     /// (or the Hugging Face cache repository it is a snapshot of) before
@@ -73,14 +121,13 @@ impl Checkpoint {
         if name.ends_with(".json") {
             Self::open_index(path, path, open_regular(path)?)
         } else {
-            reject_pickle(path)?;
             Self::from_files(path, None, vec![(path.to_path_buf(), open_regular(path)?)])
         }
     }
 
-    /// Opens the safetensors file an offload index names, already resolved.
+    /// Opens the safetensors file an offload index names, already resolved
+    /// (and checked to be a `*.safetensors` name).
     pub(crate) fn open_resolved(file: &Resolved) -> Result<Checkpoint, Error> {
-        reject_pickle(&file.named)?;
         Self::from_files(&file.named, None, vec![(file.named.clone(), file.open()?)])
     }
 
@@ -89,48 +136,42 @@ impl Checkpoint {
             resolve_in_folder(folder, name)
                 .map_err(|problem| Error::checkpoint(folder, format!("{name} {problem}")))
         };
-        if std::fs::symlink_metadata(folder.join(SINGLE_FILE)).is_ok() {
-            let single = in_folder(SINGLE_FILE)?;
-            return Self::from_files(folder, None, vec![(single.named.clone(), single.open()?)]);
+        let present = |name: &str| std::fs::symlink_metadata(folder.join(name)).is_ok();
+        let open_single = |name: &str| {
+            let single = in_folder(name)?;
+            Self::from_files(folder, None, vec![(single.named.clone(), single.open()?)])
+        };
+        if present(SINGLE_FILE) {
+            return open_single(SINGLE_FILE);
         }
         let listing = std::fs::read_dir(folder).map_err(|e| Error::io(folder, "listing", e))?;
-        let mut indexes = Vec::new();
-        let mut pickles = Vec::new();
+        let (mut indexes, mut torch_indexes) = (Vec::new(), Vec::new());
         for entry in listing {
             let entry = entry.map_err(|e| Error::io(folder, "listing", e))?;
             let Some(name) = entry.file_name().to_str().map(str::to_string) else {
                 continue; // not UTF-8: no name this crate looks for
             };
-            if name.ends_with(".index.json") {
+            if name.ends_with(".bin.index.json") {
+                torch_indexes.push(name);
+            } else if name.ends_with(".index.json") {
                 indexes.push(name);
-            } else if name.ends_with(".bin") {
-                pickles.push(name);
             }
         }
-        indexes.sort();
-        pickles.sort();
-        match indexes.as_slice() {
-            [one] => {
-                let index = in_folder(one)?;
-                Self::open_index(folder, &index.named, index.open()?)
-            }
-            [] if !pickles.is_empty() => Err(Error::checkpoint(
+        let open_index = |name: String| {
+            let index = in_folder(&name)?;
+            Self::open_index(folder, &index.named, index.open()?)
+        };
+        if let Some(index) = only_index(folder, indexes)? {
+            return open_index(index);
+        }
+        if present(TORCH_SINGLE_FILE) {
+            return open_single(TORCH_SINGLE_FILE);
+        }
+        match only_index(folder, torch_indexes)? {
+            Some(index) => open_index(index),
+            None => Err(Error::checkpoint(
                 folder,
-                format!(
-                    "holds only PyTorch pickle weights ({}): reading .bin checkpoints is not supported yet; convert them to safetensors",
-                    pickles.join(", ")
-                ),
-            )),
-            [] => Err(Error::checkpoint(
-                folder,
-                "is not a checkpoint folder: it holds neither model.safetensors nor a *.index.json",
-            )),
-            many => Err(Error::checkpoint(
-                folder,
-                format!(
-                    "holds more than one *.index.json ({}); delete the irrelevant ones or pass one of them",
-                    many.join(", ")
-                ),
+                "is not a checkpoint folder: it holds none of model.safetensors, a *.index.json and pytorch_model.bin",
             )),
         }
     }
@@ -166,7 +207,6 @@ impl Checkpoint {
                     ),
                 )
             })?;
-            reject_pickle(&shard.named)?;
             let k = *shard_of_real.entry(shard.real.clone()).or_insert_with(|| {
                 resolved.push(shard);
                 resolved.len() - 1
@@ -198,36 +238,14 @@ impl Checkpoint {
         let mut shards = Vec::with_capacity(files.len());
         let mut entries: Vec<Entry> = Vec::new();
         for (i, (path, mut file)) in files.into_iter().enumerate() {
-            let (header, file_len) = Header::read_from(&mut file, &path)?;
-            let map = MmapView::map_file(&file, &path)
-                .map_err(|e| Error::checkpoint(&path, format!("mapping failed: {e}")))?;
-            if map.len() as u64 != file_len {
-                return Err(Error::header(
-                    &path,
-                    "the file changed size while being opened",
-                ));
-            }
-            let base = header.data_start() as usize;
-            let data_bytes = file_len - header.data_start();
-            let tensors = header.tensors.len();
-            entries.reserve(tensors);
-            for t in header.tensors {
-                entries.push(Entry {
-                    name: t.name,
-                    meta: t.meta,
-                    shard: i,
-                    start: base + t.data_offsets.0 as usize,
-                    end: base + t.data_offsets.1 as usize,
-                });
-            }
-            shards.push(ShardFile {
-                path,
-                metadata: header.metadata,
-                tensors,
-                data_bytes,
-                map,
-                file,
-            });
+            let (shard, tensors) = if format_of(&path, &mut file)? == Format::Torch {
+                open_torch(path, file)?
+            } else {
+                open_safetensors(path, file)?
+            };
+            entries.reserve(tensors.len());
+            entries.extend(tensors.into_iter().map(|e| Entry { shard: i, ..e }));
+            shards.push(shard);
         }
         let mut by_name: Vec<usize> = (0..entries.len()).collect();
         by_name.sort_unstable_by(|&a, &b| entries[a].name.cmp(&entries[b].name));
@@ -274,12 +292,49 @@ impl Checkpoint {
         self.index.as_deref()
     }
 
-    /// The safetensors files, in reading order (sorted shard names).
+    /// The files, in reading order (sorted shard names).
     pub fn files(&self) -> &[ShardFile] {
         &self.shards
     }
 
-    /// Every tensor with its dtype and shape, in file order then data offset.
+    /// The format of the file holding a tensor.
+    pub fn format_of(&self, name: &str) -> Option<Format> {
+        self.position(name)
+            .map(|i| self.shards[self.entries[i].shard].format)
+    }
+
+    /// Groups of names for the very same bytes (same file, offset, dtype,
+    /// shape and strides), in checkpoint order: tied weights a PyTorch
+    /// state dict stores once under several names. Safetensors files never
+    /// hold any. Views that only overlap (a row of a matrix) are not ties,
+    /// and neither are empty tensors, which have no bytes to share.
+    pub fn ties(&self) -> Vec<Vec<&str>> {
+        let mut groups: Vec<Vec<&Entry>> = Vec::new();
+        // Groups starting at each place of a file.
+        let mut at: HashMap<(usize, usize, usize), Vec<usize>> = HashMap::new();
+        for e in self.entries.iter().filter(|e| e.start < e.end) {
+            let here = at.entry((e.shard, e.start, e.end)).or_default();
+            let same = here.iter().copied().find(|&g| {
+                let first = groups[g][0];
+                first.meta == e.meta && first.strides == e.strides
+            });
+            match same {
+                Some(g) => groups[g].push(e),
+                None => {
+                    here.push(groups.len());
+                    groups.push(vec![e]);
+                }
+            }
+        }
+        groups
+            .into_iter()
+            .filter(|g| g.len() > 1)
+            .map(|g| g.into_iter().map(|e| e.name.as_str()).collect())
+            .collect()
+    }
+
+    /// Every tensor with its dtype and shape, in file order, then data
+    /// offset (safetensors) or state-dict order (PyTorch).
     pub fn tensors(&self) -> impl Iterator<Item = (&str, &TensorMeta)> {
         self.entries.iter().map(|e| (e.name.as_str(), &e.meta))
     }
@@ -305,7 +360,7 @@ impl Checkpoint {
         self.entries.is_empty()
     }
 
-    /// Total bytes of tensor data.
+    /// Total bytes of tensor data (a shared storage counted once).
     pub fn total_bytes(&self) -> u64 {
         self.shards.iter().map(|s| s.data_bytes).sum()
     }
@@ -336,35 +391,71 @@ impl Checkpoint {
 
     /// A zero-copy view of a tensor's bytes (read through the page cache
     /// when touched). Fails, naming the file, when the file has been
-    /// truncated since it was opened.
+    /// truncated since it was opened, and for a strided view in a PyTorch
+    /// file, whose elements are not one range of the file:
+    /// [`Checkpoint::bytes`] and [`Checkpoint::read_as`] read every tensor.
     pub fn view(&self, name: &str) -> Result<MmapView, Error> {
         let e = self.entry(name)?;
+        if let Some(strides) = &e.strides {
+            return Err(Error::checkpoint(
+                &self.shards[e.shard].path,
+                format!(
+                    "tensor {name:?} is a non-contiguous view of its storage (shape {:?}, strides {strides:?}), so it has no zero-copy view; read it with Checkpoint::bytes or Checkpoint::read_as",
+                    e.meta.shape
+                ),
+            ));
+        }
+        self.window(e)
+    }
+
+    /// The mapped bytes `e` spans.
+    fn window(&self, e: &Entry) -> Result<MmapView, Error> {
         let shard = self.check_intact(e)?;
         shard
             .map
             .slice(e.start..e.end)
-            .map_err(|source| Error::tensor(&shard.path, name, source))
+            .map_err(|source| Error::tensor(&shard.path, &e.name, source))
+    }
+
+    /// A tensor's bytes as stored, in C order: a zero-copy view of the
+    /// mapping, or for a strided view in a PyTorch file a host buffer its
+    /// elements are gathered into.
+    pub fn bytes(&self, name: &str) -> Result<TensorBytes, Error> {
+        let e = self.entry(name)?;
+        if e.strides.is_none() {
+            return self.window(e).map(TensorBytes::Mapped);
+        }
+        let mut buf = HostBuffer::zeroed(e.meta.byte_len())
+            .map_err(|source| Error::tensor(&self.shards[e.shard].path, name, source))?;
+        self.read_into(name, buf.as_mut_bytes())?;
+        Ok(TensorBytes::Gathered(buf))
     }
 
     /// Copies a tensor's bytes, as stored, into `dst` (exactly its length).
     /// Uses positioned reads rather than the mapping, which avoids one page
-    /// fault per 4 KiB for large tensors.
+    /// fault per 4 KiB for large tensors; a strided view is gathered from
+    /// the mapping.
     pub fn read_into(&self, name: &str, dst: &mut [u8]) -> Result<(), Error> {
         let e = self.entry(name)?;
         let shard = self.check_intact(e)?;
-        if dst.len() != e.end - e.start {
+        let len = e.meta.byte_len();
+        if dst.len() != len {
             return Err(Error::invalid_tensor(
                 &shard.path,
                 name,
-                format!(
-                    "destination holds {} bytes, the tensor {}",
-                    dst.len(),
-                    e.end - e.start
-                ),
+                format!("destination holds {} bytes, the tensor {len}", dst.len()),
             ));
         }
-        read_at(&shard.file, &shard.map, dst, e.start)
-            .map_err(|err| Error::io(&shard.path, "reading", err))
+        match &e.strides {
+            None => read_at(&shard.file, &shard.map, dst, e.start)
+                .map_err(|err| Error::io(&shard.path, "reading", err)),
+            Some(strides) => {
+                let span = self.window(e)?;
+                let elem = e.meta.dtype.size_in_bytes();
+                torch::gather(span.as_bytes(), &e.meta.shape, strides, elem, dst);
+                Ok(())
+            }
+        }
     }
 
     /// Reads a tensor into a new aligned host buffer, converting it to
@@ -375,13 +466,13 @@ impl Checkpoint {
         let e = self.entry(name)?;
         let path = &self.shards[e.shard].path;
         if cast_target(e.meta.dtype, dtype) == e.meta.dtype {
-            let mut buf = HostBuffer::zeroed(e.end - e.start)
+            let mut buf = HostBuffer::zeroed(e.meta.byte_len())
                 .map_err(|source| Error::tensor(path, name, source))?;
             self.read_into(name, buf.as_mut_bytes())?;
             Ok(buf)
         } else {
-            let view = self.view(name)?;
-            bm_tensor::cast(view.as_bytes(), e.meta.dtype, dtype)
+            let bytes = self.bytes(name)?;
+            bm_tensor::cast(bytes.as_bytes(), e.meta.dtype, dtype)
                 .map_err(|source| Error::tensor(path, name, source))
         }
     }
@@ -399,20 +490,125 @@ pub fn cast_target(stored: DType, requested: DType) -> DType {
     }
 }
 
-fn reject_pickle(path: &Path) -> Result<(), Error> {
+/// The one index of a kind in a folder, if any.
+fn only_index(folder: &Path, mut names: Vec<String>) -> Result<Option<String>, Error> {
+    names.sort();
+    match names.len() {
+        0 => Ok(None),
+        1 => Ok(names.pop()),
+        _ => Err(Error::checkpoint(
+            folder,
+            format!(
+                "holds more than one *.index.json ({}); delete the irrelevant ones or pass one of them",
+                names.join(", ")
+            ),
+        )),
+    }
+}
+
+/// A file's format: `.safetensors` by name; a PyTorch file by name
+/// (`.bin`, `.pt`, `.pth`, `.ckpt`) or by its first bytes (a zip archive, a
+/// legacy torch.save pickle); safetensors otherwise, whose header parser
+/// then says what is wrong.
+fn format_of(path: &Path, file: &mut File) -> Result<Format, Error> {
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+    if name.ends_with(".safetensors") {
+        return Ok(Format::Safetensors);
+    }
     if [".bin", ".pt", ".pth", ".ckpt"]
         .iter()
         .any(|ext| name.ends_with(ext))
     {
-        return Err(Error::checkpoint(
-            path,
-            "PyTorch pickle checkpoints are not supported yet; convert them to safetensors",
-        ));
+        return Ok(Format::Torch);
     }
-    Ok(())
+    let mut head = Vec::with_capacity(262);
+    (&*file)
+        .take(262)
+        .read_to_end(&mut head)
+        .and_then(|_| file.seek(SeekFrom::Start(0)))
+        .map_err(|e| Error::io(path, "reading", e))?;
+    Ok(if torch::looks_like_torch(&head) {
+        Format::Torch
+    } else {
+        Format::Safetensors
+    })
 }
 
+fn open_safetensors(path: PathBuf, mut file: File) -> Result<(ShardFile, Vec<Entry>), Error> {
+    let (header, file_len) = Header::read_from(&mut file, &path)?;
+    let map = map_whole(&path, &file, file_len)?;
+    let base = header.data_start() as usize;
+    let data_bytes = file_len - header.data_start();
+    let entries = header
+        .tensors
+        .into_iter()
+        .map(|t| Entry {
+            name: t.name,
+            meta: t.meta,
+            shard: 0,
+            start: base + t.data_offsets.0 as usize,
+            end: base + t.data_offsets.1 as usize,
+            strides: None,
+        })
+        .collect::<Vec<_>>();
+    let shard = ShardFile {
+        path,
+        format: Format::Safetensors,
+        metadata: header.metadata,
+        tensors: entries.len(),
+        data_bytes,
+        map,
+        file,
+    };
+    Ok((shard, entries))
+}
+
+fn open_torch(path: PathBuf, file: File) -> Result<(ShardFile, Vec<Entry>), Error> {
+    let file_len = file
+        .metadata()
+        .map_err(|e| Error::io(&path, "reading the size of", e))?
+        .len();
+    let map = map_whole(&path, &file, file_len)?;
+    let parsed = torch::parse(&path, map.as_bytes())?;
+    let entries = parsed
+        .tensors
+        .into_iter()
+        .map(|t| {
+            let span = t.span();
+            Entry {
+                name: t.name,
+                meta: t.meta,
+                shard: 0,
+                start: span.start,
+                end: span.end,
+                strides: t.strides,
+            }
+        })
+        .collect::<Vec<_>>();
+    let shard = ShardFile {
+        path,
+        format: Format::Torch,
+        metadata: None,
+        tensors: entries.len(),
+        data_bytes: parsed.storages.iter().map(|s| s.len() as u64).sum(),
+        map,
+        file,
+    };
+    Ok((shard, entries))
+}
+
+/// Maps all `file_len` bytes of an opened file.
+fn map_whole(path: &Path, file: &File, file_len: u64) -> Result<MmapView, Error> {
+    let map = MmapView::map_file(file, path)
+        .map_err(|e| Error::checkpoint(path, format!("mapping failed: {e}")))?;
+    if map.len() as u64 != file_len {
+        return Err(Error::checkpoint(
+            path,
+            "the file changed size while being opened",
+        ));
+    }
+    Ok(map)
+}
 #[cfg(unix)]
 fn read_at(file: &File, _map: &MmapView, dst: &mut [u8], offset: usize) -> std::io::Result<()> {
     use std::os::unix::fs::FileExt;

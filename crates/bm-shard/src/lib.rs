@@ -1,13 +1,15 @@
-//! Safetensors checkpoints, read lazily and written atomically, in the
-//! formats of the Hugging Face ecosystem.
+//! Checkpoints in the formats of the Hugging Face ecosystem: safetensors,
+//! read lazily and written atomically, and PyTorch `.bin` files, read
+//! lazily without running their pickle.
 //!
 //! A checkpoint for a model larger than any device is mostly bytes this
 //! process should not touch until the moment they go to their device. So
 //! [`Checkpoint::open`] reads and validates only the headers (a few KB per
 //! file, even for a file of hundreds of GB) and maps the files; tensor bytes
-//! are read when asked for, zero-copy through [`Checkpoint::view`] or into an
-//! aligned host buffer through [`Checkpoint::read_as`], which also converts
-//! float dtypes bit for bit as PyTorch does.
+//! are read when asked for, zero-copy through [`Checkpoint::view`] (or
+//! [`Checkpoint::bytes`], which also gathers a strided view of a PyTorch
+//! storage) or into an aligned host buffer through [`Checkpoint::read_as`],
+//! which also converts float dtypes bit for bit as PyTorch does.
 //!
 //! What is read:
 //! * a `.safetensors` file;
@@ -17,7 +19,13 @@
 //!   outside the folder or, for a Hugging Face cache snapshot, its
 //!   repository: see [`resolve_in_folder`]), and only regular files are
 //!   opened ([`open_regular`]);
-//! * a folder holding `model.safetensors` or exactly one `*.index.json`.
+//! * a PyTorch `torch.save` file (`pytorch_model.bin`: the zip archive of
+//!   PyTorch 1.6 and later, or the older format), read by [`torch`]'s own
+//!   unpickler, which rebuilds tensors and plain containers and never runs
+//!   code: any other global the pickle names is refused by name;
+//! * a folder, read as transformers reads one: `model.safetensors`, else its
+//!   one safetensors index, else `pytorch_model.bin`, else its one
+//!   `pytorch_model.bin.index.json`.
 //!
 //! Headers are validated as strictly as the safetensors crate does (see
 //! [`Header`]), and every error names the file, tensor or key at fault.
@@ -49,7 +57,7 @@ mod write;
 pub use atomic::{
     AtomicFile, FinishedFile, create_temp_folder, remove_stale_temps, sync_folder, write_atomic,
 };
-pub use checkpoint::{Checkpoint, ShardFile, cast_target};
+pub use checkpoint::{Checkpoint, Format, ShardFile, TensorBytes, cast_target};
 pub use error::Error;
 pub use header::{Header, HeaderTensor, MAX_HEADER_LEN};
 pub use index::{Index, check_shard_name};

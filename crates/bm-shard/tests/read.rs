@@ -155,13 +155,14 @@ fn folder_errors() {
     let dir = tempfile::tempdir().unwrap();
     let e = open_err(dir.path());
     assert!(
-        e.contains("holds neither model.safetensors nor a *.index.json"),
+        e.contains("holds none of model.safetensors, a *.index.json and pytorch_model.bin"),
         "{e}"
     );
+    // pytorch_model.bin is read (see tests/torch.rs), this one is not one.
     std::fs::write(dir.path().join("pytorch_model.bin"), b"pickle").unwrap();
     let e = open_err(dir.path());
     assert!(
-        e.contains("pytorch_model.bin") && e.contains("not supported yet"),
+        e.contains("pytorch_model.bin: is not a PyTorch checkpoint"),
         "{e}"
     );
     std::fs::write(dir.path().join("a.index.json"), "{}").unwrap();
@@ -171,8 +172,6 @@ fn folder_errors() {
         e.contains("more than one *.index.json (a.index.json, b.index.json)"),
         "{e}"
     );
-    let e = open_err(&dir.path().join("pytorch_model.bin"));
-    assert!(e.contains("not supported yet"), "{e}");
     let e = open_err(&dir.path().join("missing.safetensors"));
     assert!(
         e.contains("missing.safetensors") && e.contains("No such file"),
@@ -397,4 +396,18 @@ fn a_fifo_is_refused_without_blocking() {
     std::fs::rename(&fifo, &index).unwrap();
     let e = open_err(&index);
     assert!(e.contains("is a FIFO"), "{e}");
+}
+
+#[test]
+fn safetensors_have_no_ties_not_even_empty_tensors_at_one_offset() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = raw_file(
+        dir.path(),
+        "e.safetensors",
+        r#"{"a":{"dtype":"F32","shape":[0],"data_offsets":[0,0]},"b":{"dtype":"F32","shape":[0],"data_offsets":[0,0]},"c":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}"#,
+        &[1, 2],
+    );
+    let ckpt = Checkpoint::open(&p).unwrap();
+    assert_eq!(ckpt.len(), 3);
+    assert!(ckpt.ties().is_empty());
 }
