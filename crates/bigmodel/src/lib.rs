@@ -210,13 +210,15 @@ pub fn load_checkpoint_and_dispatch(
     Ok(model)
 }
 
-/// The module tree of a checkpoint (a `.safetensors` file, an index or a
-/// folder), from its headers alone: modules are the dotted prefixes of the
-/// tensor names (see [`bm_plan::checkpoint::tree_from_tensors`]).
+/// The module tree of a checkpoint (a `.safetensors` or PyTorch `.bin`
+/// file, an index or a folder), from its headers alone: modules are the
+/// dotted prefixes of the tensor names, and names a PyTorch file stores over
+/// one storage are tied (see [`bm_plan::checkpoint::tree_from_tied_tensors`]).
 pub fn tree_from_checkpoint(path: impl AsRef<Path>) -> Result<ModuleTree, Error> {
     let checkpoint = bm_shard::Checkpoint::open(path)?;
-    Ok(bm_plan::checkpoint::tree_from_tensors(
+    Ok(bm_plan::checkpoint::tree_from_tied_tensors(
         checkpoint.tensors(),
+        &checkpoint.ties(),
     )?)
 }
 

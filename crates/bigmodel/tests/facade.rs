@@ -77,3 +77,13 @@ fn auto_map_over_an_emulated_gpu_cpu_and_disk() {
         "If passing a string for `device_map`, please choose 'auto', 'balanced', 'balanced_low_0' or 'sequential'."
     );
 }
+
+#[test]
+fn trees_from_a_pytorch_checkpoint_tie_names_over_one_storage() {
+    let bin = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../bm-shard/tests/fixtures/torch/shared.bin");
+    let tree = bigmodel::tree_from_checkpoint(&bin).unwrap();
+    // The transpose and the slices share the storage too, but are other
+    // tensors: only the two names for the same view are one.
+    assert_eq!(tree.tied_names(), [["embed.weight", "lm_head.weight"]]);
+}

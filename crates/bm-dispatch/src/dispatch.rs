@@ -291,5 +291,5 @@ pub fn offload_tensor(
     from: bm_tensor::DType,
     to: bm_tensor::DType,
 ) -> Result<PathBuf> {
-    write_dat(folder, name, src, from, to)
+    write_dat(folder, name, src.as_bytes(), from, to)
 }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use bm_device::{Device, DeviceSet};
 use bm_plan::{DeviceMap, Node, TensorKind};
 use bm_shard::offload::{OffloadEntry, dat_path, save_index};
-use bm_shard::{Checkpoint, cast_target};
+use bm_shard::{Checkpoint, Format, TensorBytes, cast_target};
 use bm_tensor::{DType, HostBuffer, MmapView, TensorMeta, cast_into};
 
 use crate::bytes::{Bytes, Sink, upload_chunks};
@@ -190,13 +190,17 @@ pub fn load_checkpoint_in_model(
         }
         let dtype = load_dtype(&tensor.name, tensor.meta.dtype, stored.dtype, options);
         let meta = TensorMeta::new(dtype, stored.shape.clone());
-        let view = checkpoint.view(&tensor.name)?;
+        // Zero-copy from the mapping, except a strided view in a PyTorch
+        // file, which is gathered.
+        let data = checkpoint.bytes(&tensor.name)?;
         let state = match target {
             Target::Resident(Device::Cpu) => {
-                let bytes = if dtype == stored.dtype {
-                    Bytes::Mmap(view)
-                } else {
-                    Bytes::Host(checkpoint.read_as(&tensor.name, dtype)?)
+                let bytes = match data {
+                    _ if dtype != stored.dtype => {
+                        Bytes::Host(checkpoint.read_as(&tensor.name, dtype)?)
+                    }
+                    TensorBytes::Mapped(view) => Bytes::Mmap(view),
+                    TensorBytes::Gathered(buf) => Bytes::Host(buf),
                 };
                 SlotState::Resident(Arc::new(bytes))
             }
@@ -207,7 +211,7 @@ pub fn load_checkpoint_in_model(
                     device,
                     &devices,
                     model.pool(),
-                    |sink| cast_chunks(&tensor.name, view.as_bytes(), stored.dtype, dtype, sink),
+                    |sink| cast_chunks(&tensor.name, data.as_bytes(), stored.dtype, dtype, sink),
                 )?;
                 SlotState::Resident(Arc::new(bytes))
             }
@@ -220,7 +224,7 @@ pub fn load_checkpoint_in_model(
                     .map_err(|e| Error::device(&tensor.name, e))?;
                 cast_chunks(
                     &tensor.name,
-                    view.as_bytes(),
+                    data.as_bytes(),
                     stored.dtype,
                     dtype,
                     &mut |off, c| {
@@ -241,7 +245,18 @@ pub fn load_checkpoint_in_model(
                         .ok_or_else(|| Error::NoOffloadFolder {
                             modules: disk.clone(),
                         })?;
-                let bytes = if dtype == stored.dtype {
+                // Accelerate's offload index can point into a safetensors
+                // file; anything else is written to the folder.
+                let in_place = match &data {
+                    TensorBytes::Mapped(view)
+                        if dtype == stored.dtype
+                            && checkpoint.format_of(&tensor.name) == Some(Format::Safetensors) =>
+                    {
+                        Some(view.clone())
+                    }
+                    _ => None,
+                };
+                let bytes = if let Some(view) = in_place {
                     let file = checkpoint
                         .file_of(&tensor.name)
                         .map(|p| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf()))
@@ -257,7 +272,8 @@ pub fn load_checkpoint_in_model(
                     report.mapped_in_place.push(tensor.name.clone());
                     Bytes::Mmap(view)
                 } else {
-                    let path = write_dat(folder, &tensor.name, &view, stored.dtype, dtype)?;
+                    let path =
+                        write_dat(folder, &tensor.name, data.as_bytes(), stored.dtype, dtype)?;
                     index.push((tensor.name.clone(), OffloadEntry::Dat(meta.clone())));
                     report.written_to_folder.push(tensor.name.clone());
                     Bytes::Mmap(MmapView::open(&path).map_err(|e| Error::tensor(&tensor.name, e))?)
@@ -335,7 +351,7 @@ fn cast_chunks(name: &str, src: &[u8], from: DType, to: DType, sink: &mut Sink<'
 pub(crate) fn write_dat(
     folder: &Path,
     name: &str,
-    src: &MmapView,
+    src: &[u8],
     from: DType,
     to: DType,
 ) -> Result<PathBuf> {
@@ -345,7 +361,7 @@ pub(crate) fn write_dat(
         source: e,
     })?;
     let mut file = bm_shard::AtomicFile::create(&path)?;
-    cast_chunks(name, src.as_bytes(), from, to, &mut |_, chunk| {
+    cast_chunks(name, src, from, to, &mut |_, chunk| {
         file.write_all(chunk).map_err(|e| Error::Io {
             path: path.clone(),
             source: e,

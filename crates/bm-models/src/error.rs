@@ -126,7 +126,7 @@ impl fmt::Display for Error {
             }
             Error::MissingWeights { dir } => write!(
                 f,
-                "{}: no weights (expected model.safetensors or model.safetensors.index.json)",
+                "{}: no weights (expected model.safetensors, a *.index.json or pytorch_model.bin)",
                 dir.display()
             ),
             Error::MissingTensor { name } => write!(f, "tensor {name} not found in the weights"),

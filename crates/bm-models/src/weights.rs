@@ -1,11 +1,11 @@
 //! Where blocks get their weights: the [`WeightSource`] trait, and
-//! [`FolderWeights`], a source reading a Hugging Face folder's safetensors
-//! through `bm_shard::Checkpoint`.
+//! [`FolderWeights`], a source reading a Hugging Face folder's weights
+//! (safetensors, or PyTorch `.bin` files) through `bm_shard::Checkpoint`.
 
 use std::path::Path;
 use std::sync::Arc;
 
-use bm_shard::Checkpoint;
+use bm_shard::{Checkpoint, TensorBytes};
 use bm_tensor::{DType, TensorMeta};
 
 use crate::{Error, Tensor};
@@ -37,11 +37,13 @@ pub trait WeightSource: Sync {
     }
 }
 
-/// The safetensors weights of a Hugging Face model folder
-/// (`model.safetensors`, or `model.safetensors.index.json` and its shards),
-/// read through `bm_shard::Checkpoint`'s mmaps. Tensors already in the
-/// wanted dtype are zero-copy windows of the mapping; others are cast
-/// (PyTorch's rounding) on each fetch.
+/// The weights of a Hugging Face model folder (`model.safetensors`,
+/// `model.safetensors.index.json` and its shards, or their PyTorch
+/// counterparts `pytorch_model.bin` and `pytorch_model.bin.index.json`;
+/// safetensors win when both are there), read through
+/// `bm_shard::Checkpoint`'s mmaps. Tensors already in the wanted dtype are
+/// zero-copy windows of the mapping (a strided view in a PyTorch file is
+/// gathered); others are cast (PyTorch's rounding) on each fetch.
 #[derive(Debug)]
 pub struct FolderWeights {
     checkpoint: Checkpoint,
@@ -56,7 +58,10 @@ impl FolderWeights {
         if let Some(d) = dtype {
             crate::ops::check_compute_dtype("requested dtype", d)?;
         }
-        if !dir.join("model.safetensors").is_file() && !has_index(dir) {
+        if !dir.join("model.safetensors").is_file()
+            && !dir.join("pytorch_model.bin").is_file()
+            && !has_index(dir)
+        {
             return Err(Error::MissingWeights {
                 dir: dir.to_path_buf(),
             });
@@ -111,7 +116,10 @@ impl WeightSource for FolderWeights {
             });
         }
         let bytes = if want == meta.dtype {
-            HostBytes::Mapped(self.checkpoint.view(name)?)
+            match self.checkpoint.bytes(name)? {
+                TensorBytes::Mapped(view) => HostBytes::Mapped(view),
+                TensorBytes::Gathered(buf) => HostBytes::Owned(buf),
+            }
         } else {
             HostBytes::Owned(self.checkpoint.read_as(name, want)?)
         };

@@ -10,7 +10,9 @@
 //! `ModuleList` for a module whose children are all numbered, `Layer` for a
 //! numbered module (so `--no-split Layer` keeps repeated blocks whole) and
 //! `Module` otherwise. Every tensor is a parameter: a checkpoint does not
-//! say which were buffers, and tied duplicates are usually not stored.
+//! say which were buffers. Tied weights are usually stored once; a PyTorch
+//! checkpoint stores them under every name, over one storage, and those
+//! names are declared tied so that they are sized and placed once.
 
 use std::collections::HashMap;
 
@@ -36,6 +38,16 @@ fn numeric(name: &str) -> Option<u64> {
 /// Builds a tree from `(name, meta)` pairs in checkpoint order.
 pub fn tree_from_tensors<'a>(
     tensors: impl IntoIterator<Item = (&'a str, &'a TensorMeta)>,
+) -> Result<ModuleTree, Error> {
+    tree_from_tied_tensors(tensors, &[])
+}
+
+/// [`tree_from_tensors`], with groups of names that are one tensor (a
+/// PyTorch checkpoint's tied weights, `bm_shard::Checkpoint::ties`), which
+/// are declared tied so that they are sized and placed once.
+pub fn tree_from_tied_tensors<'a>(
+    tensors: impl IntoIterator<Item = (&'a str, &'a TensorMeta)>,
+    ties: &[Vec<&str>],
 ) -> Result<ModuleTree, Error> {
     let mut nodes: Vec<Trie> = vec![Trie::default()];
     let mut tensor_names: HashMap<String, ()> = HashMap::new();
@@ -129,6 +141,9 @@ pub fn tree_from_tensors<'a>(
         }
         stack.extend(created.into_iter().rev());
     }
+    for group in ties {
+        builder.tie(group);
+    }
     builder.finish()
 }
 
@@ -192,5 +207,19 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("empty dotted segment"), "{err}");
+    }
+
+    #[test]
+    fn tied_names_are_sized_once() {
+        let meta = TensorMeta::new(DType::F32, [4, 6]);
+        let names = ["embed.weight", "head.weight", "other.weight"];
+        let tree = tree_from_tied_tensors(
+            names.iter().map(|n| (*n, &meta)),
+            &[vec![names[0], names[1]]],
+        )
+        .unwrap();
+        assert_eq!(tree.tied_names(), [["embed.weight", "head.weight"]]);
+        let untied = tree_from_tensors(names.iter().map(|n| (*n, &meta))).unwrap();
+        assert!(untied.tied_names().is_empty());
     }
 }
