@@ -23,6 +23,8 @@ enum Command {
     Inspect(cmd::inspect::Args),
     /// Rewrite a checkpoint as shards of at most a given size.
     Shard(cmd::shard::Args),
+    /// Rewrite a PyTorch .bin checkpoint as safetensors (read without running its pickle).
+    Convert(cmd::convert::Args),
     /// Compute a device map for a module tree, checkpoint or config.json.
     Plan(cmd::plan::Args),
     /// List the devices found and their memory.
@@ -41,6 +43,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Inspect(a) => cmd::inspect::run(a),
         Command::Shard(a) => cmd::shard::run(a),
+        Command::Convert(a) => cmd::convert::run(a),
         Command::Plan(a) => cmd::plan::run(a),
         Command::Devices(a) => cmd::devices::run(a),
         Command::Run(a) => cmd::run::run(a),

@@ -17,7 +17,8 @@
 //! | `Llama-2-7b-hf/config.json`  | `crates/bm-plan/tests/fixtures/configs/llama-2-7b.json` |
 //! | `tiny-llama/`                | `crates/bm-models/tests/fixtures/tiny-llama/`        |
 //! | `tiny-bert/`                 | `crates/bm-models/tests/fixtures/tiny-bert/`         |
-//! | `old-model/pytorch_model.bin`| a few bytes of pickle, written here                  |
+//! | `old-model/`                 | `crates/bm-shard/tests/fixtures/torch/tiny-llama/`   |
+//! | `evil/pytorch_model.bin`     | `crates/bm-shard/tests/fixtures/torch/bad/malicious_system.bin` |
 //! | `partial-map.json`           | the map the guide prints next to the command         |
 //!
 //! and `bigmodel demo` runs at its tiny test scale (`BM_DEMO_SCALE=tiny`)
@@ -167,9 +168,14 @@ fn guide_folder() -> tempfile::TempDir {
         &fixtures("bm-models").join("tiny-bert"),
         &root.join("tiny-bert"),
     );
-    std::fs::create_dir(root.join("old-model")).unwrap();
-    // The opening bytes of a pickle (protocol 2), as torch.save writes.
-    std::fs::write(root.join("old-model/pytorch_model.bin"), b"\x80\x02}q\x00.").unwrap();
+    let torch = fixtures("bm-shard").join("torch");
+    copy_dir(&torch.join("tiny-llama"), &root.join("old-model"));
+    std::fs::create_dir(root.join("evil")).unwrap();
+    std::fs::copy(
+        torch.join("bad/malicious_system.bin"),
+        root.join("evil/pytorch_model.bin"),
+    )
+    .unwrap();
     std::fs::write(root.join("partial-map.json"), PARTIAL_MAP).unwrap();
     dir
 }

@@ -11,8 +11,8 @@
 //! 2. **Plan.** The planner ([`plan`]) turns the tree and the memory of the
 //!    machine into a device map: which module lives on which GPU, in host
 //!    RAM, or on disk.
-//! 3. **Load.** Each tensor of the safetensors checkpoint ([`shard`]) is
-//!    read once, converted to its dtype before it moves, and written
+//! 3. **Load.** Each tensor of the checkpoint ([`shard`]: safetensors, or
+//!    PyTorch `.bin` files read without running their pickle) is read once, converted to its dtype before it moves, and written
 //!    straight to its place: GPU memory through page-locked staging, host
 //!    RAM (zero-copy from the mapped file when it runs on the CPU), or disk
 //!    (the checkpoint itself when nothing needs converting, Accelerate's

@@ -14,8 +14,8 @@ use super::run::{PlacementArgs, print_device_map};
 /// Arguments of `bigmodel embed`.
 #[derive(clap::Args)]
 pub struct Args {
-    /// A sentence-transformers or BERT folder (config.json, safetensors,
-    /// tokenizer.json), e.g. all-MiniLM-L6-v2.
+    /// A sentence-transformers or BERT folder (config.json, safetensors or
+    /// PyTorch .bin weights, tokenizer.json), e.g. all-MiniLM-L6-v2.
     model_dir: PathBuf,
     /// The texts to embed.
     #[arg(required = true)]

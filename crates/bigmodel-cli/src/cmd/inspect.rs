@@ -11,8 +11,8 @@ use super::CmdResult;
 /// Arguments of `bigmodel inspect`.
 #[derive(clap::Args)]
 pub struct Args {
-    /// A .safetensors file, a *.index.json, or a folder holding
-    /// model.safetensors or exactly one *.index.json.
+    /// A .safetensors or PyTorch .bin file, a *.index.json, or a folder holding
+    /// model.safetensors, exactly one *.index.json, or pytorch_model.bin.
     pub checkpoint: PathBuf,
     /// Write one JSON document to stdout instead of a table.
     #[arg(long)]
@@ -37,6 +37,8 @@ struct Summary {
     dtypes: Vec<(String, u64)>,
     modules: Vec<(String, u64)>,
     largest_layer: Option<(String, u64)>,
+    /// Names of one tensor (a PyTorch file's tied weights), counted once.
+    tied: Vec<Vec<String>>,
 }
 
 impl Summary {
@@ -45,7 +47,13 @@ impl Summary {
         let mut modules = Totals::default();
         let mut layers = Totals::default();
         let mut total_bytes = 0;
+        let ties = ckpt.ties();
+        let repeated: std::collections::HashSet<&str> =
+            ties.iter().flat_map(|g| g[1..].iter().copied()).collect();
         for (name, meta) in ckpt.tensors() {
+            if repeated.contains(name) {
+                continue;
+            }
             let bytes = meta.byte_len() as u64;
             total_bytes += bytes;
             dtypes.add(meta.dtype.as_safetensors_str(), bytes);
@@ -66,6 +74,10 @@ impl Summary {
             dtypes: dtypes.rows,
             modules: modules.rows,
             largest_layer,
+            tied: ties
+                .into_iter()
+                .map(|g| g.into_iter().map(str::to_string).collect())
+                .collect(),
         }
     }
 
@@ -86,6 +98,7 @@ impl Summary {
             "dtypes": map(&self.dtypes),
             "modules": map(&self.modules),
             "largest_layer": self.largest_layer.as_ref().map(|(n, b)| json!({"name": n, "bytes": b})),
+            "tied": self.tied,
             "files": files,
         })
     }
@@ -103,6 +116,9 @@ impl Summary {
         );
         if let Some((name, bytes)) = &self.largest_layer {
             out += &format!("largest      {name} ({})\n", human_bytes(*bytes));
+        }
+        for group in &self.tied {
+            out += &format!("tied         {} (counted once)\n", group.join(" = "));
         }
         for (title, rows) in [("dtype", &self.dtypes), ("module", &self.modules)] {
             let width = rows

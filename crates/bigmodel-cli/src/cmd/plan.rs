@@ -16,8 +16,9 @@ use super::CmdResult;
 /// Arguments of `bigmodel plan`.
 #[derive(clap::Args)]
 pub struct Args {
-    /// A module tree (bigmodel-module-tree/1), a checkpoint (.safetensors,
-    /// *.index.json or a folder) or an HF config.json (or a folder with one).
+    /// A module tree (bigmodel-module-tree/1), a checkpoint (.safetensors or
+    /// PyTorch .bin file, *.index.json or a folder) or an HF config.json (or a
+    /// folder with one).
     source: PathBuf,
     /// Budgets: `0=10GiB,1=10GiB,cpu=30GiB,disk=200GB` or a JSON object.
     /// Default: what the machine has free.

@@ -23,8 +23,8 @@ use super::CmdResult;
 /// Arguments of `bigmodel run`.
 #[derive(clap::Args)]
 pub struct Args {
-    /// An HF decoder folder: config.json, safetensors (single or sharded),
-    /// optionally tokenizer.json.
+    /// An HF decoder folder: config.json, safetensors or PyTorch .bin weights
+    /// (single or sharded), optionally tokenizer.json.
     model_dir: PathBuf,
     /// The prompt as text (needs the folder's tokenizer.json).
     #[arg(

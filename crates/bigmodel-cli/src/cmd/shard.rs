@@ -1,13 +1,15 @@
 //! `bigmodel shard`: rewrite a checkpoint as shards transformers loads.
+//! [`write`] is also `bigmodel convert`'s.
 
+use std::collections::HashMap;
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 
 use bigmodel::shard::{
-    AtomicFile, Checkpoint, Error as ShardError, SaveTensor, ShardOptions, parse_size,
+    AtomicFile, Checkpoint, Error as ShardError, SaveTensor, ShardOptions, TensorBytes, parse_size,
     resolve_in_folder, shard_checkpoint, sync_folder,
 };
-use bigmodel::tensor::{DType, MmapView};
+use bigmodel::tensor::DType;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::json;
 
@@ -16,7 +18,7 @@ use super::CmdResult;
 /// Arguments of `bigmodel shard`.
 #[derive(clap::Args)]
 pub struct Args {
-    /// The checkpoint to read: a .safetensors file, a *.index.json, or a folder.
+    /// The checkpoint to read: a .safetensors or PyTorch .bin file, a *.index.json, or a folder.
     pub checkpoint: PathBuf,
     /// Folder to write into (created if needed); must not be the checkpoint's own folder.
     pub out_dir: PathBuf,
@@ -38,22 +40,40 @@ pub fn run(args: Args) -> CmdResult {
     let dtype = args.dtype.as_deref().map(parse_dtype).transpose()?;
     let ckpt = Checkpoint::open(&args.checkpoint)?;
     refuse_own_folder(&ckpt, &args.out_dir)?;
+    let options = ShardOptions {
+        max_shard_size,
+        dtype,
+    };
+    write(&ckpt, &args.out_dir, &options, args.json)
+}
 
-    let views: Vec<MmapView> = ckpt
-        .tensors()
-        .map(|(name, _)| ckpt.view(name))
-        .collect::<Result<_, _>>()?;
+/// Writes `ckpt` into `out_dir` as `shard` does, with its side files, and
+/// reports what was written.
+pub fn write(ckpt: &Checkpoint, out_dir: &Path, options: &ShardOptions, json: bool) -> CmdResult {
+    // Names of one tensor (tied weights a PyTorch file stores under each
+    // name) share one buffer, so the writer stores them once.
+    let mut first_name: HashMap<&str, &str> = HashMap::new();
+    for group in ckpt.ties() {
+        for name in &group[1..] {
+            first_name.insert(name, group[0]);
+        }
+    }
+    let mut data: HashMap<&str, TensorBytes> = HashMap::new();
+    for (name, _) in ckpt.tensors() {
+        if !first_name.contains_key(name) {
+            data.insert(name, ckpt.bytes(name)?);
+        }
+    }
     let tensors: Vec<SaveTensor<'_>> = ckpt
         .tensors()
-        .zip(&views)
-        .map(|((name, meta), view)| SaveTensor {
+        .map(|(name, meta)| SaveTensor {
             name,
             meta,
-            data: view.as_bytes(),
+            data: data[first_name.get(name).unwrap_or(&name)].as_bytes(),
         })
         .collect();
 
-    let bar = if !args.json && std::io::stderr().is_terminal() {
+    let bar = if !json && std::io::stderr().is_terminal() {
         ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr())
     } else {
         ProgressBar::hidden()
@@ -61,11 +81,7 @@ pub fn run(args: Args) -> CmdResult {
     bar.set_style(ProgressStyle::with_template(
         "{bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
     )?);
-    let options = ShardOptions {
-        max_shard_size,
-        dtype,
-    };
-    let saved = shard_checkpoint(&tensors, &args.out_dir, &options, &mut |done, total| {
+    let saved = shard_checkpoint(&tensors, out_dir, options, &mut |done, total| {
         bar.set_length(total);
         bar.set_position(done);
     })
@@ -78,9 +94,9 @@ pub fn run(args: Args) -> CmdResult {
         _ => e.to_string(),
     })?;
     bar.finish_and_clear();
-    let copied = copy_side_files(&ckpt, &args.out_dir)?;
+    let copied = copy_side_files(ckpt, out_dir)?;
 
-    if args.json {
+    if json {
         let files: Vec<_> = saved
             .shards
             .iter()
@@ -89,7 +105,7 @@ pub fn run(args: Args) -> CmdResult {
             )
             .collect();
         let report = json!({
-            "output": args.out_dir,
+            "output": out_dir,
             "files": files,
             "index": saved.index,
             "tensors": saved.shards.iter().map(|s| s.tensors.len()).sum::<usize>(),
@@ -104,7 +120,7 @@ pub fn run(args: Args) -> CmdResult {
             "wrote {} file(s), {} of tensor data, to {}\n",
             saved.shards.len(),
             super::inspect::human_bytes(saved.total_size),
-            args.out_dir.display()
+            out_dir.display()
         );
         for s in &saved.shards {
             out += &format!(
@@ -195,7 +211,7 @@ fn copy_side_files(ckpt: &Checkpoint, out_dir: &Path) -> Result<Vec<PathBuf>, St
     Ok(copied)
 }
 
-fn parse_dtype(s: &str) -> Result<DType, String> {
+pub fn parse_dtype(s: &str) -> Result<DType, String> {
     match s.to_ascii_lowercase().as_str() {
         "f32" | "float32" => Ok(DType::F32),
         "f16" | "float16" => Ok(DType::F16),
@@ -211,7 +227,7 @@ fn parse_dtype(s: &str) -> Result<DType, String> {
 /// the folder of the index or of any shard as named, nor the folder a
 /// shard's link resolves to (a Hugging Face cache snapshot's shards are
 /// links into `blobs/`), whatever links lead to the output folder.
-fn refuse_own_folder(ckpt: &Checkpoint, out_dir: &Path) -> Result<(), String> {
+pub fn refuse_own_folder(ckpt: &Checkpoint, out_dir: &Path) -> Result<(), String> {
     let Ok(out) = out_dir.canonicalize() else {
         return Ok(()); // does not exist yet, so it holds no source file
     };

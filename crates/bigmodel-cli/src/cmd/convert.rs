@@ -1,0 +1,42 @@
+//! `bigmodel convert`: a PyTorch checkpoint (`pytorch_model.bin`, sharded or
+//! not) rewritten as safetensors, sharded exactly as `bigmodel shard`
+//! shards. The `.bin` files are read without running their pickle.
+
+use std::path::PathBuf;
+
+use bigmodel::shard::{Checkpoint, ShardOptions, parse_size};
+
+use super::CmdResult;
+use super::shard::{parse_dtype, refuse_own_folder, write};
+
+/// Arguments of `bigmodel convert`.
+#[derive(clap::Args)]
+pub struct Args {
+    /// The checkpoint to read: a PyTorch .bin file, a pytorch_model.bin.index.json, or a folder
+    /// (any checkpoint `inspect` reads; a folder with safetensors is read as safetensors).
+    pub input: PathBuf,
+    /// Folder to write into (created if needed); must not be the input's own folder.
+    pub out_dir: PathBuf,
+    /// Largest shard: bytes, or a number with KB/MB/GB/TB (powers of 1000) or KiB/MiB/GiB/TiB.
+    /// transformers' default.
+    #[arg(long, default_value = "50GB")]
+    pub max_shard_size: String,
+    /// Convert float tensors to this dtype (f32, f16, bf16); others are copied.
+    #[arg(long)]
+    pub dtype: Option<String>,
+    /// Write one JSON document to stdout (and no progress bar).
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Runs the command.
+pub fn run(args: Args) -> CmdResult {
+    // Everything that can be checked is checked before anything is written.
+    let options = ShardOptions {
+        max_shard_size: parse_size(&args.max_shard_size)?,
+        dtype: args.dtype.as_deref().map(parse_dtype).transpose()?,
+    };
+    let ckpt = Checkpoint::open(&args.input)?;
+    refuse_own_folder(&ckpt, &args.out_dir)?;
+    write(&ckpt, &args.out_dir, &options, args.json)
+}
