@@ -33,19 +33,37 @@ fn block_rows(n: usize, k: usize) -> usize {
     by_threads.clamp(16, by_cache.max(16)).next_multiple_of(16)
 }
 
+/// Where [`linear`] gets the weight's rows: a dense tensor widens them to
+/// f32 (no copy for F32), a quantized one dequantizes them.
+pub(crate) trait WeightRows: Sync {
+    /// Rows `start..end` as f32, row-major: borrowed when stored that way,
+    /// else written into `scratch` (a per-thread buffer reused across calls).
+    fn rows<'a>(&'a self, start: usize, end: usize, scratch: &'a mut Vec<f32>) -> &'a [f32];
+}
+
+impl WeightRows for Tensor {
+    fn rows<'a>(&'a self, start: usize, end: usize, scratch: &'a mut Vec<f32>) -> &'a [f32] {
+        match self.f32_rows(start, end) {
+            std::borrow::Cow::Borrowed(rows) => rows,
+            std::borrow::Cow::Owned(rows) => {
+                *scratch = rows;
+                scratch
+            }
+        }
+    }
+}
+
 /// `out[m, n] = x[m, k] · weight[n, k]ᵀ (+ bias[n])`, the product of
-/// `nn.Linear`. Threads split the weight's rows; each block is widened to
-/// f32 on the fly (no copy for F32), so a half-precision weight is never
-/// converted whole.
+/// `nn.Linear`. Threads split the weight's rows; each block is widened (or
+/// dequantized) to f32 on the fly into a per-thread buffer, so a
+/// half-precision or quantized weight is never converted whole.
 pub(crate) fn linear(
     x: &[f32],
-    m: usize,
-    k: usize,
-    weight: &Tensor,
+    (m, k, n): (usize, usize, usize),
+    weight: &dyn WeightRows,
     bias: Option<&[f32]>,
     out: &mut [f32],
 ) {
-    let n = weight.shape()[0];
     debug_assert_eq!(out.len(), m * n);
     if let Some(b) = bias {
         for row in out.chunks_exact_mut(n) {
@@ -57,47 +75,51 @@ pub(crate) fn linear(
         // One token (every decode step): a matrix-vector product is bound by
         // reading the weight, so stream rows through a dot product instead of
         // packing them for a GEMM kernel.
-        out.par_chunks_mut(block).enumerate().for_each(|(b, o)| {
-            let j0 = b * block;
-            let w = weight.f32_rows(j0, j0 + o.len());
-            for (o, row) in o.iter_mut().zip(w.chunks_exact(k)) {
-                *o += dot(x, row);
-            }
-        });
+        out.par_chunks_mut(block)
+            .enumerate()
+            .for_each_init(Vec::new, |scratch, (b, o)| {
+                let j0 = b * block;
+                let w = weight.rows(j0, j0 + o.len(), scratch);
+                for (o, row) in o.iter_mut().zip(w.chunks_exact(k)) {
+                    *o += dot(x, row);
+                }
+            });
         return;
     }
     let dst = SharedOut(out.as_mut_ptr());
-    (0..n.div_ceil(block)).into_par_iter().for_each(|b| {
-        let (j0, j1) = (b * block, ((b + 1) * block).min(n));
-        let w = weight.f32_rows(j0, j1);
-        // SAFETY: `dst` points to `out` (m × n, row stride n); this task
-        // writes only columns j0..j1, which no other task touches. `x` is
-        // m × k with row stride k; `w` holds rows j0..j1 of the weight,
-        // read transposed (k × (j1 - j0), column stride k).
-        unsafe {
-            gemm::gemm(
-                m,
-                j1 - j0,
-                k,
-                dst.at(j0),
-                1,
-                n as isize,
-                bias.is_some(),
-                x.as_ptr(),
-                1,
-                k as isize,
-                w.as_ptr(),
-                k as isize,
-                1,
-                1.0,
-                1.0,
-                false,
-                false,
-                false,
-                gemm::Parallelism::None,
-            )
-        }
-    });
+    (0..n.div_ceil(block))
+        .into_par_iter()
+        .for_each_init(Vec::new, |scratch, b| {
+            let (j0, j1) = (b * block, ((b + 1) * block).min(n));
+            let w = weight.rows(j0, j1, scratch);
+            // SAFETY: `dst` points to `out` (m × n, row stride n); this task
+            // writes only columns j0..j1, which no other task touches. `x` is
+            // m × k with row stride k; `w` holds rows j0..j1 of the weight,
+            // read transposed (k × (j1 - j0), column stride k).
+            unsafe {
+                gemm::gemm(
+                    m,
+                    j1 - j0,
+                    k,
+                    dst.at(j0),
+                    1,
+                    n as isize,
+                    bias.is_some(),
+                    x.as_ptr(),
+                    1,
+                    k as isize,
+                    w.as_ptr(),
+                    k as isize,
+                    1,
+                    1.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::None,
+                )
+            }
+        });
 }
 
 /// `out[m, n] = x[m, k] · weight[k, n] (+ bias[n])`: the product of

@@ -37,6 +37,28 @@ pub enum Error {
         /// The operation (and the variant of it, when only some are missing).
         op: &'static str,
     },
+    /// A quantization format, type or block size bigmodel does not
+    /// implement (what, and what is supported).
+    UnsupportedQuant(String),
+    /// A quantized weight whose stored state is missing or inconsistent
+    /// (a pre-quantized checkpoint's entries, or parts handed to
+    /// `QuantizedTensor`).
+    QuantState {
+        /// The weight (`model.layers.0.mlp.up_proj.weight`).
+        tensor: String,
+        /// The part or quant-state field (`absmax`, `nested_offset`, `SCB`).
+        field: String,
+        /// What is wrong with it.
+        message: String,
+    },
+    /// A weight that cannot be quantized (non-finite values, a shape that
+    /// is not a matrix).
+    Quantize {
+        /// The weight.
+        tensor: String,
+        /// Why.
+        message: String,
+    },
     /// An error from bm-tensor (casts, buffers, mmaps).
     Tensor(bm_tensor::Error),
     /// A device, its memory or its compute failed.
@@ -60,6 +82,13 @@ impl fmt::Display for Error {
                 f,
                 "{op} is not implemented on CUDA yet: place this block on the CPU (device map \"cpu\")"
             ),
+            Error::UnsupportedQuant(what) => write!(f, "unsupported quantization: {what}"),
+            Error::QuantState {
+                tensor,
+                field,
+                message,
+            } => write!(f, "quantized weight {tensor}: {field}: {message}"),
+            Error::Quantize { tensor, message } => write!(f, "cannot quantize {tensor}: {message}"),
             Error::Tensor(e) => e.fmt(f),
             Error::Device(e) => e.fmt(f),
         }

@@ -30,6 +30,10 @@
 //!   soft-capping, non-default rotary or scores) return
 //!   [`Error::NotOnCuda`] for GPU operands.
 //!
+//! * [`quant`] holds bitsandbytes' quantized weights (NF4/FP4 4-bit,
+//!   LLM.int8() 8-bit): formats, quantizing, transformers' checkpoint
+//!   layout, and the dequantizing matmul `ops::linear_quantized`.
+//!
 //! Why a crate of its own: the model families and the quantized kernels
 //! grow independently, a framework that brings its own models can use the
 //! ops alone, and a change to a model family does not rebuild the kernels.
@@ -38,6 +42,7 @@ mod cpu;
 mod cuda;
 mod error;
 pub mod ops;
+pub mod quant;
 mod tensor;
 
 pub use error::Error;

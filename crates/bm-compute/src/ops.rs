@@ -12,6 +12,8 @@ use half::{bf16, f16};
 use crate::tensor::is_compute_dtype;
 use crate::{Backend, Error, Tensor, cpu, cuda};
 
+pub use crate::quant::linear_quantized;
+
 /// Attention geometry: query heads, key/value heads (fewer under
 /// grouped-query attention) and the width of one head.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -80,17 +82,22 @@ fn gpu_for(tensors: &[&Tensor]) -> bm_device::Gpu {
     cuda::gpu_of(tensors).expect("backend_of found a GPU operand")
 }
 
-fn bad(op: &'static str, message: String) -> Error {
+pub(crate) fn bad(op: &'static str, message: String) -> Error {
     Error::BadOperands { op, message }
 }
 
 /// The innermost dimension, and the number of rows before it.
-fn rows_cols(t: &Tensor) -> (usize, usize) {
+pub(crate) fn rows_cols(t: &Tensor) -> (usize, usize) {
     let cols = t.shape().last().copied().unwrap_or(1);
     (t.numel() / cols.max(1), cols)
 }
 
-fn expect_vector(op: &'static str, t: &Tensor, len: usize, what: &str) -> Result<(), Error> {
+pub(crate) fn expect_vector(
+    op: &'static str,
+    t: &Tensor,
+    len: usize,
+    what: &str,
+) -> Result<(), Error> {
     if t.shape() != [len] {
         return Err(bad(
             op,
@@ -101,7 +108,7 @@ fn expect_vector(op: &'static str, t: &Tensor, len: usize, what: &str) -> Result
 }
 
 /// The rounding of `dtype` applied to an f32 value (identity for F32).
-fn rounding(dtype: DType) -> fn(f32) -> f32 {
+pub(crate) fn rounding(dtype: DType) -> fn(f32) -> f32 {
     match dtype {
         DType::F16 => |v| f16::from_f32(v).to_f32(),
         DType::BF16 => |v| bf16::from_f32(v).to_f32(),
@@ -139,7 +146,7 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
             let xs = x.f32_values();
             let bs = bias.map(|b| b.f32_values());
             Tensor::build(x.dtype(), &shape, |out| {
-                cpu::linear(&xs, m, k, weight, bs.as_deref(), out)
+                cpu::linear(&xs, (m, k, n), weight, bs.as_deref(), out)
             })
         }
     }

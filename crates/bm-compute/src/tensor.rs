@@ -306,11 +306,15 @@ impl Tensor {
     /// Rows `start..end` of the outermost dimension widened to f32 (no
     /// copy for aligned F32). Used to stream a weight matrix block by block.
     pub(crate) fn f32_rows(&self, start: usize, end: usize) -> Cow<'_, [f32]> {
-        let row_bytes = self.shape[1..].iter().product::<usize>() * self.dtype.size_in_bytes();
-        widen(
-            self.dtype,
-            &self.host_bytes()[start * row_bytes..end * row_bytes],
-        )
+        let row = self.shape[1..].iter().product::<usize>();
+        self.f32_range(start * row, end * row)
+    }
+
+    /// Elements `start..end` of the flattened tensor widened to f32 (no
+    /// copy for aligned F32).
+    pub(crate) fn f32_range(&self, start: usize, end: usize) -> Cow<'_, [f32]> {
+        let size = self.dtype.size_in_bytes();
+        widen(self.dtype, &self.host_bytes()[start * size..end * size])
     }
 
     /// Elements `start..start + out.len()` (flat, row-major) widened to f32

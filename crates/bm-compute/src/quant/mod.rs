@@ -1,0 +1,41 @@
+//! Quantized weights with bitsandbytes' formats and semantics: what
+//! Accelerate's `load_and_quantize_model` and transformers'
+//! `BitsAndBytesConfig` produce, and what transformers saves for a
+//! bitsandbytes model.
+//!
+//! * [`format`]: the 4-bit code tables (NF4, FP4), the 8-bit dynamic map of
+//!   double quantization, the block sizes bitsandbytes accepts.
+//! * [`QuantizedTensor`]: a linear weight's packed codes, absmax scales
+//!   (plain or double-quantized) or LLM.int8()'s int8 rows and `SCB`, as
+//!   plain byte buffers; read from and written to transformers' safetensors
+//!   keys (`<w>`, `<w>.absmax`, `<w>.quant_map`, `<w>.nested_absmax`,
+//!   `<w>.nested_quant_map`, `<w>.quant_state.bitsandbytes__nf4|fp4`; for
+//!   8-bit `<w>` as I8, `<module>.SCB`, `<module>.weight_format`).
+//! * [`quantize`]: dense to quantized, bit for bit as bitsandbytes on the CPU
+//!   (the one deviation, the double-quantization offset's summation, is in
+//!   docs/compat.md).
+//! * [`linear_quantized`]: the matmul, dequantizing a few weight rows at a
+//!   time into a per-thread buffer (threads, the `gemm` crate's SIMD).
+//!
+//! Seams for what is not here yet:
+//! * CUDA: [`linear_quantized`] and [`quantize`] return
+//!   [`Error::NotOnCuda`](crate::Error::NotOnCuda) for GPU
+//!   operands. A CUDA kernel needs the same parts as device buffers: add a
+//!   device variant next to the host parts and dispatch on the input's
+//!   backend in `linear_quantized`.
+//! * Planning and streaming: [`QuantFormat::byte_len`] sizes a weight
+//!   before it is quantized and equals [`QuantizedTensor::byte_len`] after;
+//!   [`QuantizedTensor::to_entries`] / [`QuantizedTensor::from_entries`]
+//!   give the packed parts as named byte buffers, which a dispatcher can
+//!   hold, offload and stream like any tensor (bm-plan cannot depend on this
+//!   crate: size modules from these numbers, or move `byte_len` down).
+
+pub mod format;
+mod matmul;
+mod quantize;
+mod tensor;
+
+pub use format::FourBitType;
+pub use matmul::linear_quantized;
+pub use quantize::quantize;
+pub use tensor::{Entry, PackedEntry, QuantFormat, QuantizedTensor};
