@@ -9,8 +9,9 @@ use bm_tensor::DType;
 
 use crate::family::{Activation, DecoderConfig, Mlp, Norm, Positions, Projections, RopeConfig};
 use crate::ops::{self, LayerCache, Mask, Rope};
+use crate::quant_config::QuantizeOptions;
 use crate::text::TextTokenizer;
-use crate::weights::{FolderWeights, WeightSource};
+use crate::weights::{FolderWeights, LinearWeight, WeightLayout, WeightSource};
 use crate::{Error, Tensor};
 
 /// Fetches `name` and checks its shape against the config.
@@ -42,12 +43,35 @@ pub(crate) fn in_block<T>(
     out
 }
 
-/// A linear layer's weights: `nn.Linear` (weight `[out, in]`) or
-/// transformers' `Conv1D` (weight `[in, out]`, GPT-2).
+/// Fetches the weight of linear layer `name` (`[out, inp]` as `nn.Linear`
+/// stores it, `[inp, out]` as `Conv1D` does when dense) and checks its shape
+/// against the config.
+fn fetch_linear(
+    src: &dyn WeightSource,
+    name: &str,
+    [out, inp]: [usize; 2],
+    layout: WeightLayout,
+) -> Result<LinearWeight, Error> {
+    let w = src.linear_weight(name, layout)?;
+    let expected = match w {
+        LinearWeight::DenseTransposed(_) => [inp, out],
+        _ => [out, inp],
+    };
+    if w.shape() != expected {
+        return Err(Error::ShapeMismatch {
+            name: name.to_string(),
+            expected: expected.to_vec(),
+            found: w.shape().to_vec(),
+        });
+    }
+    Ok(w)
+}
+
+/// A linear layer's weights: `nn.Linear` or transformers' `Conv1D`
+/// (GPT-2), dense or quantized.
 struct Linear {
-    weight: Arc<Tensor>,
+    weight: LinearWeight,
     bias: Option<Arc<Tensor>>,
-    conv1d: bool,
 }
 
 impl Linear {
@@ -59,13 +83,17 @@ impl Linear {
         bias: bool,
     ) -> Result<Linear, Error> {
         Ok(Linear {
-            weight: fetch(src, &format!("{name}.weight"), &[out, inp])?,
+            weight: fetch_linear(
+                src,
+                &format!("{name}.weight"),
+                [out, inp],
+                WeightLayout::Linear,
+            )?,
             bias: if bias {
                 Some(fetch(src, &format!("{name}.bias"), &[out])?)
             } else {
                 None
             },
-            conv1d: false,
         })
     }
 
@@ -77,19 +105,18 @@ impl Linear {
         inp: usize,
     ) -> Result<Linear, Error> {
         Ok(Linear {
-            weight: fetch(src, &format!("{name}.weight"), &[inp, out])?,
+            weight: fetch_linear(
+                src,
+                &format!("{name}.weight"),
+                [out, inp],
+                WeightLayout::Conv1D,
+            )?,
             bias: Some(fetch(src, &format!("{name}.bias"), &[out])?),
-            conv1d: true,
         })
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor, Error> {
-        let bias = self.bias.as_deref();
-        Ok(if self.conv1d {
-            ops::linear_t(x, &self.weight, bias)?
-        } else {
-            ops::linear(x, &self.weight, bias)?
-        })
+        self.weight.forward(x, self.bias.as_deref())
     }
 }
 
@@ -459,8 +486,13 @@ impl Decoder {
             } else {
                 "lm_head.weight".to_string()
             };
-            let w = fetch(src, &name, &[c.vocab_size, c.hidden_size])?;
-            let logits = ops::linear(x, &w, None)?;
+            let w = fetch_linear(
+                src,
+                &name,
+                [c.vocab_size, c.hidden_size],
+                WeightLayout::Linear,
+            )?;
+            let logits = w.forward(x, None)?;
             Ok(match c.final_softcap {
                 Some(cap) => ops::softcap(&logits, cap)?,
                 None => logits,
@@ -595,6 +627,21 @@ impl CausalLm {
                 .unwrap_or(DType::F32),
         };
         let weights = FolderWeights::open(dir, Some(dtype))?;
+        CausalLm::with_weights(dir, config, dtype, Box::new(weights))
+    }
+
+    /// [`CausalLm::open`] with the linear layers quantized while loading
+    /// (`--quantize`, Accelerate's `load_and_quantize_model`): each weight
+    /// is quantized the first time it is used. `dtype` is the compute dtype
+    /// of everything else (and what weights are cast to before quantizing).
+    pub fn open_quantized(
+        dir: impl AsRef<Path>,
+        dtype: DType,
+        options: QuantizeOptions,
+    ) -> Result<CausalLm, Error> {
+        let dir = dir.as_ref();
+        let config = DecoderConfig::from_dir(dir)?;
+        let weights = FolderWeights::open_quantized(dir, Some(dtype), options)?;
         CausalLm::with_weights(dir, config, dtype, Box::new(weights))
     }
 

@@ -47,6 +47,12 @@ pub enum Error {
         /// Its full name (`model.layers.3.self_attn.q_proj.weight`).
         name: String,
     },
+    /// A tensor stored quantized (bitsandbytes) asked for as a dense
+    /// tensor: only linear layers take quantized weights.
+    QuantizedNotLinear {
+        /// The tensor's full name.
+        name: String,
+    },
     /// A weight whose shape disagrees with the config.
     ShapeMismatch {
         /// The tensor's full name.
@@ -130,6 +136,10 @@ impl fmt::Display for Error {
                 dir.display()
             ),
             Error::MissingTensor { name } => write!(f, "tensor {name} not found in the weights"),
+            Error::QuantizedNotLinear { name } => write!(
+                f,
+                "tensor {name} is stored quantized (bitsandbytes); only linear layers can use it"
+            ),
             Error::ShapeMismatch {
                 name,
                 expected,

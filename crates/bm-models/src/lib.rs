@@ -20,7 +20,11 @@
 //!   crate reading `tokenizer.json`.
 //! * [`FolderWeights`] is the simplest source: a Hugging Face folder's
 //!   safetensors (single or sharded) read through `bm_shard::Checkpoint`,
-//!   zero-copy from the mmap when no cast is needed.
+//!   zero-copy from the mmap when no cast is needed. Linear layers fetch
+//!   their weights as [`LinearWeight`]s, which may be quantized with
+//!   bitsandbytes' formats: read from a folder transformers saved from a
+//!   bitsandbytes model, or quantized while loading
+//!   ([`FolderWeights::open_quantized`] with [`QuantizeOptions`]).
 //! * [`DispatchedWeights`] is the source over a dispatched `bigmodel`
 //!   model: each block is one `enter`/`exit` of the model's hooks, so
 //!   offloaded weights stream in (with prefetch) around every decoder
@@ -45,6 +49,8 @@ mod dispatched;
 mod encoder;
 mod error;
 mod family;
+mod quant_config;
+mod quantized;
 mod text;
 mod weights;
 
@@ -59,5 +65,6 @@ pub use family::{
     Activation, DecoderArch, DecoderConfig, LongRope, Mlp, Norm, Positions, Projections,
     RopeConfig, SUPPORTED_DECODERS,
 };
+pub use quant_config::{BnbCheckpoint, QuantizeOptions};
 pub use text::TextTokenizer;
-pub use weights::{FolderWeights, WeightSource};
+pub use weights::{FolderWeights, LinearWeight, WeightLayout, WeightSource};

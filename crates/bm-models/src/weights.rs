@@ -1,21 +1,76 @@
 //! Where blocks get their weights: the [`WeightSource`] trait, and
 //! [`FolderWeights`], a source reading a Hugging Face folder's weights
-//! (safetensors, or PyTorch `.bin` files) through `bm_shard::Checkpoint`.
+//! (safetensors, or PyTorch `.bin` files) through `bm_shard::Checkpoint`,
+//! pre-quantized by bitsandbytes or quantized while loading.
 
 use std::path::Path;
 use std::sync::Arc;
 
+use bm_compute::quant::QuantizedTensor;
 use bm_shard::{Checkpoint, TensorBytes};
 use bm_tensor::{DType, TensorMeta};
 
-use crate::{Error, Tensor};
+use crate::quant_config::{self, QuantizeOptions};
+use crate::quantized::{FolderQuant, OnLoad, read_prequantized};
+use crate::{Error, Tensor, config};
 use bm_compute::{HostBytes, is_compute_dtype};
+
+/// How a checkpoint stores a linear layer's weight.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightLayout {
+    /// `nn.Linear`: `[out_features, in_features]`.
+    Linear,
+    /// transformers' `Conv1D` (GPT-2): `[in_features, out_features]`.
+    /// bitsandbytes quantizes it transposed, so quantized it is `[out, in]`.
+    Conv1D,
+}
+
+/// A linear layer's weight: dense, or quantized in a bitsandbytes format.
+#[derive(Clone, Debug)]
+pub enum LinearWeight {
+    /// F32, F16 or BF16 values, `[out_features, in_features]`.
+    Dense(Arc<Tensor>),
+    /// F32, F16 or BF16 values, `[in_features, out_features]` (`Conv1D`).
+    DenseTransposed(Arc<Tensor>),
+    /// Packed codes and scales, `[out_features, in_features]`, dequantized
+    /// on the fly by the matmul.
+    Quantized(Arc<QuantizedTensor>),
+}
+
+impl LinearWeight {
+    /// The shape as held (see each variant).
+    pub fn shape(&self) -> &[usize] {
+        match self {
+            LinearWeight::Dense(t) | LinearWeight::DenseTransposed(t) => t.shape(),
+            LinearWeight::Quantized(q) => q.shape(),
+        }
+    }
+
+    /// `x · weightᵀ + bias` (`ops::linear`, `ops::linear_t` or
+    /// `ops::linear_quantized`).
+    pub fn forward(&self, x: &Tensor, bias: Option<&Tensor>) -> Result<Tensor, Error> {
+        Ok(match self {
+            LinearWeight::Dense(w) => crate::ops::linear(x, w, bias)?,
+            LinearWeight::DenseTransposed(w) => crate::ops::linear_t(x, w, bias)?,
+            LinearWeight::Quantized(w) => crate::ops::linear_quantized(x, w, bias)?,
+        })
+    }
+
+    /// A dense weight stored in `layout`.
+    fn dense(t: Arc<Tensor>, layout: WeightLayout) -> LinearWeight {
+        match layout {
+            WeightLayout::Linear => LinearWeight::Dense(t),
+            WeightLayout::Conv1D => LinearWeight::DenseTransposed(t),
+        }
+    }
+}
 
 /// Supplies tensors by their full transformers name
 /// (`model.layers.3.self_attn.q_proj.weight`).
 ///
 /// Models call [`WeightSource::begin_block`] before a block runs, fetch its
-/// tensors with [`WeightSource::tensor`], drop them after the block, and call
+/// tensors with [`WeightSource::tensor`] (linear layers' weights with
+/// [`WeightSource::linear_weight`]), drop them after the block, and call
 /// [`WeightSource::end_block`]: the places where an offloading source loads
 /// a block's weights onto the execution device and releases them, like
 /// Accelerate's pre- and post-forward hooks. Block names are transformers
@@ -24,6 +79,13 @@ use bm_compute::{HostBytes, is_compute_dtype};
 pub trait WeightSource: Sync {
     /// The tensor called `name`, on the backend the block runs on.
     fn tensor(&self, name: &str) -> Result<Arc<Tensor>, Error>;
+
+    /// The weight of a linear layer (`name` ends in `.weight`), stored in
+    /// `layout`, which a source may hand out quantized. By default,
+    /// [`WeightSource::tensor`].
+    fn linear_weight(&self, name: &str, layout: WeightLayout) -> Result<LinearWeight, Error> {
+        self.tensor(name).map(|t| LinearWeight::dense(t, layout))
+    }
 
     /// Called before block `block` fetches its tensors.
     fn begin_block(&self, block: &str) -> Result<(), Error> {
@@ -44,15 +106,24 @@ pub trait WeightSource: Sync {
 /// `bm_shard::Checkpoint`'s mmaps. Tensors already in the wanted dtype are
 /// zero-copy windows of the mapping (a strided view in a PyTorch file is
 /// gathered); others are cast (PyTorch's rounding) on each fetch.
+///
+/// A folder transformers saved from a bitsandbytes model (a
+/// `quantization_config` in config.json) hands its linear weights out
+/// quantized, read in place. [`FolderWeights::open_quantized`] quantizes a
+/// dense folder's linear weights instead, each the first time it is
+/// fetched (one dense tensor at a time is read; the quantized ones are
+/// kept).
 #[derive(Debug)]
 pub struct FolderWeights {
     checkpoint: Checkpoint,
     dtype: Option<DType>,
+    quant: Option<FolderQuant>,
 }
 
 impl FolderWeights {
     /// Maps the weights of `dir`. With `dtype`, float tensors are returned
     /// in that dtype (as `from_pretrained(torch_dtype=...)` would load them).
+    /// A pre-quantized bitsandbytes folder's quant state is checked here.
     pub fn open(dir: impl AsRef<Path>, dtype: Option<DType>) -> Result<FolderWeights, Error> {
         let dir = dir.as_ref();
         if let Some(d) = dtype {
@@ -66,10 +137,53 @@ impl FolderWeights {
                 dir: dir.to_path_buf(),
             });
         }
+        let checkpoint = Checkpoint::open(dir)?;
+        let (path, config) = folder_config(dir)?;
+        let quant = match quant_config::read_bnb_checkpoint(&path, &config)? {
+            Some(bnb) => Some(FolderQuant::Prequantized(read_prequantized(
+                &checkpoint,
+                &bnb,
+            )?)),
+            None => None,
+        };
         Ok(FolderWeights {
-            checkpoint: Checkpoint::open(dir)?,
+            checkpoint,
             dtype,
+            quant,
         })
+    }
+
+    /// Maps the weights of `dir` and quantizes its linear layers as
+    /// `options` say (Accelerate's `load_and_quantize_model`), each the
+    /// first time it is fetched. Modules `options.skip_modules` names
+    /// (by default the output head) stay dense. A folder that is already
+    /// quantized is refused.
+    pub fn open_quantized(
+        dir: impl AsRef<Path>,
+        dtype: Option<DType>,
+        options: QuantizeOptions,
+    ) -> Result<FolderWeights, Error> {
+        let dir = dir.as_ref();
+        let mut weights = FolderWeights::open(dir, dtype)?;
+        let (path, config) = folder_config(dir)?;
+        if weights.quant.is_some() {
+            return Err(Error::Config {
+                path,
+                key: "quantization_config".into(),
+                message: "the folder is already quantized with bitsandbytes; open it without \
+                          quantize options"
+                    .into(),
+            });
+        }
+        if let Some(d) = options.compute_dtype {
+            crate::ops::check_compute_dtype("4-bit compute dtype", d)?;
+        }
+        let skip = options
+            .skip_modules
+            .clone()
+            .unwrap_or_else(|| quant_config::default_skip_modules(&path, &config));
+        weights.quant = Some(FolderQuant::OnLoad(OnLoad::new(options, &skip)?));
+        Ok(weights)
     }
 
     /// The checkpoint read.
@@ -86,6 +200,71 @@ impl FolderWeights {
     pub fn contains(&self, name: &str) -> bool {
         self.checkpoint.meta(name).is_some()
     }
+
+    /// The tensor `name` as stored, or cast to `dtype`.
+    fn dense(&self, name: &str, dtype: Option<DType>) -> Result<Arc<Tensor>, Error> {
+        let meta = self
+            .checkpoint
+            .meta(name)
+            .ok_or_else(|| Error::MissingTensor {
+                name: name.to_string(),
+            })?;
+        let want = match dtype {
+            Some(d) => bm_shard::cast_target(meta.dtype, d),
+            None => meta.dtype,
+        };
+        if !is_compute_dtype(want) {
+            return Err(Error::UnsupportedDType {
+                what: format!("tensor {name}"),
+                dtype: want,
+            });
+        }
+        let bytes = if want == meta.dtype {
+            host_bytes(self.checkpoint.bytes(name)?)
+        } else {
+            HostBytes::Owned(self.checkpoint.read_as(name, want)?)
+        };
+        let meta = TensorMeta::new(want, meta.shape.clone());
+        Ok(Arc::new(Tensor::from_host(meta, bytes, name)?))
+    }
+}
+
+/// A checkpoint tensor's bytes as the ops hold them: the mapping, or a
+/// gathered copy of a strided PyTorch view.
+pub(crate) fn host_bytes(bytes: TensorBytes) -> HostBytes {
+    match bytes {
+        TensorBytes::Mapped(view) => HostBytes::Mapped(view),
+        TensorBytes::Gathered(buf) => HostBytes::Owned(buf),
+    }
+}
+
+/// A 2-D tensor transposed (same dtype; a copy).
+fn transpose(t: &Tensor) -> Result<Tensor, Error> {
+    let [rows, cols] = match *t.shape() {
+        [r, c] => [r, c],
+        ref other => {
+            return Err(Error::BadOperands {
+                op: "transpose",
+                message: format!("shape {other:?} is not a matrix"),
+            });
+        }
+    };
+    let v = t.f32_values();
+    let transposed: Vec<f32> = (0..cols * rows)
+        .map(|i| v[(i % rows) * cols + i / rows])
+        .collect();
+    Ok(Tensor::from_f32(t.dtype(), &[cols, rows], &transposed)?)
+}
+
+/// `dir/config.json` parsed (`null` when there is none) and its path.
+fn folder_config(dir: &Path) -> Result<(std::path::PathBuf, serde_json::Value), Error> {
+    let path = dir.join("config.json");
+    let json = if path.is_file() {
+        config::read_json(&path)?
+    } else {
+        serde_json::Value::Null
+    };
+    Ok((path, json))
 }
 
 /// True when `dir` holds a `*.index.json` (which bm-shard will read).
@@ -99,32 +278,37 @@ fn has_index(dir: &Path) -> bool {
 
 impl WeightSource for FolderWeights {
     fn tensor(&self, name: &str) -> Result<Arc<Tensor>, Error> {
-        let meta = self
-            .checkpoint
-            .meta(name)
-            .ok_or_else(|| Error::MissingTensor {
-                name: name.to_string(),
-            })?;
-        let want = match self.dtype {
-            Some(d) => bm_shard::cast_target(meta.dtype, d),
-            None => meta.dtype,
-        };
-        if !is_compute_dtype(want) {
-            return Err(Error::UnsupportedDType {
-                what: format!("tensor {name}"),
-                dtype: want,
-            });
-        }
-        let bytes = if want == meta.dtype {
-            match self.checkpoint.bytes(name)? {
-                TensorBytes::Mapped(view) => HostBytes::Mapped(view),
-                TensorBytes::Gathered(buf) => HostBytes::Owned(buf),
+        match &self.quant {
+            Some(FolderQuant::Prequantized(q)) if q.contains_key(name) => {
+                Err(Error::QuantizedNotLinear {
+                    name: name.to_string(),
+                })
             }
-        } else {
-            HostBytes::Owned(self.checkpoint.read_as(name, want)?)
-        };
-        let meta = TensorMeta::new(want, meta.shape.clone());
-        Ok(Arc::new(Tensor::from_host(meta, bytes, name)?))
+            Some(FolderQuant::OnLoad(o)) if o.fp32.matches(quant_config::module_of(name)) => {
+                self.dense(name, Some(DType::F32))
+            }
+            _ => self.dense(name, self.dtype),
+        }
+    }
+
+    fn linear_weight(&self, name: &str, layout: WeightLayout) -> Result<LinearWeight, Error> {
+        match &self.quant {
+            Some(FolderQuant::Prequantized(q)) => match q.get(name) {
+                Some(w) => Ok(LinearWeight::Quantized(w.clone())),
+                None => self.tensor(name).map(|t| LinearWeight::dense(t, layout)),
+            },
+            Some(FolderQuant::OnLoad(o)) if o.quantizes(name) => o
+                .get(name, || {
+                    let t = self.dense(name, self.dtype)?;
+                    match layout {
+                        WeightLayout::Linear => Ok(t),
+                        // bitsandbytes quantizes Conv1D weights as [out, in].
+                        WeightLayout::Conv1D => Ok(Arc::new(transpose(&t)?)),
+                    }
+                })
+                .map(LinearWeight::Quantized),
+            _ => self.tensor(name).map(|t| LinearWeight::dense(t, layout)),
+        }
     }
 }
 
