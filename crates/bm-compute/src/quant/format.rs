@@ -7,6 +7,8 @@
 //! `backends/default/ops.py`), kept bit for bit: checkpoints store
 //! `quant_map` / `nested_quant_map` and we check them against these.
 
+use std::sync::LazyLock;
+
 use bm_tensor::DType;
 
 use crate::Error;
@@ -76,6 +78,21 @@ impl FourBitType {
         match self {
             FourBitType::Nf4 => NF4,
             FourBitType::Fp4 => FP4_UNSCALED.map(|v| v / 12.0),
+        }
+    }
+
+    /// For each byte, the values of its high and low nibble: how the
+    /// matmul decodes two codes with one load.
+    pub(crate) fn byte_pairs(self) -> &'static [[f32; 2]; 256] {
+        fn table(kind: FourBitType) -> [[f32; 2]; 256] {
+            let code = kind.code();
+            std::array::from_fn(|b| [code[b >> 4], code[b & 0xF]])
+        }
+        static NF4_PAIRS: LazyLock<[[f32; 2]; 256]> = LazyLock::new(|| table(FourBitType::Nf4));
+        static FP4_PAIRS: LazyLock<[[f32; 2]; 256]> = LazyLock::new(|| table(FourBitType::Fp4));
+        match self {
+            FourBitType::Nf4 => &NF4_PAIRS,
+            FourBitType::Fp4 => &FP4_PAIRS,
         }
     }
 

@@ -6,7 +6,7 @@ use std::borrow::Cow;
 use std::collections::HashMap;
 
 use bm_tensor::{DType, HostBuffer, TensorMeta};
-use half::{bf16, f16};
+use half::f16;
 use serde_json::{Map, Value};
 
 use super::format::{self, FourBitType, NESTED_BLOCK_SIZE};
@@ -138,7 +138,7 @@ impl FourBit {
 
     /// Elements `start..start + out.len()` of the flattened weight.
     fn dequantize_range(&self, start: usize, out: &mut [f32]) {
-        let code = self.kind.code();
+        let pairs = self.kind.byte_pairs();
         let packed = self.packed.as_bytes();
         let end = start + out.len();
         let mut at = start;
@@ -147,30 +147,41 @@ impl FourBit {
             let block = at / self.blocksize;
             let stop = ((block + 1) * self.blocksize).min(end);
             let scale = self.scale(block);
-            decode_nibbles(packed, at, &code, scale, &mut out[done..done + stop - at]);
+            decode_nibbles(packed, at, pairs, scale, &mut out[done..done + stop - at]);
             done += stop - at;
             at = stop;
         }
     }
 }
 
-/// `out[i] = code[nibble(first + i)] * scale`.
-fn decode_nibbles(packed: &[u8], first: usize, code: &[f32; 16], scale: f32, out: &mut [f32]) {
-    let (mut at, mut out) = (first, out);
-    if at % 2 == 1 && !out.is_empty() {
-        let (head, rest) = out.split_at_mut(1);
-        head[0] = code[(packed[at / 2] & 0xF) as usize] * scale;
-        (at, out) = (at + 1, rest);
+/// `out[i] = code[nibble(first + i)] * scale`, where `pairs[byte]` holds
+/// the codes of a byte's high and low nibble: one table load per byte, then
+/// one vectorised multiply.
+fn decode_nibbles(
+    packed: &[u8],
+    first: usize,
+    pairs: &[[f32; 2]; 256],
+    scale: f32,
+    out: &mut [f32],
+) {
+    let (mut at, mut rest) = (first, &mut out[..]);
+    if at % 2 == 1 && !rest.is_empty() {
+        let (head, tail) = rest.split_at_mut(1);
+        head[0] = pairs[packed[at / 2] as usize][1];
+        (at, rest) = (at + 1, tail);
     }
-    let end = at + out.len();
-    let mut pairs = out.chunks_exact_mut(2);
-    for (o, &byte) in (&mut pairs).zip(&packed[at / 2..]) {
-        o[0] = code[(byte >> 4) as usize] * scale;
-        o[1] = code[(byte & 0xF) as usize] * scale;
+    let bytes = rest.len() / 2;
+    let (body, tail) = rest.split_at_mut(2 * bytes);
+    let body: &mut [[f32; 2]] = bytemuck::cast_slice_mut(body);
+    for (o, &byte) in body.iter_mut().zip(&packed[at / 2..at / 2 + bytes]) {
+        *o = pairs[byte as usize];
     }
     // An odd count ends on a high nibble.
-    if let [tail] = pairs.into_remainder() {
-        *tail = code[(packed[(end - 1) / 2] >> 4) as usize] * scale;
+    if let [last] = tail {
+        *last = pairs[packed[at / 2 + bytes] as usize][0];
+    }
+    for v in out.iter_mut() {
+        *v *= scale;
     }
 }
 
@@ -807,14 +818,24 @@ fn python_float(x: f64) -> String {
 pub(crate) fn round_to(dtype: DType, values: &mut [f32]) {
     use half::slice::HalfFloatSliceExt;
     match dtype {
-        DType::F16 => values
-            .iter_mut()
-            .for_each(|v| *v = f16::from_f32(*v).to_f32()),
-        DType::BF16 => {
-            let mut tmp = vec![bf16::ZERO; values.len()];
-            tmp.convert_from_f32_slice(values);
-            tmp.convert_to_f32_slice(values);
+        // Through a stack buffer, in chunks: half's slice conversions use
+        // the CPU's F16C instructions, and nothing is allocated per call.
+        DType::F16 => {
+            const CHUNK: usize = 256;
+            let mut tmp = [f16::ZERO; CHUNK];
+            for c in values.chunks_mut(CHUNK) {
+                let t = &mut tmp[..c.len()];
+                t.convert_from_f32_slice(c);
+                t.convert_to_f32_slice(c);
+            }
         }
+        // Round to nearest even on the bits (what `bf16::from_f32` does),
+        // written so it vectorises; NaN stays NaN.
+        DType::BF16 => values.iter_mut().for_each(|v| {
+            let b = v.to_bits();
+            let rounded = f32::from_bits((b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF_0000);
+            *v = if v.is_nan() { *v } else { rounded };
+        }),
         _ => {}
     }
 }
@@ -827,15 +848,42 @@ mod tests {
     fn nibbles_decode_from_any_start() {
         // Codes 0..10 packed high nibble first; an odd start reads a low nibble.
         let packed = [0x01, 0x23, 0x45, 0x67, 0x89];
-        let code: [f32; 16] = std::array::from_fn(|i| i as f32);
+        let pairs: [[f32; 2]; 256] = std::array::from_fn(|b| [(b >> 4) as f32, (b & 15) as f32]);
         for start in 0..5 {
             for len in 0..(10 - start) {
                 let mut out = vec![0.0; len];
-                decode_nibbles(&packed, start, &code, 2.0, &mut out);
+                decode_nibbles(&packed, start, &pairs, 2.0, &mut out);
                 let want: Vec<f32> = (start..start + len).map(|i| 2.0 * i as f32).collect();
                 assert_eq!(out, want, "start {start} len {len}");
             }
         }
+    }
+
+    #[test]
+    fn rounding_matches_half() {
+        let mut v: Vec<f32> = (0..4000u32)
+            .map(|i| f32::from_bits(0x3F80_0000 + i * 0x1_1111))
+            .chain([f32::MAX, -0.0, f32::INFINITY, 1e-40, 3.0e38])
+            .collect();
+        for dtype in [DType::BF16, DType::F16] {
+            let want: Vec<f32> = v
+                .iter()
+                .map(|&x| match dtype {
+                    DType::BF16 => half::bf16::from_f32(x).to_f32(),
+                    _ => f16::from_f32(x).to_f32(),
+                })
+                .collect();
+            let mut got = v.clone();
+            round_to(dtype, &mut got);
+            assert!(
+                got.iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits())
+            );
+        }
+        v[0] = f32::NAN;
+        round_to(DType::BF16, &mut v[..1]);
+        assert!(v[0].is_nan());
     }
 
     #[test]
