@@ -28,7 +28,25 @@ fn json_reports_cuda_gpus_and_host_memory() {
         assert!(!driver);
         assert_eq!(v["cuda_error"], "built without CUDA support");
     } else if !driver {
-        assert_eq!(v["cuda_error"], "no CUDA driver found");
+        let error = v["cuda_error"].as_str().unwrap();
+        assert!(
+            error.starts_with("no CUDA driver found: looked for"),
+            "{error}"
+        );
+    }
+    // Every library says where it was loaded from, or why it was not.
+    let libraries = v["cuda_libraries"].as_object().unwrap();
+    let keys: Vec<&str> = libraries.keys().map(String::as_str).collect();
+    assert_eq!(keys, ["driver", "nvrtc", "cublaslt", "cublas"]);
+    for (name, l) in libraries {
+        assert_eq!(
+            l["path"].is_string(),
+            l["error"].is_null(),
+            "{name}: a path or an error: {l}"
+        );
+        if !driver {
+            assert!(l["error"].is_string(), "{name}: {l}");
+        }
     }
     if !driver {
         assert!(gpus.is_empty());

@@ -17,6 +17,7 @@ use cudarc::driver::{
     CudaContext, CudaFunction, DriverError, LaunchConfig, PushKernelArg, result, sys,
 };
 
+use crate::libs::{self, CudaLibrary, LibraryReport};
 use crate::{Device, Error, Result};
 
 pub(crate) use cudarc::driver::{CudaEvent, CudaStream};
@@ -56,13 +57,30 @@ pub(crate) struct Probe {
     pub gpus: Vec<CudaGpu>,
 }
 
+/// The driver's CUDA major, once [`probe`] has read it: NVRTC and cuBLAS
+/// newer than the driver are not loaded.
+fn driver_major() -> Option<u32> {
+    DRIVER_VERSION.get().map(|v| (*v / 1000) as u32)
+}
+
+static DRIVER_VERSION: OnceLock<i32> = OnceLock::new();
+
 /// Loads the driver and opens every GPU. Never panics: cudarc panics when
-/// libcuda or one of its symbols is missing, so the library is looked for
-/// first and the rest runs under `catch_unwind`.
+/// libcuda or one of its symbols is missing, so the library is found and
+/// loaded by [`libs`] first, and the rest runs under `catch_unwind`.
 pub(crate) fn probe() -> Result<Probe> {
-    // SAFETY: only tries to open the library by name.
+    let driver = libs::load(CudaLibrary::Driver, None)?;
+    // SAFETY: only opens the library by name, which now finds the object
+    // loaded above (its SONAME is one of cudarc's names).
     if !unsafe { sys::is_culib_present() } {
-        return Err(Error::NoDriver);
+        return Err(Error::Driver {
+            operation: "loading the CUDA driver",
+            device: None,
+            message: format!(
+                "{} is loaded but cudarc could not open it by name",
+                driver.path.display()
+            ),
+        });
     }
     let attempt = std::panic::catch_unwind(|| -> Result<Probe> {
         let mut driver_version = 0;
@@ -70,6 +88,7 @@ pub(crate) fn probe() -> Result<Probe> {
         unsafe { sys::cuDriverGetVersion(&mut driver_version) }
             .result()
             .map_err(|e| driver_error("cuDriverGetVersion", None, e))?;
+        let _ = DRIVER_VERSION.set(driver_version);
         match result::init() {
             Ok(()) => {}
             // A driver without GPUs (or with none visible) is not an error.
@@ -506,11 +525,112 @@ pub(crate) fn sync_stream(stream: &CudaStream, device: Device) -> Result<()> {
         .map_err(|e| driver_error("cuStreamSynchronize", Some(device), e))
 }
 
+/// `cuEventElapsedTime`'s signature.
+type ElapsedTime = unsafe extern "C" fn(*mut f32, sys::CUevent, sys::CUevent) -> sys::CUresult;
+
 /// Milliseconds between two events recorded with timing on.
+///
+/// Called through the driver's own symbol rather than cudarc: with the
+/// `cuda-13000` bindings cudarc calls `cuEventElapsedTime_v2`, which
+/// drivers before CUDA 12.8 lack, so we take `_v2` where the driver has it
+/// and the original (same arguments) otherwise.
 pub(crate) fn elapsed_ms(start: &CudaEvent, end: &CudaEvent, device: Device) -> Result<f32> {
+    static ELAPSED: OnceLock<Option<ElapsedTime>> = OnceLock::new();
+    let elapsed = ELAPSED.get_or_init(|| {
+        let driver = libs::loaded(CudaLibrary::Driver)?.ok()?;
+        let sym = driver
+            .symbol("cuEventElapsedTime_v2")
+            .or_else(|| driver.symbol("cuEventElapsedTime"))?;
+        // SAFETY: both driver entry points have exactly this signature.
+        Some(unsafe { std::mem::transmute::<*mut c_void, ElapsedTime>(sym) })
+    });
+    let Some(elapsed) = elapsed else {
+        return Err(Error::Driver {
+            operation: "cuEventElapsedTime",
+            device: Some(device),
+            message: "the driver exports no cuEventElapsedTime".into(),
+        });
+    };
     start
-        .elapsed_ms(end)
-        .map_err(|e| driver_error("cuEventElapsedTime", Some(device), e))
+        .context()
+        .bind_to_thread()
+        .map_err(|e| driver_error("binding the context", Some(device), e))?;
+    let mut ms = 0f32;
+    // SAFETY: both events are alive and were recorded with timing enabled.
+    unsafe { elapsed(&mut ms, start.cu_event(), end.cu_event()) }
+        .result()
+        .map_err(|e| driver_error("cuEventElapsedTime", Some(device), e))?;
+    Ok(ms)
+}
+
+/// Every CUDA library: the driver as probing loaded it, NVRTC and cuBLAS
+/// (with cuBLASLt) loaded now if they were not yet, with their versions.
+pub(crate) fn library_reports() -> Vec<LibraryReport> {
+    let report =
+        |library, found: std::result::Result<libs::LoadedLibrary, String>, version| match found {
+            Ok(l) => LibraryReport {
+                library,
+                path: Some(l.path),
+                version,
+                error: None,
+            },
+            Err(error) => LibraryReport {
+                library,
+                path: None,
+                version: None,
+                error: Some(error),
+            },
+        };
+    let driver = match libs::loaded(CudaLibrary::Driver) {
+        Some(found) => found.map_err(|e| e.to_string()),
+        None => Err("not loaded: CUDA was not probed".into()),
+    };
+    let Some(driver_version) = DRIVER_VERSION.get() else {
+        let why = match &driver {
+            Ok(_) => "not loaded: the CUDA driver did not answer",
+            Err(_) => "not loaded: no CUDA driver",
+        };
+        return std::iter::once(report(CudaLibrary::Driver, driver, None))
+            .chain(
+                [
+                    CudaLibrary::Nvrtc,
+                    CudaLibrary::CublasLt,
+                    CudaLibrary::Cublas,
+                ]
+                .into_iter()
+                .map(|library| report(library, Err(why.into()), None)),
+            )
+            .collect();
+    };
+    let driver_version = format!("{}.{}", driver_version / 1000, driver_version % 1000 / 10);
+    let nvrtc = compute::nvrtc();
+    let cublas = compute::cublas();
+    let cublas_version = cublas.as_ref().ok().map(|c| c.version.clone());
+    let cublaslt = match (&cublas, libs::loaded(CudaLibrary::CublasLt)) {
+        (_, Some(lt)) => lt.map_err(|e| e.to_string()),
+        (Err(e), None) => Err(format!("not loaded, as cuBLAS was not: {e}")),
+        (Ok(_), None) => Err("cuBLAS loaded without reporting its cuBLASLt".into()),
+    };
+    vec![
+        report(CudaLibrary::Driver, driver, Some(driver_version)),
+        report(
+            CudaLibrary::Nvrtc,
+            nvrtc
+                .as_ref()
+                .map(|n| n.library.clone())
+                .map_err(Clone::clone),
+            nvrtc
+                .as_ref()
+                .ok()
+                .map(|n| format!("{}.{}", n.version.0, n.version.1)),
+        ),
+        report(CudaLibrary::CublasLt, cublaslt, cublas_version.clone()),
+        report(
+            CudaLibrary::Cublas,
+            cublas.map(|c| c.library).map_err(|e| e.clone()),
+            cublas_version,
+        ),
+    ]
 }
 
 /// Records a timing-enabled event on `stream`.

@@ -3,14 +3,22 @@
 use std::path::PathBuf;
 
 use crate::Device;
+use crate::libs::{CudaLibrary, Searched};
 
 /// Everything that can go wrong in `bm-device`. Every message names the
 /// device, the request or the file involved.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 #[non_exhaustive]
 pub enum Error {
-    /// The `cuda` feature is on but no CUDA driver library could be loaded.
-    NoDriver,
+    /// A CUDA library (the driver, NVRTC, cuBLAS) was found nowhere, or
+    /// every file found refused to load. With the driver missing this reads
+    /// "no CUDA driver found: …".
+    LibraryNotFound {
+        /// Which library.
+        library: CudaLibrary,
+        /// The names and folders tried, and the files that did not load.
+        searched: Searched,
+    },
     /// The crate was compiled without the `cuda` feature.
     NotCompiledWithCuda,
     /// A GPU ordinal that the device set does not have.
@@ -124,7 +132,13 @@ pub enum Error {
 impl std::fmt::Display for Error {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Error::NoDriver => f.write_str("no CUDA driver found"),
+            Error::LibraryNotFound {
+                library: CudaLibrary::Driver,
+                searched,
+            } => write!(f, "no CUDA driver found: {searched}"),
+            Error::LibraryNotFound { library, searched } => {
+                write!(f, "{}, was not found: {searched}", library.description())
+            }
             Error::NotCompiledWithCuda => f.write_str("built without CUDA support"),
             Error::OrdinalOutOfRange { ordinal, count } => write!(
                 f,

@@ -11,18 +11,30 @@
 //! are never chosen unless asked for. Each [`Gpu`] has a budget, live and
 //! peak byte counts, a compute [`Stream`] and a copy stream.
 //!
-//! # Never panicking without CUDA
+//! # Never panicking without CUDA; finding CUDA 12 and 13
 //!
-//! CUDA support is the `cuda` feature (cudarc, with libcuda loaded at run
-//! time, so building needs no toolkit). cudarc panics when libcuda is
-//! missing; this crate looks for the library first and calls the driver
-//! under `catch_unwind` while probing, so a machine without a driver gets
-//! [`Error::NoDriver`] ("no CUDA driver found") and a build without the
-//! feature gets [`Error::NotCompiledWithCuda`] ("built without CUDA
-//! support") from the very same API. The feature is looked at in one place,
-//! candle's way: it chooses between the real `cuda` module and a stand-in
-//! with the same API whose types cannot be constructed, so every CUDA
-//! variant and code path compiles, and is type-checked, in both builds.
+//! CUDA support is the `cuda` feature (cudarc, with every library loaded
+//! at run time, so building needs no toolkit). cudarc panics when a
+//! library is missing, and by itself only asks the dynamic loader for a
+//! few names; so [`libs`] looks for the driver, NVRTC and cuBLAS first:
+//! through the loader by versioned name (`.so.13`, `.so.12`, bare `.so`),
+//! then under `CUDA_HOME`/`CUDA_PATH`, `/usr/local/cuda`, the pip wheels
+//! next to the `python3` on `PATH` (`nvidia/cu13/lib`, `nvidia/cublas/lib`,
+//! …) and the distribution's folders, never taking a library newer than
+//! the driver, and opens what it finds by full path so cudarc's later
+//! lookup by name gets that very file. A library found nowhere is
+//! [`Error::LibraryNotFound`], naming every name and folder tried: a
+//! machine without a driver gets "no CUDA driver found: looked for …",
+//! one without NVRTC or cuBLAS keeps its GPUs for memory and copies and
+//! gets the error at the first kernel, and CPU work runs regardless. The
+//! driver is then called under `catch_unwind` while probing, and a build
+//! without the feature gets [`Error::NotCompiledWithCuda`] ("built without
+//! CUDA support") from the very same API. [`DeviceSet::cuda_libraries`]
+//! says which files were loaded, with their versions. The feature is
+//! looked at in one place, candle's way: it chooses between the real
+//! `cuda` module and a stand-in with the same API whose types cannot be
+//! constructed, so every CUDA variant and code path compiles, and is
+//! type-checked, in both builds.
 //!
 //! # Memory: budgets, accounting and the safety margin
 //!
@@ -100,6 +112,7 @@ mod error;
 mod gpu;
 mod host_memory;
 mod ledger;
+pub mod libs;
 mod memory;
 mod pinned;
 mod set;
@@ -111,6 +124,7 @@ pub use device::{Device, ParseDeviceError};
 pub use error::{Error, Result};
 pub use gpu::{Gpu, GpuKind};
 pub use host_memory::{HostMemory, HostMemorySource, host_memory};
+pub use libs::{CudaLibrary, LibraryReport, LoadedLibrary, Searched};
 pub use memory::{
     Budgets, CPU_MARGIN_MIN, CPU_MARGIN_PERCENT, GPU_MARGIN_MIN, GPU_MARGIN_PERCENT, GpuMemory,
     MemoryInfo, cpu_safety_margin, default_budgets, gpu_safety_margin,

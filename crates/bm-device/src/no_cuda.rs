@@ -12,6 +12,7 @@ use std::time::Duration;
 use bm_tensor::DType;
 
 use crate::compute::{GemmShape, LaunchShape, RawArg};
+use crate::libs::{CudaLibrary, LibraryReport};
 use crate::{Device, Error, Result};
 
 /// This build has no CUDA support.
@@ -40,6 +41,19 @@ pub(crate) struct Probe {
 /// Always [`Error::NotCompiledWithCuda`].
 pub(crate) fn probe() -> Result<Probe> {
     Err(Error::NotCompiledWithCuda)
+}
+
+/// Every library, none loaded: this build never loads them.
+pub(crate) fn library_reports() -> Vec<LibraryReport> {
+    CudaLibrary::ALL
+        .into_iter()
+        .map(|library| LibraryReport {
+            library,
+            path: None,
+            version: None,
+            error: Some(Error::NotCompiledWithCuda.to_string()),
+        })
+        .collect()
 }
 
 impl CudaGpu {

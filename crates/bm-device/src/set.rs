@@ -63,7 +63,7 @@ impl DeviceSet {
     }
 
     /// Like [`DeviceSet::probe`], but fails when CUDA is not usable:
-    /// [`Error::NotCompiledWithCuda`], [`Error::NoDriver`] or the driver's
+    /// [`Error::NotCompiledWithCuda`], [`Error::LibraryNotFound`] or the driver's
     /// error.
     pub fn cuda() -> Result<DeviceSet> {
         let (gpus, version) = probe_cuda().map_err(|(_, _, e)| e)?;
@@ -193,6 +193,15 @@ impl DeviceSet {
         HostRegistration::new(self, bytes)
     }
 
+    /// The CUDA libraries this process uses: the driver (as probing loaded
+    /// it), NVRTC and cuBLAS with cuBLASLt, each with the file loaded and
+    /// its version, or why it is not available. Loads NVRTC and cuBLAS if
+    /// nothing has yet (a fraction of a second); loads nothing when CUDA
+    /// was not probed or is not compiled in.
+    pub fn cuda_libraries(&self) -> Vec<crate::LibraryReport> {
+        crate::cuda::library_reports()
+    }
+
     /// The kind of this set's GPUs, `None` when it has none.
     pub fn gpu_kind(&self) -> Option<GpuKind> {
         self.gpus.first().map(Gpu::kind)
@@ -205,7 +214,13 @@ type ProbeFailure = (bool, Option<(i32, i32)>, Error);
 
 fn probe_cuda() -> std::result::Result<(Vec<Gpu>, (i32, i32)), ProbeFailure> {
     let probe = crate::cuda::probe().map_err(|e| {
-        let driver_found = !matches!(e, Error::NoDriver | Error::NotCompiledWithCuda);
+        let driver_found = !matches!(
+            e,
+            Error::LibraryNotFound {
+                library: crate::CudaLibrary::Driver,
+                ..
+            } | Error::NotCompiledWithCuda
+        );
         (driver_found, None, e)
     })?;
     let version = (

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use bm_device::{Device, DeviceSet, Error, GpuKind, PinnedPool};
+use bm_device::{CudaLibrary, Device, DeviceSet, Error, GpuKind, PinnedPool};
 
 const MIB: usize = 1 << 20;
 
@@ -24,8 +24,28 @@ fn probe_never_panics_and_tells_the_truth() {
         assert!(matches!(DeviceSet::cuda(), Err(Error::NotCompiledWithCuda)));
     } else if !status.driver_found {
         assert_eq!(set.gpu_count(), 0);
-        assert_eq!(status.error.as_deref(), Some("no CUDA driver found"));
-        assert!(matches!(DeviceSet::cuda(), Err(Error::NoDriver)));
+        let error = status.error.as_deref().unwrap();
+        // The message lists where the driver was looked for.
+        assert!(
+            error.starts_with("no CUDA driver found: looked for libcuda.so.1, libcuda.so"),
+            "{error}"
+        );
+        assert!(error.contains("/usr/local/nvidia/lib64"), "{error}");
+        assert!(matches!(
+            DeviceSet::cuda(),
+            Err(Error::LibraryNotFound {
+                library: CudaLibrary::Driver,
+                ..
+            })
+        ));
+        // NVRTC and cuBLAS are then never loaded, and say why.
+        let libraries = set.cuda_libraries();
+        assert_eq!(libraries.len(), CudaLibrary::ALL.len());
+        assert!(
+            libraries
+                .iter()
+                .all(|l| l.path.is_none() && l.error.is_some())
+        );
     } else {
         // A driver is present: every GPU it shows is CUDA-backed.
         assert!(set.gpus().iter().all(|g| g.kind() == GpuKind::Cuda));
@@ -36,7 +56,26 @@ fn probe_never_panics_and_tells_the_truth() {
 
 #[test]
 fn error_messages_are_exact() {
-    assert_eq!(Error::NoDriver.to_string(), "no CUDA driver found");
+    let searched = bm_device::Searched {
+        names: vec!["libnvrtc.so.13".into(), "libnvrtc.so".into()],
+        dirs: vec!["/usr/local/cuda/lib64".into()],
+        refused: vec![("/x/libnvrtc.so.13".into(), "invalid ELF header".into())],
+    };
+    let driver = Error::LibraryNotFound {
+        library: CudaLibrary::Driver,
+        searched: searched.clone(),
+    };
+    assert!(driver.to_string().starts_with("no CUDA driver found: "));
+    assert_eq!(
+        Error::LibraryNotFound {
+            library: CudaLibrary::Nvrtc,
+            searched
+        }
+        .to_string(),
+        "NVRTC (libnvrtc), which compiles the GPU compute kernels, was not found: looked for \
+         libnvrtc.so.13, libnvrtc.so through the dynamic loader (LD_LIBRARY_PATH, ld.so.cache) \
+         and in /usr/local/cuda/lib64; /x/libnvrtc.so.13 did not load: invalid ELF header"
+    );
     assert_eq!(
         Error::NotCompiledWithCuda.to_string(),
         "built without CUDA support"

@@ -1,7 +1,7 @@
 //! `bigmodel devices`: what this process can use, and why not when CUDA
 //! is missing.
 
-use bigmodel::device::{Budgets, CudaStatus, DeviceSet, GpuMemory, HostMemory};
+use bigmodel::device::{Budgets, CudaStatus, DeviceSet, GpuMemory, HostMemory, LibraryReport};
 use serde_json::{Map, Value, json};
 
 use super::CmdResult;
@@ -19,8 +19,10 @@ pub fn run(args: Args) -> CmdResult {
     let set = DeviceSet::probe();
     let info = set.memory_info()?;
     let budgets = bigmodel::device::default_budgets(&info);
+    let libraries = set.cuda_libraries();
     let report = Report {
         cuda: set.cuda_status(),
+        libraries: &libraries,
         gpus: &info.gpus,
         host: &info.host,
         budgets: &budgets,
@@ -35,6 +37,7 @@ pub fn run(args: Args) -> CmdResult {
 
 struct Report<'a> {
     cuda: &'a CudaStatus,
+    libraries: &'a [LibraryReport],
     gpus: &'a [GpuMemory],
     host: &'a HostMemory,
     budgets: &'a Budgets,
@@ -60,11 +63,23 @@ impl Report<'_> {
             budgets.insert(g.device.to_string(), json!(b));
         }
         budgets.insert("cpu".into(), json!(self.budgets.cpu));
+        let mut libraries = Map::new();
+        for l in self.libraries {
+            libraries.insert(
+                l.library.key().into(),
+                json!({
+                    "path": l.path.as_ref().map(|p| p.display().to_string()),
+                    "version": l.version,
+                    "error": l.error,
+                }),
+            );
+        }
         json!({
             "cuda_compiled": self.cuda.compiled,
             "cuda_driver_found": self.cuda.driver_found,
             "cuda_driver_version": self.cuda.driver_version.map(|(major, minor)| format!("{major}.{minor}")),
             "cuda_error": self.cuda.error,
+            "cuda_libraries": libraries,
             "gpus": gpus,
             "cpu_available_bytes": self.host.available,
             "cpu_available_source": self.host.source.to_string(),
@@ -88,6 +103,21 @@ impl Report<'_> {
         out.push_str(&format!("CUDA driver:  {driver}\n"));
         if let Some(e) = &self.cuda.error {
             out.push_str(&format!("              {e}\n"));
+        }
+        if self.cuda.driver_found {
+            out.push_str("CUDA libraries:\n");
+            for l in self.libraries {
+                let what = match (&l.path, &l.error) {
+                    (Some(path), _) => format!(
+                        "{}  {}",
+                        l.version.as_deref().unwrap_or("?"),
+                        path.display()
+                    ),
+                    (None, Some(e)) => e.clone(),
+                    (None, None) => "not loaded".into(),
+                };
+                out.push_str(&format!("  {:<9} {what}\n", l.library.key()));
+            }
         }
         if self.gpus.is_empty() {
             out.push_str("GPUs:         none\n");

@@ -16,10 +16,11 @@ use cudarc::driver::{CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKer
 use cudarc::nvrtc::{CompileOptions, Ptx, compile_ptx_with_opts};
 use parking_lot::Mutex;
 
-use super::{CudaGpu, driver_error};
+use super::{CudaGpu, driver_error, driver_major};
 use bm_tensor::DType;
 
 use crate::compute::{GemmShape, LaunchShape, RawArg};
+use crate::libs::{self, CudaLibrary, LoadedLibrary};
 use crate::{Device, Error, Result};
 
 /// The kernels' CUDA C++ source.
@@ -50,18 +51,90 @@ fn no_panic<T>(
     }
 }
 
+/// NVRTC, loaded, and its version.
+#[derive(Clone)]
+pub(crate) struct Nvrtc {
+    pub library: LoadedLibrary,
+    pub version: (i32, i32),
+}
+
+/// Finds and loads NVRTC once per process (see [`libs`]).
+pub(crate) fn nvrtc() -> std::result::Result<Nvrtc, String> {
+    static NVRTC: Lazy<Nvrtc> = OnceLock::new();
+    NVRTC
+        .get_or_init(|| {
+            let library =
+                libs::load(CudaLibrary::Nvrtc, driver_major()).map_err(|e| e.to_string())?;
+            no_panic("NVRTC", || {
+                // SAFETY: opens the library by name, which finds the one
+                // loaded above.
+                if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+                    return Err(format!(
+                        "{} is loaded but cudarc could not open it by name",
+                        library.path.display()
+                    ));
+                }
+                let (mut major, mut minor) = (0, 0);
+                // SAFETY: writes two ints.
+                unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) }
+                    .result()
+                    .map_err(|e| format!("nvrtcVersion: {e:?}"))?;
+                Ok(Nvrtc {
+                    library: library.clone(),
+                    version: (major, minor),
+                })
+            })
+        })
+        .clone()
+}
+
+/// cuBLAS, loaded, and its version.
+#[derive(Clone)]
+pub(crate) struct Cublas {
+    pub library: LoadedLibrary,
+    pub version: String,
+}
+
+/// Finds and loads cuBLAS (and cuBLASLt) once per process.
+pub(crate) fn cublas() -> std::result::Result<Cublas, String> {
+    static CUBLAS: Lazy<Cublas> = OnceLock::new();
+    CUBLAS
+        .get_or_init(|| {
+            let library =
+                libs::load(CudaLibrary::Cublas, driver_major()).map_err(|e| e.to_string())?;
+            no_panic("cuBLAS", || {
+                // SAFETY: as for NVRTC.
+                if !unsafe { blas_sys::is_culib_present() } {
+                    return Err(format!(
+                        "{} is loaded but cudarc could not open it by name",
+                        library.path.display()
+                    ));
+                }
+                let mut parts = [0; 3];
+                for (part, property) in parts.iter_mut().zip([
+                    blas_sys::libraryPropertyType::MAJOR_VERSION,
+                    blas_sys::libraryPropertyType::MINOR_VERSION,
+                    blas_sys::libraryPropertyType::PATCH_LEVEL,
+                ]) {
+                    // SAFETY: writes one int.
+                    unsafe { blas_sys::cublasGetProperty(property, part) }
+                        .result()
+                        .map_err(|e| format!("cublasGetProperty: {e}"))?;
+                }
+                Ok(Cublas {
+                    library: library.clone(),
+                    version: format!("{}.{}.{}", parts[0], parts[1], parts[2]),
+                })
+            })
+        })
+        .clone()
+}
+
 /// The kernels compiled to PTX, once per process.
 fn ptx() -> std::result::Result<&'static Ptx, String> {
     static PTX: Lazy<Ptx> = OnceLock::new();
     PTX.get_or_init(|| {
-        // SAFETY: only tries to open the library by name.
-        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-            return Err(
-                "the NVRTC library (libnvrtc.so) was not found; GPU compute compiles its \
-                 kernels with it at run time"
-                    .into(),
-            );
-        }
+        nvrtc()?;
         no_panic("NVRTC", || {
             let options = CompileOptions {
                 // No FMA contraction: results then match the CPU kernels'
@@ -164,10 +237,7 @@ impl CudaGpu {
     fn blas(&self, stream: &Arc<CudaStream>) -> Result<&Mutex<CudaBlas>> {
         self.blas
             .get_or_init(|| {
-                // SAFETY: only tries to open the library by name.
-                if !unsafe { blas_sys::is_culib_present() } {
-                    return Err("the cuBLAS library (libcublas.so) was not found".into());
-                }
+                cublas()?;
                 no_panic("cuBLAS", || {
                     CudaBlas::new(Arc::clone(stream))
                         .map(Mutex::new)
