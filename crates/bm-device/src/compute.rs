@@ -41,6 +41,16 @@ use bm_tensor::DType;
 use crate::gpu::Backend;
 use crate::{DeviceBuffer, Error, Gpu, Result};
 
+/// What a GPU's compute kernels were loaded from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KernelModuleInfo {
+    /// The NVRTC target: `sm_XY` (machine code for the GPU) or, as the
+    /// fallback, `compute_XY` (PTX the driver compiles).
+    pub target: String,
+    /// Whether the image came from the disk cache rather than NVRTC.
+    pub from_cache: bool,
+}
+
 /// Sizes of a row-major `C[m, n] = A[m, k] · B[n, k]ᵀ`, repeated `batch`
 /// times with the given element strides between consecutive matrices.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -217,6 +227,15 @@ fn grid_for(n: usize) -> (u32, u32, u32) {
 }
 
 impl Gpu {
+    /// What this GPU's compute kernels were loaded from, once the first
+    /// kernel ran; `None` before that and on emulated GPUs.
+    pub fn kernel_module(&self) -> Option<KernelModuleInfo> {
+        match &self.inner.backend {
+            Backend::Emulated => None,
+            Backend::Cuda(g) => g.kernel_info(),
+        }
+    }
+
     fn check_owned(&self, operation: &'static str, buffer: &DeviceBuffer) -> Result<()> {
         if buffer.gpu().id() == self.id() {
             Ok(())

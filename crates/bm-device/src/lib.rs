@@ -89,12 +89,19 @@
 //!
 //! Each CUDA GPU also computes: [`Gpu::gemm`] (cuBLAS, f32 accumulation)
 //! and the kernels a transformer needs (norms, rotary, softmax, fused
-//! attention, activations, casts), compiled at run time with NVRTC and
-//! cached per GPU, all on the compute stream and ordered after the copies
-//! that fill their buffers. Emulated GPUs refuse compute with
-//! [`Error::ComputeUnsupported`]: models whose weights sit on one compute on
-//! the host. See the `compute` module's documentation on [`GemmShape`] and
-//! the methods of [`Gpu`].
+//! attention, activations, casts), all on the compute stream and ordered
+//! after the copies that fill their buffers. NVRTC compiles the kernels to
+//! machine code (CUBIN) for the GPU's own architecture, with PTX of the
+//! newest architecture NVRTC knows as the fallback (PTX alone fails to
+//! load when NVRTC is newer than the driver); each image is compiled once
+//! per process and kept in a disk cache keyed by the SHA-256 of source,
+//! options, NVRTC version and target (`$BIGMODEL_CACHE/kernels/`, else
+//! `~/.cache/bigmodel/kernels/`, `XDG_CACHE_HOME` respected), written
+//! atomically and checksummed, so a second start does not run NVRTC.
+//! [`Gpu::kernel_module`] says what was loaded. Emulated GPUs refuse
+//! compute with [`Error::ComputeUnsupported`]: models whose weights sit on
+//! one compute on the host. See the `compute` module's documentation on
+//! [`GemmShape`] and the methods of [`Gpu`].
 //!
 //! **Architecture invariant:** this is the only crate of the workspace that
 //! names cudarc, and only the `cuda` module (`cuda.rs`, `cuda/compute.rs`)
@@ -111,15 +118,25 @@ mod device;
 mod error;
 mod gpu;
 mod host_memory;
+#[allow(
+    dead_code,
+    reason = "used by the CUDA backend; the no-CUDA stand-in compiles no kernels"
+)]
+mod kernel_cache;
 mod ledger;
 pub mod libs;
 mod memory;
 mod pinned;
 mod set;
+#[allow(
+    dead_code,
+    reason = "used by the CUDA backend's kernel cache; the no-CUDA stand-in compiles no kernels"
+)]
+mod sha256;
 mod stream;
 
 pub use buffer::{COPY_CHUNK, DeviceBuffer};
-pub use compute::{AttentionMask, AttentionShape, GemmShape, MAX_ATTENTION_KEYS};
+pub use compute::{AttentionMask, AttentionShape, GemmShape, KernelModuleInfo, MAX_ATTENTION_KEYS};
 pub use device::{Device, ParseDeviceError};
 pub use error::{Error, Result};
 pub use gpu::{Gpu, GpuKind};

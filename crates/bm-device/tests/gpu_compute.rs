@@ -335,3 +335,66 @@ fn attention_matches_host_for_every_mask() {
         );
     }
 }
+
+/// Set in the child processes of the kernel cache test.
+const CACHE_CHILD: &str = "BM_KERNEL_CACHE_CHILD";
+
+#[test]
+fn kernels_are_cubin_compiled_once_then_read_from_the_disk_cache() {
+    if std::env::var_os(CACHE_CHILD).is_some() {
+        // A child: run one kernel and say what its module came from.
+        let set = DeviceSet::cuda().unwrap();
+        let g = set.gpu(0).unwrap();
+        assert_eq!(g.kernel_module(), None, "no kernel has run yet");
+        let x = upload(g, &values(1000, 3));
+        let mut y = g.alloc(1000 * 4).unwrap();
+        g.silu(&x, &mut y, DType::F32, 1000).unwrap();
+        download(&y, 1000);
+        let info = g.kernel_module().unwrap();
+        println!(
+            "kernel module: {} from_cache={}",
+            info.target, info.from_cache
+        );
+        return;
+    }
+    if DeviceSet::cuda_for_gpu_tests().is_none() {
+        return;
+    }
+    let cache = tempfile::tempdir().unwrap();
+    // Two processes, as two starts of a program: the first compiles, the
+    // second loads what the first wrote.
+    let start = || {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "kernels_are_cubin_compiled_once_then_read_from_the_disk_cache",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(CACHE_CHILD, "1")
+            .env("BIGMODEL_CACHE", cache.path())
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "{text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        text.lines()
+            .find_map(|l| l.strip_prefix("kernel module: ").map(str::to_string))
+            .unwrap_or_else(|| panic!("the child printed no module: {text}"))
+    };
+    let first = start();
+    let second = start();
+    println!("first start: {first}; second start: {second}");
+    assert!(first.starts_with("sm_"), "CUBIN for the GPU: {first}");
+    assert!(first.ends_with("from_cache=false"), "{first}");
+    assert_eq!(second, first.replace("from_cache=false", "from_cache=true"));
+    let entries: Vec<_> = std::fs::read_dir(cache.path().join("kernels"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(entries.len(), 1, "{entries:?}");
+    assert!(entries[0].ends_with(".cubin"), "{entries:?}");
+}

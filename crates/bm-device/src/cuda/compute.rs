@@ -2,24 +2,33 @@
 //! cuBLAS GEMMs on raw device pointers. With its parent `cuda`, the only
 //! code of the workspace that names cudarc.
 //!
-//! The kernel source (`kernels.cu`) is compiled once per process to PTX,
-//! which each GPU's driver JIT-compiles when the module is loaded (once per
-//! GPU, on first use). NVRTC and cuBLAS are loaded at run time; a machine
-//! without them gets an error naming the missing library, never a panic.
+//! The kernel source (`kernels.cu`) is compiled by NVRTC to machine code
+//! (CUBIN) for the GPU's own architecture, `sm_XY`, so the driver loads it
+//! as it is: PTX handed to the driver fails to load when NVRTC is newer
+//! than the driver (`CUDA_ERROR_UNSUPPORTED_PTX_VERSION`). When NVRTC
+//! cannot make CUBIN for the GPU (a GPU newer than NVRTC), or the driver
+//! refuses the CUBIN, PTX for the newest virtual architecture NVRTC knows
+//! up to the GPU's (`compute_XY`) is the fallback. Each image is compiled
+//! once per process and kept in the on-disk cache (`kernel_cache.rs`), so
+//! a second start loads it without NVRTC; each GPU loads its module on
+//! first use. NVRTC and cuBLAS are found and loaded at run time by
+//! [`libs`]; a machine without them gets an error naming what was
+//! searched, never a panic.
 
 use std::collections::HashMap;
-use std::ffi::c_void;
+use std::ffi::{CString, c_char, c_int, c_void};
 use std::sync::{Arc, OnceLock};
 
 use cudarc::cublas::{CudaBlas, result as blas, sys as blas_sys};
 use cudarc::driver::{CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg};
-use cudarc::nvrtc::{CompileOptions, Ptx, compile_ptx_with_opts};
+use cudarc::nvrtc::{Ptx, result as nvrtc_result, sys as nvrtc_sys};
 use parking_lot::Mutex;
 
 use super::{CudaGpu, driver_error, driver_major};
 use bm_tensor::DType;
 
-use crate::compute::{GemmShape, LaunchShape, RawArg};
+use crate::compute::{GemmShape, KernelModuleInfo, LaunchShape, RawArg};
+use crate::kernel_cache::{self, CacheEnv, ImageKind, KernelCache, KernelImage, Origin};
 use crate::libs::{self, CudaLibrary, LoadedLibrary};
 use crate::{Device, Error, Result};
 
@@ -30,6 +39,7 @@ const SOURCE: &str = include_str!("kernels.cu");
 pub(crate) struct Kernels {
     module: Arc<CudaModule>,
     functions: Mutex<HashMap<String, CudaFunction>>,
+    info: KernelModuleInfo,
 }
 
 /// A loaded library (kernels or cuBLAS), or why it could not be loaded.
@@ -130,24 +140,164 @@ pub(crate) fn cublas() -> std::result::Result<Cublas, String> {
         .clone()
 }
 
-/// The kernels compiled to PTX, once per process.
-fn ptx() -> std::result::Result<&'static Ptx, String> {
-    static PTX: Lazy<Ptx> = OnceLock::new();
-    PTX.get_or_init(|| {
-        nvrtc()?;
-        no_panic("NVRTC", || {
-            let options = CompileOptions {
-                // No FMA contraction: results then match the CPU kernels'
-                // separate multiply and add.
-                fmad: Some(false),
-                name: Some("bm_kernels.cu".into()),
-                ..Default::default()
-            };
-            compile_ptx_with_opts(SOURCE, options).map_err(|e| e.to_string())
-        })
+/// Options every compile uses besides the target architecture.
+const OPTIONS: [&str; 1] = [
+    // No FMA contraction: results then match the CPU kernels' separate
+    // multiply and add.
+    "--fmad=false",
+];
+
+/// The architectures NVRTC can compile for, as `10 * major + minor`.
+fn supported_archs() -> std::result::Result<Vec<i32>, String> {
+    let mut n: c_int = 0;
+    // SAFETY: writes one int.
+    unsafe { nvrtc_sys::nvrtcGetNumSupportedArchs(&mut n) }
+        .result()
+        .map_err(|e| format!("nvrtcGetNumSupportedArchs: {e:?}"))?;
+    let mut archs = vec![0 as c_int; n.max(0) as usize];
+    // SAFETY: writes `n` ints into a buffer of `n`.
+    unsafe { nvrtc_sys::nvrtcGetSupportedArchs(archs.as_mut_ptr()) }
+        .result()
+        .map_err(|e| format!("nvrtcGetSupportedArchs: {e:?}"))?;
+    Ok(archs)
+}
+
+/// The target an image of `kind` is compiled for on a GPU of compute
+/// capability `arch`: `sm_XY` for CUBIN; for PTX, `compute_XY` of the
+/// newest architecture NVRTC supports that the GPU can run.
+fn target(kind: ImageKind, (major, minor): (i32, i32)) -> std::result::Result<String, String> {
+    let own = major * 10 + minor;
+    match kind {
+        ImageKind::Cubin => Ok(format!("sm_{own}")),
+        ImageKind::Ptx => {
+            let best = supported_archs()?
+                .into_iter()
+                .filter(|&a| a <= own)
+                .max()
+                .ok_or_else(|| format!("NVRTC supports no architecture up to sm_{own}"))?;
+            Ok(format!("compute_{best}"))
+        }
+    }
+}
+
+/// Compiles the kernels to an image of `kind` for `target` with NVRTC.
+fn compile(kind: ImageKind, target: &str) -> std::result::Result<KernelImage, String> {
+    let src = CString::new(SOURCE).map_err(|_| "the kernel source holds a NUL byte")?;
+    let mut options = vec![format!("--gpu-architecture={target}")];
+    options.extend(OPTIONS.iter().map(|o| o.to_string()));
+    no_panic("NVRTC", || {
+        let prog = nvrtc_result::create_program(&src, Some(c"bm_kernels.cu"))
+            .map_err(|e| format!("nvrtcCreateProgram: {e:?}"))?;
+        // SAFETY: `prog` is a fresh program, destroyed once below.
+        let compiled = unsafe { nvrtc_result::compile_program(prog, &options) };
+        let image = match compiled {
+            // SAFETY: the program compiled.
+            Ok(()) => unsafe { image_of(prog, kind) },
+            Err(e) => {
+                // SAFETY: as above.
+                let log = unsafe { nvrtc_result::get_program_log(prog) }
+                    .map(|l| c_text(&l))
+                    .unwrap_or_default();
+                Err(format!("compiling for {target}: {e:?}: {log}"))
+            }
+        };
+        // SAFETY: created above and not used after this.
+        let _ = unsafe { nvrtc_result::destroy_program(prog) };
+        image
     })
-    .as_ref()
-    .map_err(Clone::clone)
+}
+
+/// The compiled image of `prog`.
+///
+/// # Safety
+/// `prog` is a successfully compiled program.
+unsafe fn image_of(
+    prog: nvrtc_sys::nvrtcProgram,
+    kind: ImageKind,
+) -> std::result::Result<KernelImage, String> {
+    let bytes = match kind {
+        ImageKind::Cubin => {
+            let mut size = 0usize;
+            // SAFETY: writes one size; per this function's contract.
+            unsafe { nvrtc_sys::nvrtcGetCUBINSize(prog, &mut size) }
+                .result()
+                .map_err(|e| format!("nvrtcGetCUBINSize: {e:?}"))?;
+            let mut bytes = vec![0u8; size];
+            // SAFETY: writes `size` bytes into a buffer of `size`.
+            unsafe { nvrtc_sys::nvrtcGetCUBIN(prog, bytes.as_mut_ptr().cast::<c_char>()) }
+                .result()
+                .map_err(|e| format!("nvrtcGetCUBIN: {e:?}"))?;
+            bytes
+        }
+        // PTX comes NUL-terminated, which cuModuleLoadData needs.
+        ImageKind::Ptx => unsafe { nvrtc_result::get_ptx(prog) }
+            .map_err(|e| format!("nvrtcGetPTX: {e:?}"))?
+            .into_iter()
+            .map(|c| c as u8)
+            .collect(),
+    };
+    if bytes.is_empty() {
+        return Err(format!("NVRTC returned an empty {kind:?} image"));
+    }
+    Ok(KernelImage { kind, bytes })
+}
+
+fn c_text(chars: &[c_char]) -> String {
+    let bytes: Vec<u8> = chars
+        .iter()
+        .map(|&c| c as u8)
+        .take_while(|&b| b != 0)
+        .collect();
+    String::from_utf8_lossy(&bytes).trim().to_string()
+}
+
+/// One compiled image, with where it came from.
+struct Compiled {
+    image: KernelImage,
+    target: String,
+    origin: Origin,
+}
+
+/// The kernels as an image of `kind` for compute capability `arch`:
+/// compiled at most once per process, read from the disk cache when an
+/// earlier process compiled them.
+fn kernel_image(kind: ImageKind, arch: (i32, i32)) -> std::result::Result<Arc<Compiled>, String> {
+    type Entry = Arc<OnceLock<std::result::Result<Arc<Compiled>, String>>>;
+    type Images = Mutex<HashMap<(ImageKind, (i32, i32)), Entry>>;
+    static IMAGES: OnceLock<Images> = OnceLock::new();
+    let entry = Arc::clone(
+        IMAGES
+            .get_or_init(Default::default)
+            .lock()
+            .entry((kind, arch))
+            .or_default(),
+    );
+    entry
+        .get_or_init(|| {
+            let nvrtc = nvrtc()?;
+            let target = target(kind, arch)?;
+            let version = format!("{}.{}", nvrtc.version.0, nvrtc.version.1);
+            let key = kernel_cache::key(
+                kind,
+                &[
+                    SOURCE.as_bytes(),
+                    OPTIONS.join(" ").as_bytes(),
+                    version.as_bytes(),
+                    target.as_bytes(),
+                ],
+            );
+            let compile = || compile(kind, &target);
+            let (image, origin) = match CacheEnv::from_process().kernel_dir() {
+                Some(dir) => KernelCache::new(dir).get_or_compile(kind, &key, compile)?,
+                None => (compile()?, Origin::Compiled),
+            };
+            Ok(Arc::new(Compiled {
+                image,
+                target,
+                origin,
+            }))
+        })
+        .clone()
 }
 
 impl CudaGpu {
@@ -159,22 +309,60 @@ impl CudaGpu {
         }
     }
 
-    /// This GPU's kernel module, loaded on first use.
+    /// This GPU's kernel module, loaded on first use: CUBIN for its
+    /// architecture, PTX when that cannot be had or loaded.
     fn kernels(&self) -> Result<&Kernels> {
         self.kernels
             .get_or_init(|| {
-                let ptx = ptx()?.clone();
-                let module = self
+                let arch = self
                     .ctx
-                    .load_module(ptx)
-                    .map_err(|e| driver_error("cuModuleLoadData", None, e).to_string())?;
-                Ok(Kernels {
-                    module,
-                    functions: Mutex::new(HashMap::new()),
+                    .compute_capability()
+                    .map_err(|e| driver_error("cuDeviceGetAttribute", None, e).to_string())?;
+                let load = |kind| -> std::result::Result<Kernels, String> {
+                    let compiled = kernel_image(kind, arch)?;
+                    let module = self
+                        .ctx
+                        .load_module(Ptx::from_binary(compiled.image.bytes.clone()))
+                        .map_err(|e| {
+                            format!(
+                                "loading the {} module: {}",
+                                compiled.target,
+                                driver_error("cuModuleLoadData", None, e)
+                            )
+                        })?;
+                    Ok(Kernels {
+                        module,
+                        functions: Mutex::new(HashMap::new()),
+                        info: KernelModuleInfo {
+                            target: compiled.target.clone(),
+                            from_cache: compiled.origin == Origin::Cache,
+                        },
+                    })
+                };
+                load(ImageKind::Cubin).or_else(|cubin| {
+                    load(ImageKind::Ptx).map_err(|ptx| {
+                        let versions = match (nvrtc(), super::DRIVER_VERSION.get()) {
+                            (Ok(n), Some(d)) => format!(
+                                " (NVRTC {}.{}, driver CUDA {}.{}: PTX newer than the driver \
+                                 does not load)",
+                                n.version.0,
+                                n.version.1,
+                                d / 1000,
+                                d % 1000 / 10
+                            ),
+                            _ => String::new(),
+                        };
+                        format!("CUBIN: {cubin}; PTX fallback: {ptx}{versions}")
+                    })
                 })
             })
             .as_ref()
             .map_err(|m| self.compute_error("loading the compute kernels", m.clone()))
+    }
+
+    /// What this GPU's kernel module was made from, once loaded.
+    pub(crate) fn kernel_info(&self) -> Option<KernelModuleInfo> {
+        self.kernels.get()?.as_ref().ok().map(|k| k.info.clone())
     }
 
     /// Enqueues kernel `name` on `stream`.
