@@ -21,8 +21,12 @@ use bigmodel::device::{DeviceBuffer, DeviceSet, GpuKind};
 use bigmodel::dispatch::{Activations, Bytes, Forward, Model, Placement, Weight};
 use bigmodel::tensor::{DType, HostBuffer};
 
+use crate::config::read_config;
 use crate::weights::{FolderWeights, WeightSource};
-use crate::{CausalLm, DecoderConfig, EncoderConfig, Error, SentenceEmbedder, Tensor, config, ops};
+use crate::{
+    CausalLm, DecoderConfig, EncoderConfig, Error, SUPPORTED_DECODERS, SUPPORTED_ENCODERS,
+    SentenceEmbedder, Tensor, ops,
+};
 use bm_compute::{HostBytes, is_compute_dtype};
 
 /// A block entered by one thread and not yet exited.
@@ -325,11 +329,12 @@ pub fn open_causal_lm(
     options: &bigmodel::Options,
 ) -> Result<Dispatched<CausalLm>, Error> {
     let dir = dir.as_ref();
-    let config = DecoderConfig::from_dir(dir)?;
+    let hf = read_config(dir, SUPPORTED_DECODERS)?;
+    let config = DecoderConfig::from_config(&hf)?;
     let probe = FolderWeights::open(dir, None)?;
     let dtype = pick_dtype(&probe, &config.embedding_weight(), options.dtype);
-    let hf = bigmodel::plan::hf::tree_from_config(&config::read_json(&dir.join("config.json"))?)?;
-    let weights = dispatch(dir, hf.tree, hf.no_split, devices, options, dtype)?;
+    let planned = bigmodel::plan::hf::tree_from_config(&hf)?;
+    let weights = dispatch(dir, planned.tree, planned.no_split, devices, options, dtype)?;
     let model = CausalLm::with_weights(dir, config, dtype, Box::new(weights.clone()))?;
     Ok(Dispatched { model, weights })
 }
@@ -343,7 +348,8 @@ pub fn open_sentence_embedder(
     options: &bigmodel::Options,
 ) -> Result<Dispatched<SentenceEmbedder>, Error> {
     let dir = dir.as_ref();
-    let config = EncoderConfig::from_dir(dir)?;
+    let hf = read_config(dir, SUPPORTED_ENCODERS)?;
+    let config = EncoderConfig::from_config(&hf)?;
     let probe = FolderWeights::open(dir, None)?;
     let prefix = if probe.contains("bert.embeddings.word_embeddings.weight") {
         "bert."
@@ -356,9 +362,8 @@ pub fn open_sentence_embedder(
         options.dtype,
     );
     let (tree, no_split) = if prefix.is_empty() {
-        let hf =
-            bigmodel::plan::hf::tree_from_config(&config::read_json(&dir.join("config.json"))?)?;
-        (hf.tree, hf.no_split)
+        let planned = bigmodel::plan::hf::tree_from_config(&hf)?;
+        (planned.tree, planned.no_split)
     } else {
         let tree = bigmodel::tree_from_checkpoint(dir)?;
         (tree, Vec::new())

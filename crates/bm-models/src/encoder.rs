@@ -4,7 +4,9 @@ use std::path::{Path, PathBuf};
 
 use bm_tensor::DType;
 
-use crate::config::ConfigFile;
+use bigmodel::plan::config::{Family, HfConfig, MAX_POSITIONS};
+
+use crate::config::{found, read_config, read_keys};
 use crate::decoder::{fetch, in_block};
 use crate::ops::{self, Heads, LayerCache, Mask};
 use crate::text::TextTokenizer;
@@ -39,51 +41,47 @@ pub struct EncoderConfig {
 impl EncoderConfig {
     /// Reads `dir/config.json`.
     pub fn from_dir(dir: impl AsRef<Path>) -> Result<EncoderConfig, Error> {
-        let c = ConfigFile::open(dir.as_ref())?;
-        let model_type = c.opt_str("model_type").unwrap_or_default();
-        if model_type != "bert" {
-            let archs = c
-                .get("architectures")
-                .map(|a| a.to_string())
-                .unwrap_or_default();
+        EncoderConfig::from_config(&read_config(dir.as_ref(), SUPPORTED_ENCODERS)?)
+    }
+
+    /// The encoder a config (read by bm-plan's config reader) describes.
+    pub fn from_config(c: &HfConfig) -> Result<EncoderConfig, Error> {
+        if c.family != Family::Bert {
             return Err(Error::UnsupportedArchitecture {
-                found: format!("{model_type} {archs}").trim().to_string(),
+                found: found(c.family.model_type(), &c.architectures()?),
                 supported: SUPPORTED_ENCODERS,
             });
         }
-        if let Some(act) = c.opt_str("hidden_act") {
-            if act != "gelu" {
-                return Err(c.error(
-                    "hidden_act",
-                    format!("{act:?} is not supported (only gelu)"),
-                ));
-            }
+        let (activation, key) = &c.activation;
+        if activation != "gelu" {
+            return Err(c
+                .error(key, format!("{activation:?} is not supported (only gelu)"))
+                .into());
         }
-        if let Some(kind) = c.opt_str("position_embedding_type") {
+        if let Some(kind) = c.keys.opt_str("position_embedding_type")? {
             if kind != "absolute" {
-                return Err(c.error(
-                    "position_embedding_type",
-                    format!("{kind:?} is not supported"),
-                ));
+                return Err(c
+                    .error(
+                        "position_embedding_type",
+                        format!("{kind:?} is not supported"),
+                    )
+                    .into());
             }
         }
-        let hidden_size = c.usize("hidden_size")?;
-        let num_heads = c.usize("num_attention_heads")?;
-        if hidden_size % num_heads != 0 {
-            return Err(c.error(
-                "num_attention_heads",
-                format!("{num_heads} does not divide hidden_size {hidden_size}"),
-            ));
-        }
+        let missing = |key: &str| c.error(key, "missing");
         Ok(EncoderConfig {
-            vocab_size: c.usize("vocab_size")?,
-            hidden_size,
-            intermediate_size: c.usize("intermediate_size")?,
-            num_layers: c.usize("num_hidden_layers")?,
-            num_heads,
-            max_position_embeddings: c.usize("max_position_embeddings")?,
-            type_vocab_size: c.opt_usize("type_vocab_size")?.unwrap_or(2),
-            layer_norm_eps: c.opt_f64("layer_norm_eps")?.unwrap_or(1e-12) as f32,
+            vocab_size: c.vocab_size,
+            hidden_size: c.hidden_size,
+            intermediate_size: c.intermediate_size,
+            num_layers: c.num_layers,
+            num_heads: c.heads,
+            max_position_embeddings: c
+                .max_positions
+                .ok_or_else(|| missing("max_position_embeddings"))?,
+            type_vocab_size: c
+                .type_vocab_size
+                .ok_or_else(|| missing("type_vocab_size"))?,
+            layer_norm_eps: c.keys.opt_f64("layer_norm_eps")?.unwrap_or(1e-12) as f32,
         })
     }
 }
@@ -307,8 +305,7 @@ fn max_seq_length(dir: &Path) -> Result<Option<usize>, Error> {
     if !path.is_file() {
         return Ok(None);
     }
-    let c = ConfigFile::from_value(path.clone(), crate::config::read_json(&path)?);
-    c.opt_usize("max_seq_length")
+    Ok(read_keys(&path)?.opt_count("max_seq_length", MAX_POSITIONS)?)
 }
 
 /// Refuses a sentence-transformers folder whose pooling is not mean pooling.
@@ -317,10 +314,12 @@ fn check_mean_pooling(dir: &Path) -> Result<(), Error> {
     if !path.is_file() {
         return Ok(());
     }
-    let c = ConfigFile::from_value(path.clone(), crate::config::read_json(&path)?);
-    if c.bool_or("pooling_mode_mean_tokens", false)? {
+    let keys = read_keys(&path)?;
+    if keys.bool_or("pooling_mode_mean_tokens", false)? {
         Ok(())
     } else {
-        Err(c.error("pooling_mode_mean_tokens", "only mean pooling is supported"))
+        Err(keys
+            .error("pooling_mode_mean_tokens", "only mean pooling is supported")
+            .into())
     }
 }

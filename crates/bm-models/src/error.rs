@@ -1,3 +1,5 @@
+//! The one error type of `bm-models`.
+
 use std::fmt;
 use std::path::PathBuf;
 
@@ -14,18 +16,12 @@ pub enum Error {
         /// The underlying error.
         source: std::io::Error,
     },
-    /// A JSON file (config.json, an index, tokenizer settings) that does not parse.
-    Json {
-        /// The file.
-        path: PathBuf,
-        /// What the parser said.
-        message: String,
-    },
-    /// A config key that is missing or has a value this crate cannot use.
+    /// A config file that does not parse, or a key of it that is missing
+    /// or has a value this crate cannot use.
     Config {
         /// The config file.
         path: PathBuf,
-        /// The key.
+        /// The key (dotted for a nested object); empty for the whole file.
         key: String,
         /// What is wrong with it.
         message: String,
@@ -118,8 +114,8 @@ impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Error::Io { path, source } => write!(f, "{}: {source}", path.display()),
-            Error::Json { path, message } => {
-                write!(f, "{}: invalid JSON: {message}", path.display())
+            Error::Config { path, key, message } if key.is_empty() => {
+                write!(f, "{}: {message}", path.display())
             }
             Error::Config { path, key, message } => {
                 write!(f, "{}: key {key:?}: {message}", path.display())
@@ -213,7 +209,16 @@ impl From<bm_shard::Error> for Error {
 
 impl From<bigmodel::plan::Error> for Error {
     fn from(e: bigmodel::plan::Error) -> Self {
-        Error::Plan(e)
+        match e {
+            // The config reader is shared with the planner; its errors are
+            // this crate's config errors.
+            bigmodel::plan::Error::Config { file, key, message } => Error::Config {
+                path: file,
+                key,
+                message,
+            },
+            other => Error::Plan(other),
+        }
     }
 }
 
@@ -233,7 +238,7 @@ impl From<bigmodel::Error> for Error {
     fn from(e: bigmodel::Error) -> Self {
         match e {
             bigmodel::Error::Shard(e) => Error::Shard(e),
-            bigmodel::Error::Plan(e) => Error::Plan(e),
+            bigmodel::Error::Plan(e) => e.into(),
             bigmodel::Error::Dispatch(e) => Error::Dispatch(e),
             bigmodel::Error::Memory(e) => Error::Device(e),
             other => Error::Facade(other),

@@ -5,8 +5,10 @@
 
 use std::path::{Path, PathBuf};
 
+use bigmodel::plan::config::{ConfigKeys, Family, HfConfig, MAX_LAYERS, MAX_POSITIONS};
+
 use crate::Error;
-use crate::config::ConfigFile;
+use crate::config::{found, read_config, unsupported};
 use crate::ops::{Heads, Scores};
 
 /// The decoder architectures this crate runs.
@@ -36,16 +38,17 @@ pub enum DecoderArch {
 }
 
 impl DecoderArch {
-    fn from_model_type(model_type: &str) -> Option<DecoderArch> {
-        Some(match model_type {
-            "llama" => DecoderArch::Llama,
-            "mistral" => DecoderArch::Mistral,
-            "qwen2" => DecoderArch::Qwen2,
-            "qwen3" => DecoderArch::Qwen3,
-            "gemma2" => DecoderArch::Gemma2,
-            "phi3" => DecoderArch::Phi3,
-            "gpt2" => DecoderArch::Gpt2,
-            _ => return None,
+    /// The decoder of a config's family; `None` for an encoder.
+    fn of(family: Family) -> Option<DecoderArch> {
+        Some(match family {
+            Family::Llama => DecoderArch::Llama,
+            Family::Mistral => DecoderArch::Mistral,
+            Family::Qwen2 => DecoderArch::Qwen2,
+            Family::Qwen3 => DecoderArch::Qwen3,
+            Family::Gemma2 => DecoderArch::Gemma2,
+            Family::Phi3 => DecoderArch::Phi3,
+            Family::Gpt2 => DecoderArch::Gpt2,
+            Family::Bert => return None,
         })
     }
 
@@ -141,8 +144,9 @@ pub enum Activation {
 }
 
 impl Activation {
-    fn parse(c: &ConfigFile, key: &str, default: &str) -> Result<Activation, Error> {
-        match c.opt_str(key).unwrap_or(default) {
+    fn of(c: &HfConfig) -> Result<Activation, Error> {
+        let (name, key) = &c.activation;
+        match name.as_str() {
             "silu" | "swish" => Ok(Activation::Silu),
             "gelu" => Ok(Activation::Gelu),
             "gelu_new" | "gelu_pytorch_tanh" => Ok(Activation::GeluTanh),
@@ -151,7 +155,8 @@ impl Activation {
                 format!(
                     "activation {other:?} is not supported (silu, swish, gelu, gelu_new, gelu_pytorch_tanh)"
                 ),
-            )),
+            )
+            .into()),
         }
     }
 }
@@ -272,7 +277,7 @@ pub struct DecoderConfig {
 impl DecoderConfig {
     /// Reads `dir/config.json`.
     pub fn from_dir(dir: impl AsRef<Path>) -> Result<DecoderConfig, Error> {
-        DecoderConfig::parse(&ConfigFile::open(dir.as_ref())?)
+        DecoderConfig::from_config(&read_config(dir.as_ref(), SUPPORTED_DECODERS)?)
     }
 
     /// Parses config JSON already in memory; `path` names it in errors.
@@ -280,7 +285,36 @@ impl DecoderConfig {
         path: impl Into<PathBuf>,
         json: serde_json::Value,
     ) -> Result<DecoderConfig, Error> {
-        DecoderConfig::parse(&ConfigFile::from_value(path.into(), json))
+        let config =
+            HfConfig::from_value(json, path).map_err(|e| unsupported(e, SUPPORTED_DECODERS))?;
+        DecoderConfig::from_config(&config)
+    }
+
+    /// The decoder a config (read by bm-plan's config reader) describes.
+    pub fn from_config(c: &HfConfig) -> Result<DecoderConfig, Error> {
+        let Some(arch) = DecoderArch::of(c.family) else {
+            return Err(Error::UnsupportedArchitecture {
+                found: found(c.family.model_type(), &c.architectures()?),
+                supported: SUPPORTED_DECODERS,
+            });
+        };
+        let config = match arch {
+            DecoderArch::Gpt2 => gpt2(c)?,
+            _ => rotary_decoder(c, arch)?,
+        };
+        if config.windows.len() != config.num_layers {
+            return Err(c
+                .error(
+                    "layer_types",
+                    format!(
+                        "{} entries for {} layers",
+                        config.windows.len(),
+                        config.num_layers
+                    ),
+                )
+                .into());
+        }
+        Ok(config)
     }
 
     /// The module names of this config's family.
@@ -293,263 +327,171 @@ impl DecoderConfig {
     pub fn embedding_weight(&self) -> String {
         format!("{}.weight", self.names().embed)
     }
-
-    fn parse(c: &ConfigFile) -> Result<DecoderConfig, Error> {
-        let model_type = c.opt_str("model_type").unwrap_or_default();
-        let Some(arch) = DecoderArch::from_model_type(model_type) else {
-            let archs = c
-                .get("architectures")
-                .map(|a| a.to_string())
-                .unwrap_or_default();
-            return Err(Error::UnsupportedArchitecture {
-                found: format!("{model_type} {archs}").trim().to_string(),
-                supported: SUPPORTED_DECODERS,
-            });
-        };
-        let config = match arch {
-            DecoderArch::Gpt2 => gpt2(c)?,
-            _ => rotary_decoder(c, arch)?,
-        };
-        if config.windows.len() != config.num_layers {
-            return Err(c.error(
-                "layer_types",
-                format!(
-                    "{} entries for {} layers",
-                    config.windows.len(),
-                    config.num_layers
-                ),
-            ));
-        }
-        Ok(config)
-    }
 }
 
 /// The rotary families (Llama and its descendants).
-fn rotary_decoder(c: &ConfigFile, arch: DecoderArch) -> Result<DecoderConfig, Error> {
+fn rotary_decoder(c: &HfConfig, arch: DecoderArch) -> Result<DecoderConfig, Error> {
     use DecoderArch::*;
-    let hidden_size = c.usize("hidden_size")?;
-    let num_layers = c.usize("num_hidden_layers")?;
-    let heads = heads(c, hidden_size)?;
-    let attention_bias = c.bool_or("attention_bias", false)?;
-    let eps = c.opt_f64("rms_norm_eps")?.unwrap_or(1e-6) as f32;
+    let k = &c.keys;
+    let heads = heads(c);
+    let eps = k.opt_f64("rms_norm_eps")?.unwrap_or(1e-6) as f32;
     let gemma = arch == Gemma2;
-    let activation = if gemma {
-        // Gemma 2 names it hidden_activation; older configs hidden_act.
-        let key = if c.get("hidden_activation").is_some() {
-            "hidden_activation"
-        } else {
-            "hidden_act"
-        };
-        Activation::parse(c, key, "gelu_pytorch_tanh")?
-    } else {
-        Activation::parse(c, "hidden_act", "silu")?
-    };
-    if gemma && c.bool_or("use_bidirectional_attention", false)? {
-        return Err(c.error(
-            "use_bidirectional_attention",
-            "bidirectional Gemma 2 (an encoder) is not supported",
-        ));
+    if gemma && k.bool_or("use_bidirectional_attention", false)? {
+        return Err(k
+            .error(
+                "use_bidirectional_attention",
+                "bidirectional Gemma 2 (an encoder) is not supported",
+            )
+            .into());
     }
     let scores = match arch {
         Gemma2 => Scores {
-            softcap: c
+            softcap: k
                 .nullable_f64("attn_logit_softcapping", Some(50.0))?
                 .map(|v| v as f32),
-            ..Scores::scaled_by(c.opt_f64("query_pre_attn_scalar")?.unwrap_or(256.0) as f32)
+            ..Scores::scaled_by(k.opt_f64("query_pre_attn_scalar")?.unwrap_or(256.0) as f32)
         },
         _ => Scores::standard(heads.head_dim),
     };
     Ok(DecoderConfig {
         arch,
-        vocab_size: c.usize("vocab_size")?,
-        hidden_size,
-        intermediate_size: c.usize("intermediate_size")?,
-        num_layers,
+        vocab_size: c.vocab_size,
+        hidden_size: c.hidden_size,
+        intermediate_size: c.intermediate_size,
+        num_layers: c.num_layers,
         heads,
         norm: if gemma {
             Norm::RmsPlusOne { eps }
         } else {
             Norm::Rms { eps }
         },
-        positions: Positions::Rotary(rope(c, arch, heads.head_dim)?),
+        positions: Positions::Rotary(rope(c, arch)?),
         projections: match arch {
-            Mistral => Projections::Separate {
-                qkv_bias: false,
-                o_bias: false,
-            },
-            Qwen2 => Projections::Separate {
-                qkv_bias: true,
-                o_bias: false,
-            },
             Phi3 => Projections::FusedQkv,
             _ => Projections::Separate {
-                qkv_bias: attention_bias,
-                o_bias: attention_bias,
+                qkv_bias: c.qkv_bias,
+                o_bias: c.o_bias,
             },
         },
         qk_norm: arch == Qwen3,
         scores,
-        windows: windows(c, arch, num_layers)?,
+        windows: windows(k, arch, c.num_layers)?,
         mlp: match arch {
             Phi3 => Mlp::FusedGated,
-            Llama => Mlp::Gated {
-                bias: c.bool_or("mlp_bias", false)?,
-            },
-            _ => Mlp::Gated { bias: false },
+            _ => Mlp::Gated { bias: c.mlp_bias },
         },
-        activation,
-        embed_scale: gemma.then(|| (hidden_size as f64).sqrt() as f32),
+        activation: Activation::of(c)?,
+        embed_scale: gemma.then(|| (c.hidden_size as f64).sqrt() as f32),
         final_softcap: if gemma {
-            c.nullable_f64("final_logit_softcapping", Some(30.0))?
+            k.nullable_f64("final_logit_softcapping", Some(30.0))?
                 .map(|v| v as f32)
         } else {
             None
         },
-        // transformers' defaults: Gemma 2 ties, the others do not.
-        tie_word_embeddings: c.bool_or("tie_word_embeddings", gemma)?,
-        eos_token_ids: c.token_ids("eos_token_id")?,
+        tie_word_embeddings: c.tie_word_embeddings,
+        eos_token_ids: k.token_ids("eos_token_id")?,
     })
 }
 
 /// `GPT2LMHeadModel`.
-fn gpt2(c: &ConfigFile) -> Result<DecoderConfig, Error> {
-    let hidden_size = c.usize("n_embd")?;
-    let num_heads = c.usize("n_head")?;
-    if hidden_size % num_heads != 0 {
-        return Err(c.error(
-            "n_embd",
-            format!("{hidden_size} is not a multiple of n_head {num_heads}"),
-        ));
-    }
+fn gpt2(c: &HfConfig) -> Result<DecoderConfig, Error> {
+    let k = &c.keys;
     // Variants of the attention this crate does not run.
     for (key, supported) in [
         ("scale_attn_weights", true),
         ("scale_attn_by_inverse_layer_idx", false),
         ("add_cross_attention", false),
     ] {
-        if c.bool_or(key, supported)? != supported {
-            return Err(c.error(
-                key,
-                format!("{} is not supported (only {supported})", !supported),
-            ));
+        if k.bool_or(key, supported)? != supported {
+            return Err(k
+                .error(
+                    key,
+                    format!("{} is not supported (only {supported})", !supported),
+                )
+                .into());
         }
     }
-    let num_layers = c.usize("n_layer")?;
-    let head_dim = hidden_size / num_heads;
+    let max_positions = c
+        .max_positions
+        .ok_or_else(|| c.error("n_positions", "missing"))?;
     Ok(DecoderConfig {
         arch: DecoderArch::Gpt2,
-        vocab_size: c.usize("vocab_size")?,
-        hidden_size,
-        intermediate_size: c.opt_usize("n_inner")?.unwrap_or(4 * hidden_size),
-        num_layers,
-        heads: Heads {
-            heads: num_heads,
-            kv_heads: num_heads,
-            head_dim,
-        },
+        vocab_size: c.vocab_size,
+        hidden_size: c.hidden_size,
+        intermediate_size: c.intermediate_size,
+        num_layers: c.num_layers,
+        heads: heads(c),
         norm: Norm::Layer {
-            eps: c.opt_f64("layer_norm_epsilon")?.unwrap_or(1e-5) as f32,
+            eps: k.opt_f64("layer_norm_epsilon")?.unwrap_or(1e-5) as f32,
         },
-        positions: Positions::Learned {
-            max_positions: c.usize("n_positions")?,
-        },
+        positions: Positions::Learned { max_positions },
         projections: Projections::Conv1D,
         qk_norm: false,
-        scores: Scores::standard(head_dim),
-        windows: vec![None; num_layers],
+        scores: Scores::standard(c.head_dim),
+        windows: vec![None; c.num_layers],
         mlp: Mlp::Conv1D,
-        activation: Activation::parse(c, "activation_function", "gelu_new")?,
+        activation: Activation::of(c)?,
         embed_scale: None,
         final_softcap: None,
-        tie_word_embeddings: c.bool_or("tie_word_embeddings", true)?,
-        eos_token_ids: c.token_ids("eos_token_id")?,
+        tie_word_embeddings: c.tie_word_embeddings,
+        eos_token_ids: k.token_ids("eos_token_id")?,
     })
 }
 
-/// Heads from `num_attention_heads`, `num_key_value_heads` and `head_dim`
-/// (default `hidden_size / num_attention_heads`).
-fn heads(c: &ConfigFile, hidden_size: usize) -> Result<Heads, Error> {
-    let heads = c.usize("num_attention_heads")?;
-    let kv_heads = c.opt_usize("num_key_value_heads")?.unwrap_or(heads);
-    if heads % kv_heads != 0 {
-        return Err(c.error(
-            "num_key_value_heads",
-            format!("{kv_heads} does not divide num_attention_heads {heads}"),
-        ));
+/// The attention geometry the config reader checked.
+fn heads(c: &HfConfig) -> Heads {
+    Heads {
+        heads: c.heads,
+        kv_heads: c.kv_heads,
+        head_dim: c.head_dim,
     }
-    let head_dim = match c.opt_usize("head_dim")? {
-        Some(d) => d,
-        None if hidden_size % heads == 0 => hidden_size / heads,
-        None => return Err(c.error("hidden_size", "not a multiple of num_attention_heads")),
-    };
-    if head_dim % 2 != 0 {
-        return Err(c.error("head_dim", format!("{head_dim} is odd; rotary needs pairs")));
-    }
-    Ok(Heads {
-        heads,
-        kv_heads,
-        head_dim,
-    })
 }
 
 /// Rotary settings: transformers 5 keeps them in `rope_parameters`, older
 /// configs in `rope_theta` / `rope_scaling`. Unscaled rope for every
 /// family; Phi-3 also runs LongRoPE (`longrope`, and the legacy `su` and
-/// `yarn` names transformers maps to it) and partial rotary.
-fn rope(c: &ConfigFile, arch: DecoderArch, head_dim: usize) -> Result<RopeConfig, Error> {
-    let (field, params) = match c.nested("rope_parameters")? {
+/// `yarn` names transformers maps to it) and partial rotary (the rotated
+/// dimensions are the config reader's `rotary_dim`).
+fn rope(c: &HfConfig, arch: DecoderArch) -> Result<RopeConfig, Error> {
+    let k = &c.keys;
+    let (field, params) = match k.nested("rope_parameters")? {
         Some(p) => ("rope_parameters", Some(p)),
-        None => ("rope_scaling", c.nested("rope_scaling")?),
+        None => ("rope_scaling", k.nested("rope_scaling")?),
     };
-    let get_f64 = |key: &str| -> Result<Option<f64>, Error> {
-        match &params {
-            Some(p) => p.opt_f64(key),
-            None => Ok(None),
-        }
+    let rope_type = match &params {
+        Some(p) => match p.opt_str("rope_type")? {
+            Some(t) => Some(t),
+            None => p.opt_str("type")?,
+        },
+        None => None,
+    }
+    .unwrap_or("default");
+    let theta = match &params {
+        Some(p) => p.opt_f64("rope_theta")?,
+        None => None,
     };
-    let rope_type = params
-        .as_ref()
-        .and_then(|p| p.opt_str("rope_type").or_else(|| p.opt_str("type")))
-        .unwrap_or("default");
-    let theta = get_f64("rope_theta")?
-        .or(c.opt_f64("rope_theta")?)
-        .unwrap_or(10000.0) as f32;
+    let theta = theta.or(k.opt_f64("rope_theta")?).unwrap_or(10000.0) as f32;
     let phi3 = arch == DecoderArch::Phi3;
-    // Only Phi-3's rotary reads the partial factor (transformers' Llama,
-    // Qwen and Gemma rotate the whole head whatever it says).
-    let rotary_dim = if phi3 {
-        let factor = get_f64("partial_rotary_factor")?
-            .or(c.opt_f64("partial_rotary_factor")?)
-            .unwrap_or(1.0);
-        let dim = (head_dim as f64 * factor) as usize;
-        if dim == 0 || dim > head_dim || dim % 2 != 0 {
-            return Err(c.error(
-                "partial_rotary_factor",
-                format!("{factor} of head_dim {head_dim} is not an even number of dimensions"),
-            ));
+    let rotary_dim = c.rotary_dim.unwrap_or(c.head_dim);
+    let long_rope = match (rope_type, &params) {
+        ("default", _) => None,
+        ("longrope" | "su" | "yarn", Some(params)) if phi3 => {
+            Some(long_rope(k, params, rotary_dim)?)
         }
-        dim
-    } else {
-        head_dim
-    };
-    let long_rope = match rope_type {
-        "default" => None,
-        "longrope" | "su" | "yarn" if phi3 => {
-            let params = params.as_ref().expect("a rope type comes from the params");
-            Some(long_rope(c, params, rotary_dim)?)
-        }
-        other => {
+        (other, _) => {
             let supported = if phi3 {
                 "default, longrope (su, yarn)"
             } else {
                 "default"
             };
-            return Err(c.error(
-                &format!("{field}.rope_type"),
-                format!(
-                    "rope type {other:?} is not supported for {arch:?} (supported: {supported})"
-                ),
-            ));
+            return Err(k
+                .error(
+                    &format!("{field}.rope_type"),
+                    format!(
+                        "rope type {other:?} is not supported for {arch:?} (supported: {supported})"
+                    ),
+                )
+                .into());
         }
     };
     Ok(RopeConfig {
@@ -562,33 +504,36 @@ fn rope(c: &ConfigFile, arch: DecoderArch, head_dim: usize) -> Result<RopeConfig
 /// Phi-3's LongRoPE parameters, with transformers' defaults: the original
 /// context from the config's top level first, the factor from the context
 /// ratio, the attention factor `√(1 + ln factor / ln original)`.
-fn long_rope(c: &ConfigFile, params: &ConfigFile, rotary_dim: usize) -> Result<LongRope, Error> {
+fn long_rope(k: &ConfigKeys, params: &ConfigKeys, rotary_dim: usize) -> Result<LongRope, Error> {
     let factors = |key: &str| -> Result<Vec<f32>, Error> {
         let values = params
             .opt_f64s(key)?
             .ok_or_else(|| params.error(key, "missing (LongRoPE needs it)"))?;
         if values.len() != rotary_dim / 2 {
-            return Err(params.error(
-                key,
-                format!(
-                    "{} factors for {} rotary frequencies",
-                    values.len(),
-                    rotary_dim / 2
-                ),
-            ));
+            return Err(params
+                .error(
+                    key,
+                    format!(
+                        "{} factors for {} rotary frequencies",
+                        values.len(),
+                        rotary_dim / 2
+                    ),
+                )
+                .into());
         }
         Ok(values.into_iter().map(|v| v as f32).collect())
     };
-    let original = match c.opt_usize("original_max_position_embeddings")? {
+    let original_key = "original_max_position_embeddings";
+    let original = match k.opt_count(original_key, MAX_POSITIONS)? {
         Some(n) => n,
-        None => match params.opt_usize("original_max_position_embeddings")? {
+        None => match params.opt_count(original_key, MAX_POSITIONS)? {
             Some(n) => n,
-            None => c.usize("max_position_embeddings")?,
+            None => k.count("max_position_embeddings", MAX_POSITIONS)?,
         },
     };
     let factor = match params.opt_f64("factor")? {
         Some(f) => f,
-        None => c.usize("max_position_embeddings")? as f64 / original as f64,
+        None => k.count("max_position_embeddings", MAX_POSITIONS)? as f64 / original as f64,
     };
     let attention_factor = match params.opt_f64("attention_factor")? {
         Some(a) => a,
@@ -611,25 +556,25 @@ fn long_rope(c: &ConfigFile, params: &ConfigFile, rotary_dim: usize) -> Result<L
 /// * Gemma 2: `sliding_window` on the `sliding_attention` layers (by
 ///   default every other one, starting with the first);
 /// * Llama: none.
-fn windows(c: &ConfigFile, arch: DecoderArch, layers: usize) -> Result<Vec<Option<usize>>, Error> {
+fn windows(k: &ConfigKeys, arch: DecoderArch, layers: usize) -> Result<Vec<Option<usize>>, Error> {
     use DecoderArch::*;
     // transformers' defaults when the key is absent (null means no window).
-    let window = |default| c.nullable_usize("sliding_window", default);
+    let window = |default| k.nullable_count("sliding_window", default, MAX_POSITIONS);
     match arch {
         Mistral => Ok(vec![window(Some(4096))?; layers]),
         Phi3 => Ok(vec![window(None)?; layers]),
         Qwen2 | Qwen3 => {
-            let window = if c.bool_or("use_sliding_window", false)? {
+            let window = if k.bool_or("use_sliding_window", false)? {
                 window(Some(4096))?
             } else {
                 None
             };
-            let first_sliding = c.opt_usize("max_window_layers")?.unwrap_or(28);
-            layer_windows(c, window, layers, |i| {
+            let first_sliding = k.opt_count("max_window_layers", MAX_LAYERS)?.unwrap_or(28);
+            layer_windows(k, window, layers, |i| {
                 window.is_some() && i >= first_sliding
             })
         }
-        Gemma2 => layer_windows(c, window(Some(4096))?, layers, |i| i % 2 == 0),
+        Gemma2 => layer_windows(k, window(Some(4096))?, layers, |i| i % 2 == 0),
         Llama | Gpt2 => Ok(vec![None; layers]),
     }
 }
@@ -637,12 +582,12 @@ fn windows(c: &ConfigFile, arch: DecoderArch, layers: usize) -> Result<Vec<Optio
 /// Windows from `layer_types`, or from `default_sliding(layer)` when the
 /// config has none.
 fn layer_windows(
-    c: &ConfigFile,
+    k: &ConfigKeys,
     window: Option<usize>,
     layers: usize,
     default_sliding: impl Fn(usize) -> bool,
 ) -> Result<Vec<Option<usize>>, Error> {
-    let Some(types) = c.opt_strings("layer_types")? else {
+    let Some(types) = k.opt_strings("layer_types")? else {
         return Ok((0..layers)
             .map(|i| window.filter(|_| default_sliding(i)))
             .collect());
@@ -653,20 +598,23 @@ fn layer_windows(
         .map(|(i, t)| match *t {
             "full_attention" => Ok(None),
             "sliding_attention" => window.map(Some).ok_or_else(|| {
-                c.error(
+                k.error(
                     "layer_types",
                     format!(
                         "layer {i} is sliding_attention but no sliding_window is in effect \
                          (sliding_window null, or use_sliding_window false)"
                     ),
                 )
+                .into()
             }),
-            other => Err(c.error(
-                "layer_types",
-                format!(
-                    "layer {i} has attention type {other:?} (supported: full_attention, sliding_attention)"
-                ),
-            )),
+            other => Err(k
+                .error(
+                    "layer_types",
+                    format!(
+                        "layer {i} has attention type {other:?} (supported: full_attention, sliding_attention)"
+                    ),
+                )
+                .into()),
         })
         .collect()
 }

@@ -33,9 +33,11 @@
 //!   Accelerate's `load_checkpoint_and_dispatch` does.
 //!
 //! The decoder families (`llama`, `mistral`, `qwen2`, `qwen3`, `gemma2`,
-//! `phi3`, `gpt2`) differ only in a [`DecoderConfig`]: `family.rs` reads
-//! each family's config.json the way transformers does and names its
-//! modules; one set of blocks runs them all.
+//! `phi3`, `gpt2`) differ only in a [`DecoderConfig`]: `family.rs` turns
+//! each family's config.json (read by the planner's reader,
+//! `bigmodel::plan::config`, so both agree on every key) into what the
+//! blocks compute, the way transformers does, and names its modules; one
+//! set of blocks runs them all.
 //!
 //! Known limits: batch size 1 (embeddings run text by text, so no padding
 //! is needed); rotary scaling other than Phi-3's LongRoPE is refused with

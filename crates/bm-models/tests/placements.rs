@@ -136,8 +136,10 @@ fn tiny_llama_matches_transformers_and_is_bit_identical_under_every_placement() 
 /// model (`model`, `transformer`) with its layer list expanded, and the
 /// other top-level modules (`lm_head`).
 fn units(dir: &Path) -> Vec<String> {
-    let config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let path = dir.join("config.json");
+    let config =
+        bigmodel::plan::config::HfConfig::parse(&std::fs::read_to_string(&path).unwrap(), &path)
+            .unwrap();
     let tree = bigmodel::plan::hf::tree_from_config(&config)
         .unwrap()
         .tree

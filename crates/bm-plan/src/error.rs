@@ -1,6 +1,7 @@
 //! The one error type of `bm-plan`.
 
 use std::fmt;
+use std::path::PathBuf;
 
 /// Everything that can go wrong while building a module tree or planning.
 #[derive(Debug)]
@@ -27,8 +28,25 @@ pub enum Error {
         /// What is wrong there.
         reason: String,
     },
-    /// A config.json that is malformed or describes an unsupported model.
-    Config(String),
+    /// A config file (or one of its keys) that is malformed or describes
+    /// what is not supported.
+    Config {
+        /// The file.
+        file: PathBuf,
+        /// The key, dotted for a nested object; empty for the whole file.
+        key: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// A config.json of a model family that is not supported.
+    UnsupportedModel {
+        /// The file.
+        file: PathBuf,
+        /// Its `model_type`, if it has one.
+        model_type: Option<String>,
+        /// Its `architectures`.
+        architectures: Vec<String>,
+    },
     /// A custom device map that leaves tensors without a device
     /// (Accelerate's `check_device_map` message).
     UncoveredTensors(Vec<String>),
@@ -67,7 +85,34 @@ impl fmt::Display for Error {
                     write!(f, "invalid module tree at {path}: {reason}")
                 }
             }
-            Error::Config(msg) => write!(f, "config.json: {msg}"),
+            Error::Config { file, key, message } if key.is_empty() => {
+                write!(f, "{}: {message}", file.display())
+            }
+            Error::Config { file, key, message } => {
+                write!(f, "{}: key {key:?}: {message}", file.display())
+            }
+            Error::UnsupportedModel {
+                file,
+                model_type,
+                architectures,
+            } => {
+                let supported: Vec<&str> = crate::config::Family::ALL
+                    .iter()
+                    .map(|(_, name)| *name)
+                    .collect();
+                match model_type {
+                    Some(t) => write!(f, "{}: model_type {t:?}", file.display())?,
+                    None => write!(f, "{}: no \"model_type\"", file.display())?,
+                }
+                if !architectures.is_empty() {
+                    write!(f, " ({})", architectures.join(", "))?;
+                }
+                write!(
+                    f,
+                    " is not supported (supported: {}); export the model with tools/export_module_tree.py instead",
+                    supported.join(", ")
+                )
+            }
             Error::UncoveredTensors(names) => write!(
                 f,
                 "The device_map provided does not give any device for the following parameters: {}",

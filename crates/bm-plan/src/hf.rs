@@ -4,31 +4,11 @@
 //! Phi-3 causal LMs, GPT-2's `GPT2LMHeadModel` and BERT's `BertModel`.
 
 use bm_tensor::{DType, TensorMeta};
-use serde_json::Value;
 
 use crate::Error;
+pub use crate::config::Family;
+use crate::config::HfConfig;
 use crate::tree::{ModuleId, ModuleTree, ModuleTreeBuilder};
-
-/// The model families understood.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Family {
-    /// `LlamaForCausalLM`.
-    Llama,
-    /// `MistralForCausalLM`.
-    Mistral,
-    /// `Qwen2ForCausalLM`.
-    Qwen2,
-    /// `Qwen3ForCausalLM`.
-    Qwen3,
-    /// `Gemma2ForCausalLM`.
-    Gemma2,
-    /// `Phi3ForCausalLM`.
-    Phi3,
-    /// `GPT2LMHeadModel`.
-    Gpt2,
-    /// `BertModel`.
-    Bert,
-}
 
 /// A model described by a config.json.
 #[derive(Clone, Debug)]
@@ -65,58 +45,10 @@ impl HfModel {
     }
 }
 
-struct Config<'a> {
-    obj: &'a serde_json::Map<String, Value>,
-}
-
-impl Config<'_> {
-    fn usize(&self, key: &str) -> Result<usize, Error> {
-        self.opt_usize(key)?
-            .ok_or_else(|| Error::Config(format!("missing \"{key}\" (a non-negative integer)")))
-    }
-
-    fn opt_usize(&self, key: &str) -> Result<Option<usize>, Error> {
-        match self.obj.get(key) {
-            None | Some(Value::Null) => Ok(None),
-            Some(v) => v
-                .as_u64()
-                .and_then(|n| usize::try_from(n).ok())
-                .map(Some)
-                .ok_or_else(|| {
-                    Error::Config(format!(
-                        "\"{key}\" must be a non-negative integer, found {v}"
-                    ))
-                }),
-        }
-    }
-
-    fn bool_or(&self, key: &str, default: bool) -> Result<bool, Error> {
-        match self.obj.get(key) {
-            None | Some(Value::Null) => Ok(default),
-            Some(Value::Bool(b)) => Ok(*b),
-            Some(v) => Err(Error::Config(format!(
-                "\"{key}\" must be true or false, found {v}"
-            ))),
-        }
-    }
-
-    fn str_or<'b>(&'b self, key: &str, default: &'b str) -> &'b str {
-        self.obj
-            .get(key)
-            .and_then(|v| v.as_str())
-            .unwrap_or(default)
-    }
-
-    fn f64_or(&self, key: &str, default: f64) -> f64 {
-        self.obj
-            .get(key)
-            .and_then(|v| v.as_f64())
-            .unwrap_or(default)
-    }
-}
-
-fn activation_class(name: &str) -> Result<&'static str, Error> {
-    Ok(match name {
+/// transformers' module class of an activation.
+fn activation_class(config: &HfConfig) -> Result<&'static str, Error> {
+    let (name, key) = &config.activation;
+    Ok(match name.as_str() {
         "silu" => "SiLUActivation",
         "swish" => "SiLU",
         "gelu" => "GELUActivation",
@@ -125,49 +57,13 @@ fn activation_class(name: &str) -> Result<&'static str, Error> {
         "gelu_fast" => "FastGELUActivation",
         "quick_gelu" => "QuickGELUActivation",
         "relu" => "ReLU",
-        other => return Err(Error::Config(format!("unsupported activation {other:?}"))),
+        other => return Err(config.error(key, format!("unsupported activation {other:?}"))),
     })
 }
 
-/// True when `text` looks like a config.json of a supported family.
-pub fn is_config(doc: &Value) -> bool {
-    doc.get("model_type").and_then(|m| m.as_str()).is_some()
-}
-
-/// Builds the model a config.json describes.
-pub fn tree_from_config(doc: &Value) -> Result<HfModel, Error> {
-    let obj = doc
-        .as_object()
-        .ok_or_else(|| Error::Config("expected a JSON object".into()))?;
-    let cfg = Config { obj };
-    let model_type = obj
-        .get("model_type")
-        .and_then(|m| m.as_str())
-        .ok_or_else(|| Error::Config("missing \"model_type\"".into()))?;
-    let dtype_name = obj
-        .get("dtype")
-        .or_else(|| obj.get("torch_dtype"))
-        .and_then(|d| d.as_str())
-        .unwrap_or("float32");
-    let dtype = DType::from_torch_str(dtype_name)
-        .filter(|d| d.is_float())
-        .ok_or_else(|| Error::Config(format!("unsupported dtype {dtype_name:?}")))?;
-    let family = match model_type {
-        "llama" => Family::Llama,
-        "mistral" => Family::Mistral,
-        "qwen2" => Family::Qwen2,
-        "qwen3" => Family::Qwen3,
-        "gemma2" => Family::Gemma2,
-        "phi3" => Family::Phi3,
-        "gpt2" => Family::Gpt2,
-        "bert" => Family::Bert,
-        other => {
-            return Err(Error::Config(format!(
-                "model_type {other:?} is not supported (supported: llama, mistral, qwen2, qwen3, gemma2, phi3, gpt2, bert); export the model with tools/export_module_tree.py instead"
-            )));
-        }
-    };
-    let expected = match family {
+/// The class the planner builds for a family (its `architectures` entry).
+fn planned_class(family: Family) -> &'static str {
+    match family {
         Family::Llama => "LlamaForCausalLM",
         Family::Mistral => "MistralForCausalLM",
         Family::Qwen2 => "Qwen2ForCausalLM",
@@ -176,20 +72,24 @@ pub fn tree_from_config(doc: &Value) -> Result<HfModel, Error> {
         Family::Phi3 => "Phi3ForCausalLM",
         Family::Gpt2 => "GPT2LMHeadModel",
         Family::Bert => "BertModel",
-    };
-    if let Some(archs) = obj.get("architectures").and_then(|a| a.as_array())
-        && !archs.is_empty()
-        && !archs.iter().any(|a| a.as_str() == Some(expected))
-    {
-        return Err(Error::Config(format!(
-            "architectures {} are not supported; this family is planned as {expected}",
-            Value::Array(archs.clone())
-        )));
     }
-    match family {
-        Family::Gpt2 => gpt2(&cfg, dtype),
-        Family::Bert => bert(&cfg, dtype),
-        _ => decoder(&cfg, family, dtype),
+}
+
+/// Builds the model a config.json describes.
+pub fn tree_from_config(config: &HfConfig) -> Result<HfModel, Error> {
+    let dtype = config.dtype()?;
+    let expected = planned_class(config.family);
+    let archs = config.architectures()?;
+    if !archs.is_empty() && !archs.contains(&expected) {
+        return Err(config.error(
+            "architectures",
+            format!("{archs:?} are not supported; this family is planned as {expected}"),
+        ));
+    }
+    match config.family {
+        Family::Gpt2 => gpt2(config, dtype),
+        Family::Bert => bert(config, dtype),
+        family => decoder(config, family, dtype),
     }
 }
 
@@ -261,7 +161,7 @@ impl B {
 /// The Llama-style causal LMs. Their differences (class prefix, biases,
 /// Qwen3's q/k norms, Gemma 2's scaled embedding and four norms, Phi-3's
 /// fused projections and partial rotary) as transformers registers them.
-fn decoder(cfg: &Config<'_>, family: Family, dtype: DType) -> Result<HfModel, Error> {
+fn decoder(cfg: &HfConfig, family: Family, dtype: DType) -> Result<HfModel, Error> {
     let prefix = match family {
         Family::Llama => "Llama",
         Family::Mistral => "Mistral",
@@ -270,48 +170,14 @@ fn decoder(cfg: &Config<'_>, family: Family, dtype: DType) -> Result<HfModel, Er
         Family::Gemma2 => "Gemma2",
         _ => "Phi3",
     };
-    let vocab = cfg.usize("vocab_size")?;
-    let hidden = cfg.usize("hidden_size")?;
-    let inter = cfg.usize("intermediate_size")?;
-    let layers = cfg.usize("num_hidden_layers")?;
-    let heads = cfg.usize("num_attention_heads")?;
-    if heads == 0 {
-        return Err(Error::Config(
-            "\"num_attention_heads\" must be positive".into(),
-        ));
-    }
-    let kv_heads = cfg.opt_usize("num_key_value_heads")?.unwrap_or(heads);
-    let head_dim = cfg.opt_usize("head_dim")?.unwrap_or(hidden / heads);
-    let attention_bias = cfg.bool_or("attention_bias", false)?;
-    let (qkv_bias, o_bias) = match family {
-        Family::Mistral | Family::Phi3 => (false, false),
-        Family::Qwen2 => (true, false),
-        _ => (attention_bias, attention_bias),
-    };
-    let mlp_bias = family == Family::Llama && cfg.bool_or("mlp_bias", false)?;
+    let (vocab, hidden, inter) = (cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size);
+    let (layers, heads, kv_heads, head_dim) =
+        (cfg.num_layers, cfg.heads, cfg.kv_heads, cfg.head_dim);
+    let (qkv_bias, o_bias, mlp_bias) = (cfg.qkv_bias, cfg.o_bias, cfg.mlp_bias);
     let gemma = family == Family::Gemma2;
-    let tie = cfg.bool_or("tie_word_embeddings", gemma)?;
-    let act = if gemma {
-        let key = if cfg.obj.contains_key("hidden_activation") {
-            "hidden_activation"
-        } else {
-            "hidden_act"
-        };
-        activation_class(cfg.str_or(key, "gelu_pytorch_tanh"))?
-    } else {
-        activation_class(cfg.str_or("hidden_act", "silu"))?
-    };
-    // Only Phi-3's rotary embedding reads the partial factor.
-    let partial = if family == Family::Phi3 {
-        cfg.obj
-            .get("rope_parameters")
-            .and_then(|r| r.get("partial_rotary_factor"))
-            .and_then(|v| v.as_f64())
-            .unwrap_or_else(|| cfg.f64_or("partial_rotary_factor", 1.0))
-    } else {
-        1.0
-    };
-    let rope_dim = (head_dim as f64 * partial) as usize;
+    let tie = cfg.tie_word_embeddings;
+    let act = activation_class(cfg)?;
+    let rope_dim = cfg.rotary_dim.unwrap_or(head_dim);
 
     let mut b = B {
         b: ModuleTreeBuilder::new(format!("{prefix}ForCausalLM")),
@@ -410,14 +276,14 @@ fn decoder(cfg: &Config<'_>, family: Family, dtype: DType) -> Result<HfModel, Er
     })
 }
 
-fn gpt2(cfg: &Config<'_>, dtype: DType) -> Result<HfModel, Error> {
-    let vocab = cfg.usize("vocab_size")?;
-    let embd = cfg.usize("n_embd")?;
-    let layers = cfg.usize("n_layer")?;
-    let positions = cfg.usize("n_positions")?;
-    let inner = cfg.opt_usize("n_inner")?.unwrap_or(4 * embd);
-    let act = activation_class(cfg.str_or("activation_function", "gelu_new"))?;
-    let tie = cfg.bool_or("tie_word_embeddings", true)?;
+fn gpt2(cfg: &HfConfig, dtype: DType) -> Result<HfModel, Error> {
+    let (vocab, embd, layers) = (cfg.vocab_size, cfg.hidden_size, cfg.num_layers);
+    let positions = cfg
+        .max_positions
+        .ok_or_else(|| cfg.error("n_positions", "missing"))?;
+    let inner = cfg.intermediate_size;
+    let act = activation_class(cfg)?;
+    let tie = cfg.tie_word_embeddings;
 
     let mut b = B {
         b: ModuleTreeBuilder::new("GPT2LMHeadModel"),
@@ -460,14 +326,16 @@ fn gpt2(cfg: &Config<'_>, dtype: DType) -> Result<HfModel, Error> {
     })
 }
 
-fn bert(cfg: &Config<'_>, dtype: DType) -> Result<HfModel, Error> {
-    let vocab = cfg.usize("vocab_size")?;
-    let hidden = cfg.usize("hidden_size")?;
-    let layers = cfg.usize("num_hidden_layers")?;
-    let inter = cfg.usize("intermediate_size")?;
-    let positions = cfg.opt_usize("max_position_embeddings")?.unwrap_or(512);
-    let types = cfg.opt_usize("type_vocab_size")?.unwrap_or(2);
-    let act = activation_class(cfg.str_or("hidden_act", "gelu"))?;
+fn bert(cfg: &HfConfig, dtype: DType) -> Result<HfModel, Error> {
+    let (vocab, hidden, layers) = (cfg.vocab_size, cfg.hidden_size, cfg.num_layers);
+    let inter = cfg.intermediate_size;
+    let positions = cfg
+        .max_positions
+        .ok_or_else(|| cfg.error("max_position_embeddings", "missing"))?;
+    let types = cfg
+        .type_vocab_size
+        .ok_or_else(|| cfg.error("type_vocab_size", "missing"))?;
+    let act = activation_class(cfg)?;
 
     let mut b = B {
         b: ModuleTreeBuilder::new("BertModel"),

@@ -10,8 +10,9 @@
 //!   document ([`ModuleTree::from_json`], exported from PyTorch by
 //!   `tools/export_module_tree.py`), from a checkpoint's headers
 //!   ([`checkpoint::tree_from_tensors`]), or from a Hugging Face
-//!   `config.json` ([`hf::tree_from_config`]) for the Llama, Mistral, Qwen2,
-//!   GPT-2 and BERT families, with transformers' names and classes.
+//!   `config.json` ([`hf::tree_from_config`] on a [`config::HfConfig`], the
+//!   one config reader, which bm-models uses too) for the families of
+//!   [`config::Family`], with transformers' names and classes.
 //! * [`ModuleSizes`] sizes every tensor and subtree in one linear pass,
 //!   either with Accelerate's rule (a dtype only ever shrinks) or with the
 //!   sizes a load really allocates.
@@ -40,6 +41,7 @@ mod testing;
 pub mod accelerate;
 pub mod auto;
 pub mod checkpoint;
+pub mod config;
 pub mod device;
 pub mod hf;
 pub mod plan;

@@ -5,7 +5,8 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-use bm_plan::hf::tree_from_config;
+use bm_plan::config::HfConfig;
+use bm_plan::hf::{HfModel, tree_from_config};
 use bm_plan::{Compat, Device, MaxMemory, Mode, ModuleTree, PlanOptions};
 use bm_tensor::DType;
 
@@ -20,6 +21,12 @@ fn read_json(path: &std::path::Path) -> serde_json::Value {
     serde_json::from_str(&text).unwrap()
 }
 
+/// The model a config file describes.
+fn model(path: &std::path::Path) -> HfModel {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    tree_from_config(&HfConfig::parse(&text, path).unwrap()).unwrap()
+}
+
 #[test]
 fn builders_match_trees_exported_from_transformers() {
     for name in [
@@ -32,8 +39,7 @@ fn builders_match_trees_exported_from_transformers() {
         "tiny-gemma2",
         "tiny-phi3",
     ] {
-        let config = read_json(&fixture(&format!("configs/{name}.json")));
-        let built = tree_from_config(&config).unwrap().tree;
+        let built = model(&fixture(&format!("configs/{name}.json"))).tree;
         let exported =
             ModuleTree::from_json(&read_json(&fixture(&format!("trees/{name}.tree.json"))))
                 .unwrap();
@@ -44,14 +50,14 @@ fn builders_match_trees_exported_from_transformers() {
 
 #[test]
 fn family_defaults() {
-    let gpt2 = tree_from_config(&read_json(&fixture("configs/gpt2.json"))).unwrap();
+    let gpt2 = model(&fixture("configs/gpt2.json"));
     assert_eq!(gpt2.no_split, ["GPT2Block"]);
     assert_eq!(
         gpt2.tree.tied_names(),
         vec![vec!["lm_head.weight", "transformer.wte.weight"]]
     );
     assert_eq!(gpt2.tree.parameter_count(), 124_439_808);
-    let llama = tree_from_config(&read_json(&fixture("configs/llama-2-7b.json"))).unwrap();
+    let llama = model(&fixture("configs/llama-2-7b.json"));
     assert_eq!(llama.no_split, ["LlamaDecoderLayer"]);
     assert!(llama.tree.tied_names().is_empty());
     assert_eq!(llama.tree.parameter_count(), 6_738_415_616);
@@ -69,34 +75,56 @@ fn family_defaults() {
         ("gemma-2-9b", 9_241_705_984, "Gemma2DecoderLayer", true),
         ("phi-3-mini-4k", 3_821_079_552, "Phi3DecoderLayer", false),
     ] {
-        let model =
-            tree_from_config(&read_json(&fixture(&format!("configs/{config}.json")))).unwrap();
+        let model = model(&fixture(&format!("configs/{config}.json")));
         assert_eq!(model.tree.parameter_count(), params, "{config}");
         assert_eq!(model.no_split, [no_split], "{config}");
         let ties = model.tree.tied_names();
         assert_eq!(!ties.is_empty(), tied, "{config}: {ties:?}");
     }
-    let bert = tree_from_config(&read_json(&fixture("configs/bert-base.json"))).unwrap();
+    let bert = model(&fixture("configs/bert-base.json"));
     assert_eq!(bert.no_split, ["BertEmbeddings", "BertLayer"]);
     assert!(bert.kv_runtime_bytes(1, 1, DType::F32).is_none());
 }
 
 #[test]
 fn bad_configs_are_clear_errors() {
-    let err = |v: serde_json::Value| tree_from_config(&v).unwrap_err().to_string();
+    let err = |v: serde_json::Value| {
+        HfConfig::from_value(v, "config.json")
+            .and_then(|c| tree_from_config(&c))
+            .unwrap_err()
+            .to_string()
+    };
+    let sizes = serde_json::json!({
+        "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+    });
+    let with = |extra: serde_json::Value| {
+        let mut config = sizes.clone();
+        for (k, v) in extra.as_object().unwrap() {
+            config[k] = v.clone();
+        }
+        config
+    };
     assert!(err(serde_json::json!({"model_type": "t5"})).contains("not supported"));
     assert!(
-        err(serde_json::json!({"model_type": "gemma2", "architectures": ["Gemma2Model"]}))
-            .contains("planned as Gemma2ForCausalLM")
+        err(with(
+            serde_json::json!({"model_type": "gemma2", "architectures": ["Gemma2Model"]})
+        ))
+        .contains("planned as Gemma2ForCausalLM")
     );
-    assert!(err(serde_json::json!({"model_type": "llama"})).contains("missing \"vocab_size\""));
+    assert!(
+        err(serde_json::json!({"model_type": "llama"}))
+            .contains("config.json: key \"vocab_size\": missing")
+    );
     assert!(
         err(serde_json::json!({"model_type": "llama", "vocab_size": -3}))
-            .contains("\"vocab_size\" must be a non-negative integer")
+            .contains("key \"vocab_size\": expected a positive integer, found -3")
     );
     assert!(
-        err(serde_json::json!({"model_type": "bert", "architectures": ["BertForMaskedLM"]}))
-            .contains("not supported")
+        err(with(
+            serde_json::json!({"model_type": "bert", "architectures": ["BertForMaskedLM"]})
+        ))
+        .contains("not supported")
     );
     assert!(err(serde_json::json!([1])).contains("JSON object"));
 }
@@ -108,7 +136,7 @@ fn compat_planner_matches_accelerate_on_real_architectures() {
     assert!(cases.len() >= 10);
     for case in cases {
         let config_path = fixture("goldens").join(case["config"].as_str().unwrap());
-        let model = tree_from_config(&read_json(&config_path)).unwrap();
+        let model = model(&config_path);
         let max_memory = MaxMemory::parse(&case["max_memory"].to_string()).unwrap();
         let options = PlanOptions {
             max_memory,

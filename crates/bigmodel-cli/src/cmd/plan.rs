@@ -4,6 +4,7 @@ use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
 use bigmodel::device::DeviceSet;
+use bigmodel::plan::config::HfConfig;
 use bigmodel::plan::hf::{HfModel, tree_from_config};
 use bigmodel::plan::{
     Compat, Device, DeviceMap, MaxMemory, Mode, ModuleSizes, ModuleTree, Plan, PlanOptions,
@@ -89,6 +90,11 @@ fn read_json(path: &Path) -> Result<serde_json::Value, String> {
     serde_json::from_str(&text).map_err(|e| format!("{} is not valid JSON: {e}", path.display()))
 }
 
+/// The model a parsed config.json describes; errors name `file` and the key.
+fn config_model(doc: serde_json::Value, file: &Path) -> Result<HfModel, bigmodel::plan::Error> {
+    tree_from_config(&HfConfig::from_value(doc, file)?)
+}
+
 fn load_source(path: &Path) -> Result<Source, String> {
     let in_context = |e: bigmodel::plan::Error| format!("{}: {e}", path.display());
     let checkpoint = || {
@@ -100,7 +106,7 @@ fn load_source(path: &Path) -> Result<Source, String> {
         let config = path.join("config.json");
         if config.is_file() {
             let doc = read_json(&config)?;
-            if let Ok(model) = tree_from_config(&doc) {
+            if let Ok(model) = config_model(doc, &config) {
                 return Ok(Source::Config(Box::new(model)));
             }
         }
@@ -117,9 +123,9 @@ fn load_source(path: &Path) -> Result<Source, String> {
             .map_err(in_context);
     }
     if doc.get("model_type").is_some() {
-        return tree_from_config(&doc)
+        return config_model(doc, path)
             .map(|m| Source::Config(Box::new(m)))
-            .map_err(in_context);
+            .map_err(|e| e.to_string());
     }
     if doc.get("weight_map").is_some() || path.to_string_lossy().ends_with(".index.json") {
         return checkpoint();
