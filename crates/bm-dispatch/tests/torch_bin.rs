@@ -58,8 +58,9 @@ fn views_load_zero_copy_or_gathered_on_the_cpu() {
 #[test]
 fn disk_offload_of_a_bin_writes_dat_files() {
     let dir = fixture("tiny-llama");
-    let config: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
+    let path = dir.join("config.json");
+    let config =
+        bm_plan::config::HfConfig::parse(&std::fs::read_to_string(&path).unwrap(), &path).unwrap();
     let tree = bm_plan::hf::tree_from_config(&config).unwrap().tree;
     let ckpt = Checkpoint::open(&dir).unwrap();
     let model = Model::empty(tree, Arc::new(DeviceSet::cpu_only())).unwrap();
