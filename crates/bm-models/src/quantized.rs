@@ -4,6 +4,7 @@
 //! layer fetches them.
 
 use std::collections::HashMap;
+use std::path::Path;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use bm_compute::Tensor;
@@ -81,9 +82,11 @@ const STATE_PARTS: [&str; 5] = [
 ];
 
 /// Reads and checks every quantized weight of a pre-quantized folder.
+/// `config_path` names config.json in errors.
 pub(crate) fn read_prequantized(
     checkpoint: &Checkpoint,
     config: &BnbCheckpoint,
+    config_path: &Path,
 ) -> Result<HashMap<String, Arc<QuantizedTensor>>, Error> {
     let state_error = |tensor: &str, field: &str, message: String| {
         Error::Compute(bm_compute::Error::QuantState {
@@ -176,8 +179,12 @@ pub(crate) fn read_prequantized(
         }
     }
     if out.is_empty() {
-        return Err(Error::MissingTensor {
-            name: "any bitsandbytes quant state (config.json has a quantization_config)".into(),
+        return Err(Error::Config {
+            path: config_path.to_path_buf(),
+            key: "quantization_config".into(),
+            message: "declares bitsandbytes quantization, but no weight has a quant state \
+                      (quant_state.bitsandbytes__nf4/__fp4 or SCB entries)"
+                .into(),
         });
     }
     Ok(out)

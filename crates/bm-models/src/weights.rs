@@ -143,6 +143,7 @@ impl FolderWeights {
             Some(bnb) => Some(FolderQuant::Prequantized(read_prequantized(
                 &checkpoint,
                 &bnb,
+                &path,
             )?)),
             None => None,
         };
