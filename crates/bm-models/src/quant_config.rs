@@ -5,9 +5,9 @@
 
 use std::path::Path;
 
+use bigmodel::plan::config::ConfigKeys;
 use bm_compute::quant::{FourBitType, QuantFormat};
 use bm_tensor::DType;
-use serde_json::Value;
 
 use crate::Error;
 
@@ -72,63 +72,59 @@ pub struct BnbCheckpoint {
     pub threshold: f32,
 }
 
-/// Reads `quantization_config` from a parsed config.json (`path` names it
-/// in errors): `None` when there is none. Only `quant_method:
-/// "bitsandbytes"` is supported.
-pub(crate) fn read_bnb_checkpoint(
-    path: &Path,
-    config: &Value,
-) -> Result<Option<BnbCheckpoint>, Error> {
-    let Some(q) = config.get("quantization_config").filter(|v| !v.is_null()) else {
+/// Reads `quantization_config` from a folder's config.json: `None` when
+/// there is none. Only `quant_method: "bitsandbytes"` is supported.
+pub(crate) fn read_bnb_checkpoint(config: &ConfigKeys) -> Result<Option<BnbCheckpoint>, Error> {
+    let Some(q) = config.nested("quantization_config")? else {
         return Ok(None);
     };
-    let error = |key: &str, message: String| Error::Config {
-        path: path.to_path_buf(),
-        key: format!("quantization_config.{key}"),
-        message,
-    };
-    let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("");
+    let method = q.opt_str("quant_method")?.unwrap_or_default();
     if method != "bitsandbytes" {
-        return Err(error(
-            "quant_method",
-            format!("{method:?} is not supported (only bitsandbytes)"),
-        ));
+        return Err(q
+            .error(
+                "quant_method",
+                format!("{method:?} is not supported (only bitsandbytes)"),
+            )
+            .into());
     }
-    let flag = |key: &str| -> Result<bool, Error> {
-        match q.get(key).or_else(|| q.get(format!("_{key}"))) {
-            None | Some(Value::Null) => Ok(false),
-            Some(Value::Bool(b)) => Ok(*b),
-            Some(v) => Err(error(key, format!("expected true or false, found {v}"))),
-        }
+    // transformers writes both `load_in_4bit` and its private `_load_in_4bit`.
+    let flag = |key: &str| match q.get(key) {
+        Some(_) => q.bool_or(key, false),
+        None => q.bool_or(&format!("_{key}"), false),
     };
     let (four, eight) = (flag("load_in_4bit")?, flag("load_in_8bit")?);
     if four == eight {
-        return Err(error(
-            "load_in_4bit",
-            "exactly one of load_in_4bit and load_in_8bit must be true".into(),
-        ));
+        return Err(q
+            .error(
+                "load_in_4bit",
+                "exactly one of load_in_4bit and load_in_8bit must be true",
+            )
+            .into());
     }
-    let compute_dtype = match q.get("bnb_4bit_compute_dtype") {
-        None | Some(Value::Null) => DType::F32,
-        Some(v) => match v.as_str().map(|s| s.trim_start_matches("torch.")) {
-            Some("float32") => DType::F32,
-            Some("float16") => DType::F16,
-            Some("bfloat16") => DType::BF16,
+    let compute_dtype = match q.opt_str("bnb_4bit_compute_dtype")? {
+        None => DType::F32,
+        Some(name) => match name.trim_start_matches("torch.") {
+            "float32" => DType::F32,
+            "float16" => DType::F16,
+            "bfloat16" => DType::BF16,
             _ => {
-                return Err(error(
-                    "bnb_4bit_compute_dtype",
-                    format!("{v} is not float32, float16 or bfloat16"),
-                ));
+                return Err(q
+                    .error(
+                        "bnb_4bit_compute_dtype",
+                        format!("{name:?} is not float32, float16 or bfloat16"),
+                    )
+                    .into());
             }
         },
     };
-    let threshold = match q.get("llm_int8_threshold") {
-        None | Some(Value::Null) => 6.0,
-        Some(v) => v
-            .as_f64()
-            .filter(|t| *t >= 0.0)
-            .ok_or_else(|| error("llm_int8_threshold", format!("{v} is not a number >= 0")))?
-            as f32,
+    let threshold = match q.opt_f64("llm_int8_threshold")? {
+        None => 6.0,
+        Some(t) if t >= 0.0 => t as f32,
+        Some(t) => {
+            return Err(q
+                .error("llm_int8_threshold", format!("{t} is negative"))
+                .into());
+        }
     };
     Ok(Some(BnbCheckpoint {
         int8: eight,
@@ -139,11 +135,11 @@ pub(crate) fn read_bnb_checkpoint(
 
 /// transformers' `get_keys_to_not_convert` for the decoder families: the
 /// output head, and with tied embeddings the input embedding it shares
-/// (`model.embed_tokens`, GPT-2's `transformer.wte`). A config that is not
+/// (`model.embed_tokens`, GPT-2's `transformer.wte`). A folder that is not
 /// a decoder's spares the head only.
-pub(crate) fn default_skip_modules(path: &Path, config: &Value) -> Vec<String> {
+pub(crate) fn default_skip_modules(dir: &Path) -> Vec<String> {
     let mut skip = vec!["lm_head".to_string()];
-    if let Ok(decoder) = crate::DecoderConfig::from_json(path, config.clone()) {
+    if let Ok(decoder) = crate::DecoderConfig::from_dir(dir) {
         if decoder.tie_word_embeddings {
             skip.push(module_of(&decoder.embedding_weight()).to_string());
         }
@@ -222,29 +218,36 @@ mod tests {
         assert_eq!(module_of("model.norm.weight"), "model.norm");
     }
 
+    fn read(json: serde_json::Value) -> Result<Option<BnbCheckpoint>, Error> {
+        read_bnb_checkpoint(&ConfigKeys::from_value(json, "config.json").unwrap())
+    }
+
     #[test]
     fn quantization_config_is_read_with_transformers_defaults() {
-        let p = Path::new("config.json");
-        assert_eq!(read_bnb_checkpoint(p, &json!({})).unwrap(), None);
-        let c = json!({"quantization_config": {"quant_method": "bitsandbytes",
-            "_load_in_4bit": true, "load_in_4bit": true, "bnb_4bit_compute_dtype": "bfloat16"}});
-        let q = read_bnb_checkpoint(p, &c).unwrap().unwrap();
+        assert_eq!(read(json!({})).unwrap(), None);
+        let q = read(
+            json!({"quantization_config": {"quant_method": "bitsandbytes",
+            "_load_in_4bit": true, "load_in_4bit": true, "bnb_4bit_compute_dtype": "bfloat16"}}),
+        )
+        .unwrap()
+        .unwrap();
         assert_eq!(
             (q.int8, q.compute_dtype, q.threshold),
             (false, DType::BF16, 6.0)
         );
-        let c = json!({"quantization_config": {"quant_method": "gptq"}});
-        let err = read_bnb_checkpoint(p, &c).unwrap_err();
-        assert!(
-            err.to_string().contains("\"gptq\" is not supported"),
-            "{err}"
+        let err = read(json!({"quantization_config": {"quant_method": "gptq"}})).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "config.json: key \"quantization_config.quant_method\": \"gptq\" is not supported \
+             (only bitsandbytes)"
         );
-        let c = json!({"quantization_config": {"quant_method": "bitsandbytes"}});
-        let err = read_bnb_checkpoint(p, &c).unwrap_err();
-        assert!(err.to_string().contains("exactly one of"), "{err}");
-        let c = json!({"quantization_config": {"quant_method": "bitsandbytes",
-            "load_in_8bit": true, "llm_int8_threshold": "high"}});
-        let err = read_bnb_checkpoint(p, &c).unwrap_err();
+        let err = read(json!({"quantization_config": {"quant_method": "bitsandbytes"}}));
+        assert!(err.unwrap_err().to_string().contains("exactly one of"));
+        let err = read(
+            json!({"quantization_config": {"quant_method": "bitsandbytes",
+            "load_in_8bit": true, "llm_int8_threshold": "high"}}),
+        )
+        .unwrap_err();
         assert!(err.to_string().contains("llm_int8_threshold"), "{err}");
     }
 
@@ -259,14 +262,15 @@ mod tests {
             err.to_string().contains("\"int4\" (use nf4, fp4 or int8)"),
             "{err}"
         );
-        let p = Path::new("config.json");
-        assert_eq!(default_skip_modules(p, &json!({})), ["lm_head"]);
-        let tied = json!({"model_type": "llama", "vocab_size": 8, "hidden_size": 4,
-            "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1,
-            "tie_word_embeddings": true});
+        let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
         assert_eq!(
-            default_skip_modules(p, &tied),
+            default_skip_modules(&fixtures.join("tiny-llama")),
+            ["lm_head"]
+        );
+        assert_eq!(
+            default_skip_modules(&fixtures.join("tiny-qwen2")),
             ["lm_head", "model.embed_tokens"]
         );
+        assert_eq!(default_skip_modules(&fixtures.join("minilm")), ["lm_head"]);
     }
 }

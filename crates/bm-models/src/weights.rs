@@ -138,8 +138,16 @@ impl FolderWeights {
             });
         }
         let checkpoint = Checkpoint::open(dir)?;
-        let (path, config) = folder_config(dir)?;
-        let quant = match quant_config::read_bnb_checkpoint(&path, &config)? {
+        let path = dir.join("config.json");
+        let config = match path.is_file() {
+            true => Some(config::read_keys(&path)?),
+            false => None,
+        };
+        let bnb = match &config {
+            Some(c) => quant_config::read_bnb_checkpoint(c)?,
+            None => None,
+        };
+        let quant = match bnb {
             Some(bnb) => Some(FolderQuant::Prequantized(read_prequantized(
                 &checkpoint,
                 &bnb,
@@ -166,10 +174,9 @@ impl FolderWeights {
     ) -> Result<FolderWeights, Error> {
         let dir = dir.as_ref();
         let mut weights = FolderWeights::open(dir, dtype)?;
-        let (path, config) = folder_config(dir)?;
         if weights.quant.is_some() {
             return Err(Error::Config {
-                path,
+                path: dir.join("config.json"),
                 key: "quantization_config".into(),
                 message: "the folder is already quantized with bitsandbytes; open it without \
                           quantize options"
@@ -182,7 +189,7 @@ impl FolderWeights {
         let skip = options
             .skip_modules
             .clone()
-            .unwrap_or_else(|| quant_config::default_skip_modules(&path, &config));
+            .unwrap_or_else(|| quant_config::default_skip_modules(dir));
         weights.quant = Some(FolderQuant::OnLoad(OnLoad::new(options, &skip)?));
         Ok(weights)
     }
@@ -255,17 +262,6 @@ fn transpose(t: &Tensor) -> Result<Tensor, Error> {
         .map(|i| v[(i % rows) * cols + i / rows])
         .collect();
     Ok(Tensor::from_f32(t.dtype(), &[cols, rows], &transposed)?)
-}
-
-/// `dir/config.json` parsed (`null` when there is none) and its path.
-fn folder_config(dir: &Path) -> Result<(std::path::PathBuf, serde_json::Value), Error> {
-    let path = dir.join("config.json");
-    let json = if path.is_file() {
-        config::read_json(&path)?
-    } else {
-        serde_json::Value::Null
-    };
-    Ok((path, json))
 }
 
 /// True when `dir` holds a `*.index.json` (which bm-shard will read).
