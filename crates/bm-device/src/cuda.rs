@@ -457,8 +457,8 @@ impl CudaGpu {
         // SAFETY: per this function's contract.
         match unsafe { sys::cuMemHostRegister_v2(p, len, read_only) }.result() {
             Ok(()) => Ok(()),
-            // SAFETY: per this function's contract.
             Err(_) => {
+                // SAFETY: per this function's contract.
                 unsafe { sys::cuMemHostRegister_v2(p, len, sys::CU_MEMHOSTREGISTER_PORTABLE) }
                     .result()
                     .map_err(self.err("cuMemHostRegister"))

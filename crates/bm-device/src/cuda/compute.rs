@@ -230,6 +230,7 @@ unsafe fn image_of(
             bytes
         }
         // PTX comes NUL-terminated, which cuModuleLoadData needs.
+        // SAFETY: per this function's contract `prog` compiled, so it holds PTX.
         ImageKind::Ptx => unsafe { nvrtc_result::get_ptx(prog) }
             .map_err(|e| format!("nvrtcGetPTX: {e:?}"))?
             .into_iter()
