@@ -235,7 +235,7 @@ fn the_code_map_table_lists_every_workspace_edge() {
     for row in doc.lines().filter(|l| l.starts_with("| `")) {
         let cells: Vec<&str> = row.split('|').map(str::trim).collect();
         let uses: BTreeSet<String> = cells[2]
-            .split(|c: char| c == ',' || c == '(')
+            .split([',', '('])
             .map(str::trim)
             .filter(|w| members.contains_key(*w))
             .map(str::to_string)
