@@ -1,6 +1,8 @@
 //! The matmul behind every linear layer, at the shapes of one decoder step
 //! (one token) and of a prompt (64 tokens), against a plain single-threaded
-//! dot-product loop in the same run: the ratio is what to read.
+//! dot-product loop in the same run: the ratio is what to read. The same
+//! product with the weight stored `[in, out]` (GPT-2's `Conv1D`,
+//! `ops::linear_t`) stands beside it.
 //!
 //! `cargo bench -p bm-compute --bench ops`
 
@@ -45,6 +47,11 @@ fn linear(c: &mut Criterion) {
             let xt = Tensor::from_f32(dtype, &[m, K], &x).unwrap();
             group.bench_function(format!("ops::linear {dtype}"), |b| {
                 b.iter(|| black_box(ops::linear(&xt, &wt, None).unwrap()))
+            });
+            // The same values stored transposed (as Conv1D keeps them).
+            let transposed = Tensor::from_f32(dtype, &[K, N], &w).unwrap();
+            group.bench_function(format!("ops::linear_t {dtype}"), |b| {
+                b.iter(|| black_box(ops::linear_t(&xt, &transposed, None).unwrap()))
             });
         }
         group.finish();

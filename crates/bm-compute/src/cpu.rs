@@ -141,22 +141,34 @@ pub(crate) fn linear_t(
             row.copy_from_slice(b);
         }
     }
-    let block = block_rows(n, k);
     if m == 1 {
-        // One token: for each input row l, out[j0..j1] += x[l] · w[l, j0..j1],
-        // so each task streams its columns of every weight row once.
-        out.par_chunks_mut(block).enumerate().for_each(|(b, o)| {
-            let j0 = b * block;
-            let mut row = vec![0f32; o.len()];
-            for (l, xl) in x.iter().enumerate() {
-                weight.widen_range_into(l * n + j0, &mut row);
-                for (acc, w) in o.iter_mut().zip(&row) {
-                    *acc += xl * w;
+        // One token: the weight is read once, front to back. Each task sums
+        // x[l] · w[l, :] over a fixed run of rows into its own vector, and
+        // the vectors are added in order, so the result does not depend on
+        // the number of threads.
+        const ROWS: usize = 32;
+        let partials: Vec<Vec<f32>> = (0..k.div_ceil(ROWS))
+            .into_par_iter()
+            .map(|b| {
+                let (l0, l1) = (b * ROWS, ((b + 1) * ROWS).min(k));
+                let w = weight.f32_rows(l0, l1);
+                let mut acc = vec![0f32; n];
+                for (xl, row) in x[l0..l1].iter().zip(w.chunks_exact(n)) {
+                    for (a, v) in acc.iter_mut().zip(row) {
+                        *a += xl * v;
+                    }
                 }
+                acc
+            })
+            .collect();
+        for partial in partials {
+            for (o, v) in out.iter_mut().zip(&partial) {
+                *o += v;
             }
-        });
+        }
         return;
     }
+    let block = block_rows(n, k);
     let dst = SharedOut(out.as_mut_ptr());
     let f32_weight = (weight.dtype() == bm_tensor::DType::F32).then(|| weight.f32_values());
     (0..n.div_ceil(block)).into_par_iter().for_each(|b| {
