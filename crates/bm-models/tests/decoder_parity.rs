@@ -315,6 +315,23 @@ fn bad_folders_and_inputs_give_clear_errors() {
         "tensor model.layers.0.mlp.gate_proj.weight has shape [128, 64] but the config implies [96, 64]"
     );
 
+    // GPT-2's Conv1D weights are named with their stored [in, out] shape.
+    let wide = broken_copy("tiny-gpt2", |d| edit_config(d, "n_inner", 48.into()));
+    let lm = CausalLm::open(wide.path(), None).unwrap();
+    let err = lm
+        .generate_ids(
+            &[1, 2],
+            &GenerateOptions {
+                max_new_tokens: 1,
+                ..Default::default()
+            },
+        )
+        .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "tensor transformer.h.0.mlp.c_fc.weight has shape [16, 64] but the config implies [16, 48]"
+    );
+
     let scaled = broken_copy("tiny-llama", |d| {
         edit_config(
             d,
