@@ -222,12 +222,23 @@ impl ConfigKeys {
 
     /// A list of numbers, `None` when absent.
     pub fn opt_f64s(&self, key: &str) -> Result<Option<Vec<f64>>, Error> {
-        let bad = |v: &Value| self.error(key, format!("expected a list of numbers, found {v}"));
+        self.opt_list(key, "numbers", Value::as_f64)
+    }
+
+    /// A list whose every item `item` reads (a list of `what`), `None` when
+    /// absent.
+    fn opt_list<'a, T>(
+        &'a self,
+        key: &str,
+        what: &str,
+        item: impl Fn(&'a Value) -> Option<T>,
+    ) -> Result<Option<Vec<T>>, Error> {
+        let bad = |v: &Value| self.error(key, format!("expected a list of {what}, found {v}"));
         match self.get(key) {
             None => Ok(None),
             Some(Value::Array(items)) => items
                 .iter()
-                .map(|v| v.as_f64().ok_or_else(|| bad(v)))
+                .map(|v| item(v).ok_or_else(|| bad(v)))
                 .collect::<Result<_, _>>()
                 .map(Some),
             Some(v) => Err(bad(v)),
@@ -247,16 +258,7 @@ impl ConfigKeys {
 
     /// A list of strings, `None` when absent.
     pub fn opt_strings(&self, key: &str) -> Result<Option<Vec<&str>>, Error> {
-        let bad = |v: &Value| self.error(key, format!("expected a list of strings, found {v}"));
-        match self.get(key) {
-            None => Ok(None),
-            Some(Value::Array(items)) => items
-                .iter()
-                .map(|v| v.as_str().ok_or_else(|| bad(v)))
-                .collect::<Result<_, _>>()
-                .map(Some),
-            Some(v) => Err(bad(v)),
-        }
+        self.opt_list(key, "strings", Value::as_str)
     }
 
     /// `true` or `false`, `default` when absent.
