@@ -2,6 +2,9 @@
 //!
 //! * `inspect/open_sparse_64GiB`: `Checkpoint::open` of a sparse 64 GiB file
 //!   with 2048 tensors: the cost of reading headers only.
+//! * `inspect/open_{100k,1M}_tensors`: `Checkpoint::open` of headers of
+//!   100,000 and 1,000,000 one-byte tensors (issue 10's quadratic case);
+//!   the throughput (tensors/s) should not fall with size.
 //! * `read_to_host/*`: every tensor of a checkpoint (1 GiB by default, warm
 //!   page cache) read into fresh aligned host buffers, next to a plain memcpy
 //!   of the same bytes from memory into buffers of the same sizes. Compare
@@ -14,6 +17,7 @@ use std::path::Path;
 
 use bigmodel::shard::Checkpoint;
 use bigmodel::tensor::{DType, HostBuffer};
+use bigmodel_benches::{Names, write_many_tensors};
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 
 const GIB: u64 = 1 << 30;
@@ -65,6 +69,28 @@ fn inspect(c: &mut Criterion) {
             ckpt
         })
     });
+}
+
+/// Opening a header of a million tensors (~85 MB): what issue 10 found
+/// quadratic. Linear-ish now: the time per tensor should stay flat between
+/// the two sizes.
+fn many_tensors(c: &mut Criterion) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut group = c.benchmark_group("inspect");
+    group.sample_size(10);
+    for (count, label) in [(100_000, "100k"), (1_000_000, "1M")] {
+        let path = dir.path().join(format!("{label}.safetensors"));
+        write_many_tensors(&path, count, Names::Layers).unwrap();
+        group.throughput(Throughput::Elements(count as u64));
+        group.bench_function(format!("open_{label}_tensors"), |b| {
+            b.iter(|| {
+                let ckpt = Checkpoint::open(&path).unwrap();
+                assert_eq!(ckpt.len(), count);
+                ckpt
+            })
+        });
+    }
+    group.finish();
 }
 
 fn read_to_host(c: &mut Criterion) {
@@ -126,5 +152,5 @@ fn read_to_host(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, inspect, read_to_host);
+criterion_group!(benches, inspect, many_tensors, read_to_host);
 criterion_main!(benches);

@@ -1,38 +1,109 @@
-//! Any bytes, as a safetensors file and as an index: the parsers must
-//! return `Ok` or an `Err` naming the file, never panic, and an accepted
-//! header must describe tensors that tile its data buffer.
+//! Any bytes, through every reader of untrusted files: as a safetensors
+//! file, a shard index and an Accelerate offload index. Each reader must
+//! return `Ok` or an `Err` naming the file, never panic; and what it accepts
+//! must be what the reference accepts: a header we accept, the safetensors
+//! crate accepts with the same tensors; an index we accept is one JSON
+//! object to serde_json, with safe shard names.
 //!
-//! Run with `cargo +nightly fuzz run parse_header_and_index` from `fuzz/`.
+//! Run from the repository root (nightly and `cargo install cargo-fuzz`):
+//!
+//! ```text
+//! cargo +nightly fuzz run parse_header_and_index \
+//!     fuzz/corpus/parse_header_and_index fuzz/seeds/parse_header_and_index \
+//!     -- -dict=fuzz/json.dict -max_len=4096 -max_total_time=600
+//! ```
+//!
+//! `fuzz/seeds/` is the small committed corpus (one file per input kind and
+//! each past finding); `fuzz/corpus/` is where libFuzzer grows its own and
+//! is not committed.
 
 #![no_main]
 
 use std::path::Path;
 
-use bm_shard::{Header, Index};
+use bm_shard::offload::{OffloadEntry, parse_index};
+use bm_shard::{Header, Index, check_shard_name};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    let path = Path::new("fuzz.safetensors");
-    match Header::parse(path, data) {
-        Ok(header) => {
-            let data_len = data.len() as u64 - header.data_start();
-            let mut covered = 0;
-            for t in &header.tensors {
-                assert_eq!(t.data_offsets.0, covered);
-                assert_eq!(t.data_offsets.1 - t.data_offsets.0, t.meta.byte_len() as u64);
-                covered = t.data_offsets.1;
-            }
-            assert_eq!(covered, data_len);
-        }
-        Err(e) => assert!(e.to_string().contains("fuzz.safetensors")),
-    }
-    match Index::parse(Path::new("fuzz.index.json"), data) {
-        Ok(index) => {
-            for (_, file) in &index.weight_map {
-                assert!(!file.contains("..") || !file.split(['/', '\\']).any(|p| p == ".."));
-                assert!(!Path::new(file).is_absolute());
-            }
-        }
-        Err(e) => assert!(e.to_string().contains("fuzz.index.json")),
-    }
+    header(data);
+    shard_index(data);
+    offload_index(data);
+    // The module-tree/1 and config.json readers (bm-plan) join here, one
+    // function each in the same form, when they are fuzzed.
 });
+
+fn header(data: &[u8]) {
+    let path = Path::new("fuzz.safetensors");
+    let header = match Header::parse(path, data) {
+        Ok(header) => header,
+        Err(e) => {
+            assert!(e.to_string().starts_with("fuzz.safetensors: "), "{e}");
+            return;
+        }
+    };
+    let data_len = data.len() as u64 - header.data_start();
+    let mut covered = 0;
+    for t in &header.tensors {
+        assert_eq!(t.data_offsets.0, covered);
+        assert_eq!(
+            t.data_offsets.1 - t.data_offsets.0,
+            t.meta.byte_len() as u64
+        );
+        covered = t.data_offsets.1;
+    }
+    assert_eq!(covered, data_len);
+    let reference = safetensors::SafeTensors::deserialize(data)
+        .unwrap_or_else(|e| panic!("we accept a header safetensors refuses: {e:?}"));
+    assert_eq!(reference.len(), header.tensors.len());
+    for t in &header.tensors {
+        let r = reference.tensor(&t.name).unwrap();
+        assert_eq!(r.shape(), t.meta.shape.as_slice(), "{}", t.name);
+        assert_eq!(
+            format!("{:?}", r.dtype()),
+            t.meta.dtype.as_safetensors_str(),
+            "{}",
+            t.name
+        );
+        let start = (header.data_start() + t.data_offsets.0) as usize;
+        assert_eq!(r.data().as_ptr(), data[start..].as_ptr(), "{}", t.name);
+    }
+}
+
+fn shard_index(data: &[u8]) {
+    let path = Path::new("fuzz.index.json");
+    match Index::parse(path, data) {
+        Ok(index) => {
+            let value: serde_json::Value =
+                serde_json::from_slice(data).expect("an accepted index is JSON");
+            assert!(value.is_object());
+            let mut names: Vec<&str> = index.weight_map.iter().map(|(n, _)| n.as_str()).collect();
+            names.sort_unstable();
+            names.dedup();
+            assert_eq!(names.len(), index.weight_map.len(), "a tensor listed twice");
+            for (name, file) in &index.weight_map {
+                check_shard_name(path, name, file).unwrap();
+                assert!(!Path::new(file).is_absolute());
+                assert!(!file.split(['/', '\\']).any(|p| p == ".."));
+            }
+        }
+        Err(e) => assert!(e.to_string().starts_with("fuzz.index.json: "), "{e}"),
+    }
+}
+
+fn offload_index(data: &[u8]) {
+    let path = Path::new("index.json");
+    match parse_index(path, data) {
+        Ok(entries) => {
+            let value: serde_json::Value =
+                serde_json::from_slice(data).expect("an accepted index is JSON");
+            assert_eq!(value.as_object().map(|o| o.len()), Some(entries.len()));
+            for (_, entry) in &entries {
+                if let OffloadEntry::Dat(meta) = entry {
+                    assert!(meta.checked_byte_len().is_some());
+                }
+            }
+        }
+        Err(e) => assert!(e.to_string().starts_with("index.json: "), "{e}"),
+    }
+}

@@ -257,14 +257,13 @@ pub fn remove_stale_temps(folder: &Path) -> Vec<PathBuf> {
 /// process; later writes skip the listing, so writing n files stays O(n).
 fn remove_stale_temps_once(folder: &Path) {
     static CLEANED: Mutex<Option<HashSet<PathBuf>>> = Mutex::new(None);
-    let key = folder
-        .canonicalize()
-        .unwrap_or_else(|_| folder.to_path_buf());
+    // Keyed by the path as given: another spelling of the same folder only
+    // costs one more listing.
     let first = CLEANED
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
         .get_or_insert_with(HashSet::new)
-        .insert(key);
+        .insert(folder.to_path_buf());
     if first {
         remove_stale_temps(folder);
     }

@@ -15,7 +15,7 @@ use bm_tensor::{DType, HostBuffer, MmapView, TensorMeta};
 use crate::Error;
 use crate::header::Header;
 use crate::index::Index;
-use crate::paths::{Resolved, open_regular, resolve_in_folder};
+use crate::paths::{Folder, Resolved, open_regular, resolve_in_folder};
 use crate::torch;
 use crate::write::SINGLE_FILE;
 
@@ -197,8 +197,10 @@ impl Checkpoint {
         let mut shard_of_name: HashMap<&str, usize> = HashMap::new();
         let mut shard_of_real: HashMap<PathBuf, usize> = HashMap::new();
         let mut resolved: Vec<Resolved> = Vec::new();
+        let in_folder = Folder::new(folder)
+            .map_err(|problem| Error::index(index_path, format!("its folder {problem}")))?;
         for name in index.shard_files() {
-            let shard = resolve_in_folder(folder, name).map_err(|problem| {
+            let shard = in_folder.resolve(name).map_err(|problem| {
                 Error::index(
                     index_path,
                     format!(

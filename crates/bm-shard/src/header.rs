@@ -13,7 +13,7 @@
 //! tensors.
 
 use std::fs::File;
-use std::io::Read;
+use std::io::{Read, Write};
 use std::path::Path;
 
 use bm_tensor::{DType, TensorMeta};
@@ -400,61 +400,85 @@ pub(crate) fn safetensors_order(a: (&str, DType), b: (&str, DType)) -> std::cmp:
         .then_with(|| a.0.cmp(b.0))
 }
 
-/// Encodes a header exactly as the safetensors crate does: `__metadata__`
-/// first, tensors in the given order with consecutive offsets, JSON padded
-/// with spaces to a multiple of 8. Returns the bytes to write before the data
-/// (length prefix included) and the data length. Written straight into one
-/// buffer: no JSON tree, whatever the number of tensors.
-pub(crate) fn encode(
+/// Writes a header exactly as the safetensors crate does: the length
+/// prefix, then `__metadata__` first, tensors in the given order with
+/// consecutive offsets, JSON padded with spaces to a multiple of 8. Returns
+/// the data length. The JSON is streamed to `out` (a first pass only counts
+/// its bytes, for the prefix), so no copy of it is held, whatever the
+/// number of tensors.
+pub(crate) fn write_header(
+    out: &mut dyn Write,
     metadata: &[(&str, &str)],
     tensors: &[(&str, DType, &[usize])],
-) -> (Vec<u8>, u64) {
+) -> std::io::Result<u64> {
+    let mut counter = Counter(0);
+    let data_len = write_json(&mut counter, metadata, tensors)?;
+    let padded = counter.0.next_multiple_of(8);
+    out.write_all(&padded.to_le_bytes())?;
+    write_json(out, metadata, tensors)?;
+    out.write_all(&b"        "[..(padded - counter.0) as usize])?;
+    Ok(data_len)
+}
+
+/// A writer that only counts.
+struct Counter(u64);
+
+impl Write for Counter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0 += buf.len() as u64;
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+fn write_json(
+    out: &mut dyn Write,
+    metadata: &[(&str, &str)],
+    tensors: &[(&str, DType, &[usize])],
+) -> std::io::Result<u64> {
     // Strings go through serde_json so that escapes match the safetensors
     // crate's (which serialises with serde_json) byte for byte.
-    fn string(out: &mut Vec<u8>, s: &str) {
-        serde_json::to_writer(&mut *out, s).expect("writing to a Vec cannot fail");
+    fn string(out: &mut dyn Write, s: &str) -> std::io::Result<()> {
+        serde_json::to_writer(out, s).map_err(std::io::Error::from)
     }
-    let mut json = Vec::with_capacity(8 + 80 * tensors.len());
-    json.extend_from_slice(&[0; 8]);
-    json.push(b'{');
+    out.write_all(b"{")?;
     if !metadata.is_empty() {
-        json.extend_from_slice(b"\"__metadata__\":{");
+        out.write_all(b"\"__metadata__\":{")?;
         for (i, (k, v)) in metadata.iter().enumerate() {
             if i > 0 {
-                json.push(b',');
+                out.write_all(b",")?;
             }
-            string(&mut json, k);
-            json.push(b':');
-            string(&mut json, v);
+            string(out, k)?;
+            out.write_all(b":")?;
+            string(out, v)?;
         }
-        json.push(b'}');
+        out.write_all(b"}")?;
     }
     let mut offset = 0u64;
     for (i, &(name, dtype, shape)) in tensors.iter().enumerate() {
         if i > 0 || !metadata.is_empty() {
-            json.push(b',');
+            out.write_all(b",")?;
         }
+        // Shapes are checked not to overflow before anything is written.
         let len = (shape.iter().product::<usize>() * dtype.size_in_bytes()) as u64;
-        string(&mut json, name);
-        json.extend_from_slice(b":{\"dtype\":");
-        string(&mut json, dtype.as_safetensors_str());
-        json.extend_from_slice(b",\"shape\":[");
+        string(out, name)?;
+        out.write_all(b":{\"dtype\":")?;
+        string(out, dtype.as_safetensors_str())?;
+        out.write_all(b",\"shape\":[")?;
         for (k, d) in shape.iter().enumerate() {
             if k > 0 {
-                json.push(b',');
+                out.write_all(b",")?;
             }
-            json.extend_from_slice(d.to_string().as_bytes());
+            write!(out, "{d}")?;
         }
-        json.extend_from_slice(
-            format!("],\"data_offsets\":[{},{}]}}", offset, offset + len).as_bytes(),
-        );
+        write!(out, "],\"data_offsets\":[{},{}]}}", offset, offset + len)?;
         offset += len;
     }
-    json.push(b'}');
-    let padded = (json.len() - 8).next_multiple_of(8);
-    json.resize(8 + padded, b' ');
-    json[..8].copy_from_slice(&(padded as u64).to_le_bytes());
-    (json, offset)
+    out.write_all(b"}")?;
+    Ok(offset)
 }
 
 #[cfg(test)]
@@ -570,10 +594,13 @@ mod tests {
     fn encode_matches_the_safetensors_crate() {
         let a = TensorMeta::new(DType::F32, [2]);
         let b = TensorMeta::new(DType::BF16, [3]);
-        let (bytes, len) = encode(
+        let mut bytes = Vec::new();
+        let len = write_header(
+            &mut bytes,
             &[("format", "pt")],
             &[("a", a.dtype, &a.shape), ("b", b.dtype, &b.shape)],
-        );
+        )
+        .unwrap();
         assert_eq!(len, 14);
         let json = r#"{"__metadata__":{"format":"pt"},"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"BF16","shape":[3],"data_offsets":[8,14]}}"#;
         let padded = json.len().next_multiple_of(8);

@@ -13,8 +13,9 @@ use std::borrow::Cow;
 
 use serde_json::Value;
 
-/// Nesting deeper than this is refused (serde_json's own limit), so a
-/// hostile file cannot exhaust the stack.
+/// Nesting this deep is refused (serde_json's own limit, counted the same
+/// way from the outermost value), so a hostile file cannot exhaust the
+/// stack.
 const MAX_DEPTH: usize = 128;
 
 /// A strict pull parser; every error is a message with the byte offset.
@@ -23,6 +24,8 @@ const MAX_DEPTH: usize = 128;
 pub(crate) struct Reader<'a> {
     text: &'a str,
     pos: usize,
+    /// Objects and arrays open around the position.
+    depth: usize,
 }
 
 /// What the next value is, from its first byte.
@@ -37,7 +40,11 @@ pub(crate) enum Kind {
 
 impl<'a> Reader<'a> {
     pub(crate) fn new(text: &'a str) -> Self {
-        Reader { text, pos: 0 }
+        Reader {
+            text,
+            pos: 0,
+            depth: 0,
+        }
     }
 
     fn bytes(&self) -> &'a [u8] {
@@ -80,7 +87,16 @@ impl<'a> Reader<'a> {
 
     /// Consumes the `{` of an object.
     pub(crate) fn begin_object(&mut self) -> Result<(), String> {
-        self.expect(b'{')
+        self.expect(b'{')?;
+        self.enter()
+    }
+
+    fn enter(&mut self) -> Result<(), String> {
+        self.depth += 1;
+        if self.depth >= MAX_DEPTH {
+            return Err(self.error("nesting 128 levels deep or more"));
+        }
+        Ok(())
     }
 
     /// The next key of the object being read, or `None` after its `}`.
@@ -89,6 +105,7 @@ impl<'a> Reader<'a> {
         self.skip_ws();
         if self.bytes().get(self.pos) == Some(&b'}') {
             self.pos += 1;
+            self.depth -= 1;
             return Ok(None);
         }
         if !first {
@@ -105,7 +122,8 @@ impl<'a> Reader<'a> {
 
     /// Consumes the `[` of an array.
     pub(crate) fn begin_array(&mut self) -> Result<(), String> {
-        self.expect(b'[')
+        self.expect(b'[')?;
+        self.enter()
     }
 
     /// True when the array being read has another element (consuming the
@@ -114,6 +132,7 @@ impl<'a> Reader<'a> {
         self.skip_ws();
         if self.bytes().get(self.pos) == Some(&b']') {
             self.pos += 1;
+            self.depth -= 1;
             return Ok(false);
         }
         if !first {
@@ -269,10 +288,17 @@ impl<'a> Reader<'a> {
             }
             integer = false;
         }
-        self.pos = i;
-        Ok(integer
+        let token = &self.text[start..i];
+        let value = integer
             .then(|| self.text[int_start..i].parse::<u64>().ok())
-            .flatten())
+            .flatten();
+        // As serde_json: a number beyond the range of f64 is an error.
+        if value.is_none() && !token.parse::<f64>().is_ok_and(f64::is_finite) {
+            self.pos = start;
+            return Err(self.error("number out of range"));
+        }
+        self.pos = i;
+        Ok(value)
     }
 
     /// Reads a list of non-negative integers; `None` when the value is
@@ -301,22 +327,16 @@ impl<'a> Reader<'a> {
         Ok(ok.then_some(out))
     }
 
-    /// Skips any value, checking its syntax.
+    /// Skips any value, checking its syntax. Recursion is bounded by the
+    /// nesting limit.
     pub(crate) fn skip_value(&mut self) -> Result<(), String> {
-        self.skip_nested(0)
-    }
-
-    fn skip_nested(&mut self, depth: usize) -> Result<(), String> {
-        if depth >= MAX_DEPTH {
-            return Err(self.error("nesting deeper than 128 levels"));
-        }
         match self.peek()? {
             Kind::Object => {
                 self.begin_object()?;
                 let mut first = true;
                 while self.next_key(first)?.is_some() {
                     first = false;
-                    self.skip_nested(depth + 1)?;
+                    self.skip_value()?;
                 }
             }
             Kind::Array => {
@@ -324,7 +344,7 @@ impl<'a> Reader<'a> {
                 let mut first = true;
                 while self.next_element(first)? {
                     first = false;
-                    self.skip_nested(depth + 1)?;
+                    self.skip_value()?;
                 }
             }
             Kind::String => {
@@ -548,12 +568,28 @@ mod tests {
             "{} x",
             "",
             "[[[[]]]]",
+            "1e308",
+            "1e309",
+            "[-1e400]",
+            "1e-999",
+            &"9".repeat(400),
+            &"9".repeat(300),
         ] {
             let serde = serde_json::from_str::<Value>(json).is_ok();
             assert_eq!(validate(json).is_ok(), serde, "{json:?}");
         }
-        let deep = "[".repeat(200) + &"]".repeat(200);
-        assert!(validate(&deep).unwrap_err().contains("nesting"));
+        // serde_json's limit, counted the same way.
+        for n in [127, 128, 129, 200] {
+            let deep = "[".repeat(n) + &"]".repeat(n);
+            let in_object = format!("{{\"a\":{}}}", "[".repeat(n) + &"]".repeat(n));
+            for json in [deep, in_object] {
+                let serde = serde_json::from_str::<Value>(&json).is_ok();
+                assert_eq!(validate(&json).is_ok(), serde, "{n}");
+                if !serde {
+                    assert!(validate(&json).unwrap_err().contains("nesting"));
+                }
+            }
+        }
     }
 
     #[test]

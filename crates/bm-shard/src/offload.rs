@@ -20,7 +20,7 @@ use bm_tensor::{DType, HostBuffer, MmapView, TensorMeta};
 use serde_json::{Map, Value};
 
 use crate::json::{Kind, Reader, shorten};
-use crate::paths::{Resolved, resolve_in_folder};
+use crate::paths::{Folder, Resolved, resolve_in_folder};
 use crate::{Checkpoint, Error, cast_target};
 
 /// File name of the offload index.
@@ -208,24 +208,31 @@ pub fn load_index(folder: &Path) -> Result<Vec<(String, OffloadEntry)>, Error> {
         .open()?
         .read_to_end(&mut bytes)
         .map_err(|e| Error::io(&path, "reading", e))?;
-    let text = std::str::from_utf8(&bytes).map_err(|e| {
+    parse_index(&path, &bytes)
+}
+
+/// Parses the text of an offload `index.json` (`path` only names it in
+/// errors): name → entry in file order; an entry given twice, a shape whose
+/// size overflows or a field of the wrong type is an error.
+pub fn parse_index(path: &Path, bytes: &[u8]) -> Result<Vec<(String, OffloadEntry)>, Error> {
+    let text = std::str::from_utf8(bytes).map_err(|e| {
         Error::index(
-            &path,
+            path,
             format!("not UTF-8 (invalid byte at offset {})", e.valid_up_to()),
         )
     })?;
-    let syntax = |e: String| Error::index(&path, format!("not valid JSON: {e}"));
+    let syntax = |e: String| Error::index(path, format!("not valid JSON: {e}"));
     let mut r = Reader::new(text);
     if r.peek().map_err(syntax)? != Kind::Object {
         crate::json::validate(text).map_err(syntax)?;
-        return Err(Error::index(&path, "expected a JSON object"));
+        return Err(Error::index(path, "expected a JSON object"));
     }
     r.begin_object().map_err(syntax)?;
     let mut entries = Vec::new();
     let mut first = true;
     while let Some(name) = r.next_key(first).map_err(syntax)? {
         first = false;
-        let entry = OffloadEntry::read(&path, &name, &mut r)?;
+        let entry = OffloadEntry::read(path, &name, &mut r)?;
         entries.push((name.into_owned(), entry));
     }
     r.end().map_err(syntax)?;
@@ -233,7 +240,7 @@ pub fn load_index(folder: &Path) -> Result<Vec<(String, OffloadEntry)>, Error> {
     names.sort_unstable();
     if let Some(w) = names.windows(2).find(|w| w[0] == w[1]) {
         return Err(Error::index(
-            &path,
+            path,
             format!("entry {:?} appears twice", w[0]),
         ));
     }
@@ -328,6 +335,8 @@ impl OffloadFolder {
         let mut opened: HashMap<PathBuf, usize> = HashMap::new();
         let mut names = Vec::with_capacity(entries.len());
         let mut tensors = HashMap::with_capacity(entries.len());
+        let in_folder = Folder::new(folder)
+            .map_err(|problem| Error::checkpoint(folder, format!("the folder {problem}")))?;
         for (name, entry) in entries {
             let bad =
                 |problem: String| Error::index(&index_path, format!("entry {name:?}: {problem}"));
@@ -335,7 +344,8 @@ impl OffloadFolder {
                 OffloadEntry::Dat(meta) => {
                     let path = dat_path(folder, &name)?;
                     let file_name = format!("{name}.dat");
-                    let dat = resolve_in_folder(folder, &file_name)
+                    let dat = in_folder
+                        .resolve(&file_name)
                         .map_err(|problem| bad(format!("{file_name} {problem}")))?;
                     let view =
                         MmapView::map_file(&dat.open()?, &path).map_err(|e| bad(e.to_string()))?;

@@ -100,50 +100,78 @@ pub(crate) fn check_name(name: &str) -> Result<(), String> {
 
 /// Resolves `name` inside `folder`: see the module docs. Only metadata is
 /// touched, never contents. The error completes "(who names it), which
-/// ...".
+/// ...". To resolve many names in one folder, use [`Folder`].
 pub fn resolve_in_folder(folder: &Path, name: &str) -> Result<Resolved, String> {
-    check_name(name)?;
-    let named = folder.join(normalize(name));
-    let real = match named.canonicalize() {
-        Ok(p) => p,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            let why = if std::fs::symlink_metadata(&named).is_ok() {
-                "is a symbolic link to nothing"
-            } else {
-                "does not exist"
-            };
-            return Err(format!("{why} ({})", named.display()));
+    Folder::new(folder)?.resolve(name)
+}
+
+/// A folder names are resolved in, resolved itself once (an offload folder
+/// or an index may name a million files).
+pub(crate) struct Folder<'a> {
+    folder: &'a Path,
+    real: PathBuf,
+    hub_repository: Option<PathBuf>,
+}
+
+impl<'a> Folder<'a> {
+    /// The error completes "(who names a file in it), which ...".
+    pub(crate) fn new(folder: &'a Path) -> Result<Self, String> {
+        let real = folder
+            .canonicalize()
+            .map_err(|e| format!("cannot be resolved ({}: {e})", folder.display()))?;
+        let hub_repository = hub_repository(&real).map(Path::to_path_buf);
+        Ok(Folder {
+            folder,
+            real,
+            hub_repository,
+        })
+    }
+
+    /// [`resolve_in_folder`] for this folder.
+    pub(crate) fn resolve(&self, name: &str) -> Result<Resolved, String> {
+        check_name(name)?;
+        let named = self.folder.join(normalize(name));
+        let real = match named.canonicalize() {
+            Ok(p) => p,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                let why = if std::fs::symlink_metadata(&named).is_ok() {
+                    "is a symbolic link to nothing"
+                } else {
+                    "does not exist"
+                };
+                return Err(format!("{why} ({})", named.display()));
+            }
+            Err(e) => return Err(format!("cannot be resolved ({}: {e})", named.display())),
+        };
+        let inside = real.starts_with(&self.real)
+            || self
+                .hub_repository
+                .as_ref()
+                .is_some_and(|repo| real.starts_with(repo));
+        if !inside {
+            return Err(format!(
+                "resolves to {}, outside the folder {}; refusing to read it",
+                real.display(),
+                self.real.display()
+            ));
         }
-        Err(e) => return Err(format!("cannot be resolved ({}: {e})", named.display())),
-    };
-    let real_folder = folder
-        .canonicalize()
-        .map_err(|e| format!("cannot be resolved ({}: {e})", folder.display()))?;
-    let inside = real.starts_with(&real_folder)
-        || hub_repository(&real_folder).is_some_and(|repo| real.starts_with(repo));
-    if !inside {
-        return Err(format!(
-            "resolves to {}, outside the folder {}; refusing to read it",
-            real.display(),
-            real_folder.display()
-        ));
+        let meta = std::fs::metadata(&real)
+            .map_err(|e| format!("cannot be examined ({}: {e})", named.display()))?;
+        if !meta.is_file() {
+            return Err(format!("is {}, not a file", kind(&meta)));
+        }
+        Ok(Resolved {
+            named,
+            real,
+            id: file_id(&meta),
+        })
     }
-    let meta = std::fs::metadata(&real)
-        .map_err(|e| format!("cannot be examined ({}: {e})", named.display()))?;
-    if !meta.is_file() {
-        return Err(format!("is {}, not a file", kind(&meta)));
-    }
-    Ok(Resolved {
-        named,
-        real,
-        id: file_id(&meta),
-    })
 }
 
 /// The Hugging Face hub cache repository holding `folder` when `folder`
 /// (resolved) lies in one of its snapshots: the `models--*` ancestor whose
 /// `snapshots/` leads to `folder` and which holds a `blobs/` folder.
-pub(crate) fn hub_repository(folder: &Path) -> Option<&Path> {
+fn hub_repository(folder: &Path) -> Option<&Path> {
     let mut child: Option<&Path> = None;
     for ancestor in folder.ancestors() {
         let is_repo = ancestor

@@ -12,7 +12,7 @@ use bm_tensor::{DType, TensorMeta};
 use crate::Error;
 use crate::atomic::{AtomicFile, FinishedFile, Opener, open_exclusive, sync_folder, write_atomic};
 use crate::checkpoint::cast_target;
-use crate::header::{encode, safetensors_order};
+use crate::header::{safetensors_order, write_header};
 use crate::json::push_python_str;
 
 /// File name of the index transformers writes next to safetensors shards.
@@ -381,12 +381,10 @@ fn write_shard(
             )
         })
         .collect();
-    let (header, data_len) = encode(&[("format", "pt")], &header_tensors);
-    drop(header_tensors);
     let io_err = |e| Error::io(dest, "writing", e);
     let mut out = AtomicFile::create_with(dest, open_temp)?;
-    out.write_all(&header).map_err(io_err)?;
-    drop(header);
+    let data_len = write_header(&mut out, &[("format", "pt")], &header_tensors).map_err(io_err)?;
+    drop(header_tensors);
     let mut scratch = Vec::new();
     for &i in group {
         let (src, to) = (&tensors[i], out_dtypes[i]);

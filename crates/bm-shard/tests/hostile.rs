@@ -219,7 +219,7 @@ fn hostile_safetensors_headers() {
                 );
                 st(d, "m.safetensors", &json, &[0], None)
             }),
-            Expect::Err(&["not valid JSON", "nesting deeper than 128 levels"]),
+            Expect::Err(&["not valid JSON", "nesting 128 levels deep or more"]),
         ),
         (
             "an unknown field, ignored as safetensors ignores it",

@@ -31,18 +31,18 @@ pub fn run(args: Args) -> CmdResult {
 }
 
 /// Byte counts of a checkpoint, in first-seen order.
-struct Summary {
+struct Summary<'a> {
     tensors: usize,
     total_bytes: u64,
-    dtypes: Vec<(String, u64)>,
-    modules: Vec<(String, u64)>,
-    largest_layer: Option<(String, u64)>,
+    dtypes: Vec<(&'a str, u64)>,
+    modules: Vec<(&'a str, u64)>,
+    largest_layer: Option<(&'a str, u64)>,
     /// Names of one tensor (a PyTorch file's tied weights), counted once.
-    tied: Vec<Vec<String>>,
+    tied: Vec<Vec<&'a str>>,
 }
 
-impl Summary {
-    fn of(ckpt: &Checkpoint) -> Summary {
+impl<'a> Summary<'a> {
+    fn of(ckpt: &'a Checkpoint) -> Summary<'a> {
         let mut dtypes = Totals::default();
         let mut modules = Totals::default();
         let mut layers = Totals::default();
@@ -64,7 +64,7 @@ impl Summary {
         let largest_layer = layers
             .rows
             .into_iter()
-            .fold(None, |best: Option<(String, u64)>, l| match &best {
+            .fold(None, |best: Option<(&str, u64)>, l| match &best {
                 Some(b) if b.1 >= l.1 => best,
                 _ => Some(l),
             });
@@ -74,16 +74,13 @@ impl Summary {
             dtypes: dtypes.rows,
             modules: modules.rows,
             largest_layer,
-            tied: ties
-                .into_iter()
-                .map(|g| g.into_iter().map(str::to_string).collect())
-                .collect(),
+            tied: ties,
         }
     }
 
     fn to_json(&self, ckpt: &Checkpoint) -> Value {
-        let map = |v: &[(String, u64)]| -> Map<String, Value> {
-            v.iter().map(|(k, b)| (k.clone(), json!(b))).collect()
+        let map = |v: &[(&str, u64)]| -> Map<String, Value> {
+            v.iter().map(|(k, b)| (k.to_string(), json!(b))).collect()
         };
         let files: Vec<Value> = ckpt
             .files()
@@ -136,21 +133,22 @@ impl Summary {
     }
 }
 
-/// Byte totals per key in first-seen order; O(1) per addition, so a
-/// checkpoint of a million distinct names is summed in linear time.
+/// Byte totals per key in first-seen order; O(1) per addition and keys
+/// borrowed from the checkpoint, so a million distinct names are summed in
+/// linear time without copies.
 #[derive(Default)]
-struct Totals {
-    rows: Vec<(String, u64)>,
-    position: HashMap<String, usize>,
+struct Totals<'a> {
+    rows: Vec<(&'a str, u64)>,
+    position: HashMap<&'a str, usize>,
 }
 
-impl Totals {
-    fn add(&mut self, key: &str, bytes: u64) {
+impl<'a> Totals<'a> {
+    fn add(&mut self, key: &'a str, bytes: u64) {
         match self.position.get(key) {
             Some(&i) => self.rows[i].1 += bytes,
             None => {
-                self.position.insert(key.to_string(), self.rows.len());
-                self.rows.push((key.to_string(), bytes));
+                self.position.insert(key, self.rows.len());
+                self.rows.push((key, bytes));
             }
         }
     }
