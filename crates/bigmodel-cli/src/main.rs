@@ -39,7 +39,14 @@ enum Command {
 
 fn main() -> ExitCode {
     sigbus::install();
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) if !e.use_stderr() => e.exit(),
+        Err(e) => {
+            eprintln!("{}", one_paragraph(&e.render().to_string()));
+            return ExitCode::from(2);
+        }
+    };
     let result = match cli.command {
         Command::Inspect(a) => cmd::inspect::run(a),
         Command::Shard(a) => cmd::shard::run(a),
@@ -55,6 +62,61 @@ fn main() -> ExitCode {
         Err(e) => {
             eprintln!("error: {e}");
             ExitCode::FAILURE
+        }
+    }
+}
+
+/// A clap usage error as the CLI contract wants every error: one paragraph.
+/// Clap's message, tip and context lines are joined; its usage block is
+/// replaced by the `--help` hint of the command that failed to parse.
+fn one_paragraph(rendered: &str) -> String {
+    let mut text = String::new();
+    let mut command = "bigmodel".to_string();
+    for line in rendered.lines().map(str::trim).filter(|l| !l.is_empty()) {
+        if let Some(usage) = line.strip_prefix("Usage: ") {
+            // `bigmodel plan [OPTIONS] <SOURCE>`: the words before the
+            // first placeholder name the command.
+            let words: Vec<&str> = usage
+                .split_whitespace()
+                .take_while(|w| !w.starts_with(['[', '<']))
+                .collect();
+            if !words.is_empty() {
+                command = words.join(" ");
+            }
+        } else if !line.starts_with("For more information") {
+            if !text.is_empty() {
+                text += if text.ends_with(':') { " " } else { "; " };
+            }
+            text += line;
+        }
+    }
+    let text = text.trim_end_matches('.');
+    format!("{text}. For more information, try '{command} --help'.")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Clap's rendering of each kind of usage error becomes one line.
+    #[test]
+    fn usage_errors_are_one_paragraph_with_the_help_hint() {
+        for (args, wanted) in [
+            (
+                &["bigmodel", "plan", "x", "--max-seq-len", "-5"][..],
+                "error: unexpected argument '-5' found; tip: to pass '-5' as a value, use '-- -5'. For more information, try 'bigmodel plan --help'.",
+            ),
+            (
+                &["bigmodel", "inspect"],
+                "error: the following required arguments were not provided: <CHECKPOINT>. For more information, try 'bigmodel inspect --help'.",
+            ),
+            (
+                &["bigmodel", "nosuch"],
+                "error: unrecognized subcommand 'nosuch'. For more information, try 'bigmodel --help'.",
+            ),
+        ] {
+            let e = Cli::try_parse_from(args).err().unwrap();
+            assert_eq!(one_paragraph(&e.render().to_string()), wanted);
         }
     }
 }

@@ -191,6 +191,55 @@ fn shard_refuses_bad_input_and_writes_nothing() {
     assert!(e.contains("creating folder"), "{e}");
 }
 
+/// A safetensors file of one-byte U8 tensors named `names`.
+fn one_byte_tensors(path: &Path, names: &[&str]) {
+    let entries: Vec<String> = names
+        .iter()
+        .enumerate()
+        .map(|(i, n)| {
+            format!(
+                "{}:{{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[{i},{}]}}",
+                Value::from(*n),
+                i + 1
+            )
+        })
+        .collect();
+    let mut json = format!("{{{}}}", entries.join(","));
+    while json.len() % 8 != 0 {
+        json.push(' ');
+    }
+    let mut bytes = (json.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(json.as_bytes());
+    bytes.extend(std::iter::repeat_n(1u8, names.len()));
+    std::fs::write(path, bytes).unwrap();
+}
+
+#[test]
+fn inspect_cuts_long_names_in_the_table_and_keeps_them_whole_in_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("long.safetensors");
+    // Past 65535 characters, padding a table column used to panic.
+    let module = "x".repeat(100_000);
+    let tensor = format!("{module}.weight");
+    one_byte_tensors(&path, &[&tensor, "short.bias"]);
+    let out = bigmodel(args!["inspect", path.as_os_str()]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let table = String::from_utf8(out.stdout).unwrap();
+    assert!(table.lines().all(|l| l.len() < 300), "{table}");
+    assert!(table.contains(&format!("{}...", &module[..96])), "{table}");
+    assert!(
+        table.contains(&format!("... ({} bytes; whole with --json)", module.len())),
+        "{table}"
+    );
+    let json = ok_json(args!["inspect", path.as_os_str(), "--json"]);
+    assert_eq!(json["modules"][&module], 1);
+    assert_eq!(json["largest_layer"]["name"], module);
+}
+
 #[test]
 fn inspect_errors_are_one_paragraph() {
     let dir = tempfile::tempdir().unwrap();

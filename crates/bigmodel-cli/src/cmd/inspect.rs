@@ -1,5 +1,6 @@
 //! `bigmodel inspect`: what a checkpoint holds, from its headers alone.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::path::PathBuf;
 
@@ -112,20 +113,22 @@ impl<'a> Summary<'a> {
             human_bytes(self.total_bytes)
         );
         if let Some((name, bytes)) = &self.largest_layer {
-            out += &format!("largest      {name} ({})\n", human_bytes(*bytes));
+            out += &format!("largest      {} ({})\n", shown(name), human_bytes(*bytes));
         }
         for group in &self.tied {
-            out += &format!("tied         {} (counted once)\n", group.join(" = "));
+            let names: Vec<Cow<'_, str>> = group.iter().map(|n| shown(n)).collect();
+            out += &format!("tied         {} (counted once)\n", names.join(" = "));
         }
         for (title, rows) in [("dtype", &self.dtypes), ("module", &self.modules)] {
-            let width = rows
+            let shown: Vec<Cow<'_, str>> = rows.iter().map(|r| shown(r.0)).collect();
+            let width = shown
                 .iter()
-                .map(|r| r.0.len())
+                .map(|k| k.chars().count())
                 .max()
                 .unwrap_or(0)
                 .max(title.len());
             out += &format!("\n{title:<width$}  bytes\n");
-            for (k, b) in rows {
+            for (k, (_, b)) in shown.iter().zip(rows.iter()) {
                 out += &format!("{k:<width$}  {} ({})\n", b, human_bytes(*b));
             }
         }
@@ -151,6 +154,23 @@ impl<'a> Totals<'a> {
                 self.rows.push((key, bytes));
             }
         }
+    }
+}
+
+/// Names longer than this are cut in the table (a hostile file may hold
+/// names of any length; padding to one would also fail past 65535).
+const SHOWN_NAME_CHARS: usize = 96;
+
+/// `name` as the table shows it: whole, or its first characters and how
+/// long it is (`--json` keeps every name whole).
+fn shown(name: &str) -> Cow<'_, str> {
+    match name.char_indices().nth(SHOWN_NAME_CHARS) {
+        None => Cow::Borrowed(name),
+        Some((cut, _)) => Cow::Owned(format!(
+            "{}... ({} bytes; whole with --json)",
+            &name[..cut],
+            name.len()
+        )),
     }
 }
 
@@ -210,6 +230,18 @@ mod tests {
         assert_eq!(layer_of("h.10.attn.bias"), "h.10");
         assert_eq!(layer_of("model.embed_tokens.weight"), "model.embed_tokens");
         assert_eq!(layer_of("bias"), "bias");
+    }
+
+    #[test]
+    fn long_names_are_cut_for_the_table_on_a_char_boundary() {
+        assert_eq!(shown("model.embed"), "model.embed");
+        let exact = "é".repeat(SHOWN_NAME_CHARS);
+        assert_eq!(shown(&exact), exact.as_str());
+        let long = format!("{exact}x");
+        assert_eq!(
+            shown(&long),
+            format!("{exact}... ({} bytes; whole with --json)", long.len())
+        );
     }
 
     #[test]
