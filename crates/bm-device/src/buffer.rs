@@ -1,11 +1,15 @@
 //! Bytes on one GPU, and every copy into, out of and between them.
 
+use std::alloc::Layout;
 use std::ops::Range;
+use std::ptr::NonNull;
+use std::sync::Arc;
+use std::time::Instant;
 
-use parking_lot::Mutex;
-
+use crate::link::{Job, pace};
+use crate::pending::Pending;
 use crate::pinned::{HostRegistration, PinnedBuffer, PinnedPool};
-use crate::stream::Event;
+use crate::stream::{Event, StreamImpl};
 use crate::{Device, Error, Gpu, Result, Stream};
 
 /// Largest single transfer enqueued at once: big tensors are cut into
@@ -13,25 +17,80 @@ use crate::{Device, Error, Gpu, Result, Stream};
 /// chunk and the driver's per-call limits never matter.
 pub const COPY_CHUNK: usize = 64 << 20;
 
-/// Bytes on one GPU ordinal. The bytes are returned to the device, and to
-/// its budget, on drop (after any copy still using them completes).
+/// Bytes on one GPU ordinal, allocated on a stream (its *home*: the
+/// compute stream unless [`Gpu::alloc_on`] named another).
 ///
-/// Asynchronous copies return an [`Event`]; the buffer also remembers the
-/// last one, so later operations on any stream are ordered after it and
-/// the buffer is never freed under a copy in flight.
+/// Every operation notes the stream it ran on and the event after it, one
+/// per stream (see `pending.rs`): later work on another stream waits for
+/// those events, host access waits for all of them. Dropping the buffer
+/// returns its bytes to the budget at once and enqueues the free of the
+/// memory after its last use, without blocking the host.
 pub struct DeviceBuffer {
     gpu: Gpu,
     len: usize,
     mem: Mem,
-    pending: Mutex<Option<Event>>,
+    home: Stream,
+    pending: Pending,
 }
 
 pub(crate) enum Mem {
-    Emulated(Box<[u8]>),
+    Emulated(Arc<EmulatedMemory>),
     Cuda {
         ptr: crate::cuda::DevicePtr,
-        gpu: std::sync::Arc<crate::cuda::CudaGpu>,
+        gpu: Arc<crate::cuda::CudaGpu>,
     },
+}
+
+/// Host memory standing in for an emulated GPU's, owned by its buffer and
+/// by every copy still queued on a copy engine, so it outlives them.
+pub(crate) struct EmulatedMemory {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the memory is owned like a Box<[u8]>; concurrent access is
+// ordered by events, as for device memory.
+unsafe impl Send for EmulatedMemory {}
+// SAFETY: as above.
+unsafe impl Sync for EmulatedMemory {}
+
+const PAGE: usize = 4096;
+
+impl EmulatedMemory {
+    /// `len` zeroed bytes (never uninitialised: reading those would be
+    /// undefined behaviour), or `None` when the host cannot provide them.
+    pub(crate) fn zeroed(len: usize) -> Option<EmulatedMemory> {
+        let layout = Layout::from_size_align(len, PAGE).ok()?;
+        // SAFETY: callers never ask for zero bytes.
+        let ptr = NonNull::new(unsafe { std::alloc::alloc_zeroed(layout) })?;
+        Some(EmulatedMemory { ptr, len })
+    }
+
+    fn addr(&self) -> usize {
+        self.ptr.as_ptr() as usize
+    }
+}
+
+impl Drop for EmulatedMemory {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `zeroed` with this layout.
+        unsafe {
+            std::alloc::dealloc(
+                self.ptr.as_ptr(),
+                Layout::from_size_align_unchecked(self.len, PAGE),
+            )
+        }
+    }
+}
+
+/// Copies `len` bytes from address `src` to address `dst`.
+///
+/// # Safety
+/// Both ranges are valid for `len` bytes while this runs, do not
+/// overlap, and nothing else writes them meanwhile.
+unsafe fn copy_bytes(src: usize, dst: usize, len: usize) {
+    // SAFETY: per this function's contract.
+    unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, len) }
 }
 
 impl std::fmt::Debug for DeviceBuffer {
@@ -70,13 +129,22 @@ pub(crate) fn chunks(range: Range<usize>, chunk: usize) -> impl Iterator<Item = 
         .map(move |s| s..(s + chunk).min(range.end))
 }
 
+/// Whether a copy crosses the host link (and so takes a linked emulated
+/// GPU's transfer time) or stays on the device.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Route {
+    HostLink,
+    OnDevice,
+}
+
 impl DeviceBuffer {
-    pub(crate) fn new(gpu: Gpu, len: usize, mem: Mem) -> Self {
+    pub(crate) fn new(gpu: Gpu, len: usize, mem: Mem, home: Stream) -> Self {
         DeviceBuffer {
             gpu,
             len,
             mem,
-            pending: Mutex::new(None),
+            home,
+            pending: Pending::default(),
         }
     }
 
@@ -100,28 +168,30 @@ impl DeviceBuffer {
         &self.gpu
     }
 
-    /// Blocks until the last asynchronous copy involving this buffer has completed.
+    /// The stream the buffer was allocated on.
+    pub fn home_stream(&self) -> &Stream {
+        &self.home
+    }
+
+    /// Blocks until all work using this buffer, on every stream, has completed.
     pub fn synchronize(&self) -> Result<()> {
-        let pending = self.pending.lock().clone();
-        match pending {
-            Some(e) => e.synchronize(),
-            None => Ok(()),
-        }
+        self.pending.synchronize()
     }
 
-    /// Orders `stream` after the last copy involving this buffer.
-    pub(crate) fn order_after_pending(&self, stream: &Stream) -> Result<()> {
-        let pending = self.pending.lock().clone();
-        match pending {
-            Some(e) => stream.wait(&e),
-            None => Ok(()),
-        }
+    /// Makes `stream` wait for this buffer's uses on other streams.
+    pub(crate) fn order_before(&self, stream: &Stream) -> Result<()> {
+        self.pending.order_before(stream)
     }
 
-    /// Makes `event` (the end of a kernel or copy using this buffer) the
-    /// last use that later work and the drop wait for.
-    pub(crate) fn set_pending(&self, event: Event) {
-        *self.pending.lock() = Some(event);
+    /// Notes `event` (recorded on `stream` after work using this buffer)
+    /// as that stream's last use.
+    pub(crate) fn note_use(&self, stream: &Stream, event: &Event) {
+        self.pending.note(stream, event)
+    }
+
+    /// Notes work just enqueued on `stream` without an event of its own.
+    pub(crate) fn note_enqueued(&self, stream: &Stream) {
+        self.pending.note_enqueued(stream)
     }
 
     /// The device address of a CUDA buffer (`None` for an emulated one).
@@ -132,46 +202,113 @@ impl DeviceBuffer {
         }
     }
 
-    /// Records the end of an operation on `stream` as this buffer's last use.
+    /// Records the end of an operation on `stream` as this buffer's use there.
     fn finish(&self, stream: &Stream) -> Result<Event> {
         let e = stream.record()?;
-        *self.pending.lock() = Some(e.clone());
+        self.pending.note(stream, &e);
         Ok(e)
     }
 
-    fn check_stream(&self, stream: &Stream, operation: &'static str) -> Result<()> {
+    pub(crate) fn check_stream(&self, stream: &Stream, operation: &'static str) -> Result<()> {
         stream.check_on(self.gpu.id(), self.gpu.ordinal(), operation)
     }
 
-    /// Copies `src` into the buffer at `offset`; returns when done. The
-    /// host memory may be pageable.
-    pub fn copy_from_host(&mut self, offset: usize, src: &[u8]) -> Result<()> {
-        check_range("copy from host", offset, src.len(), self.len)?;
-        self.synchronize()?;
-        match &mut self.mem {
-            Mem::Emulated(b) => b[offset..offset + src.len()].copy_from_slice(src),
-            // SAFETY: the range was checked against this allocation.
-            Mem::Cuda { ptr, gpu } => unsafe { gpu.htod_sync(*ptr + offset as u64, src)? },
+    /// An emulated copy of `len` bytes from address `src` to address `dst`:
+    /// handed to `engine` when there is one (`keep` holds the device memory
+    /// until it runs), else done now. A copy over the host link takes the
+    /// GPU's simulated transfer time, if it has a link.
+    ///
+    /// # Safety
+    /// Host memory in either range stays valid and untouched until the
+    /// copy completes, which the caller orders with the event it records
+    /// after this on the engine's stream.
+    unsafe fn emulated_copy(
+        &self,
+        engine: Option<&crate::link::CopyEngine>,
+        (src, dst, len): (usize, usize, usize),
+        keep: Vec<Arc<EmulatedMemory>>,
+        route: Route,
+    ) {
+        let paced = route == Route::HostLink;
+        match engine {
+            Some(engine) => {
+                engine.push(Job::Copy {
+                    work: Box::new(move || {
+                        let _keep = keep;
+                        // SAFETY: per this function's contract.
+                        unsafe { copy_bytes(src, dst, len) }
+                    }),
+                    bytes: len as u64,
+                    paced,
+                });
+            }
+            None => {
+                let start = Instant::now();
+                // SAFETY: per this function's contract.
+                unsafe { copy_bytes(src, dst, len) };
+                if let (true, Some(link)) = (paced, self.gpu.link()) {
+                    pace(&link, len as u64, start);
+                }
+            }
         }
-        Ok(())
     }
 
-    /// Copies bytes `offset..offset + dst.len()` of the buffer into `dst`;
-    /// returns when done.
+    /// Copies `src` into the buffer at `offset`, ordered after every use
+    /// of the buffer, on its home stream. `src` may be pageable and has
+    /// been read when this returns; the buffer's later users wait for the
+    /// copy itself.
+    pub fn copy_from_host(&mut self, offset: usize, src: &[u8]) -> Result<()> {
+        check_range("copy from host", offset, src.len(), self.len)?;
+        let home = self.home.clone();
+        self.copy_pageable(offset, src, &home).map(|_| ())
+    }
+
+    /// Copies bytes `offset..offset + dst.len()` of the buffer into `dst`
+    /// after every use of the buffer; returns when done.
     pub fn copy_to_host(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
         check_range("copy to host", offset, dst.len(), self.len)?;
-        self.synchronize()?;
+        if dst.is_empty() {
+            return Ok(());
+        }
         match &self.mem {
-            Mem::Emulated(b) => dst.copy_from_slice(&b[offset..offset + dst.len()]),
-            // SAFETY: the range was checked against this allocation.
-            Mem::Cuda { ptr, gpu } => unsafe { gpu.dtoh_sync(dst, *ptr + offset as u64)? },
+            Mem::Emulated(m) => {
+                // The destination is borrowed: the copy runs here, after
+                // everything using the buffer.
+                self.pending.synchronize()?;
+                // SAFETY: the range was checked; no use is in flight.
+                unsafe {
+                    self.emulated_copy(
+                        None,
+                        (m.addr() + offset, dst.as_mut_ptr() as usize, dst.len()),
+                        Vec::new(),
+                        Route::HostLink,
+                    )
+                }
+            }
+            Mem::Cuda { ptr, gpu } => {
+                let home = &self.home;
+                self.pending.order_before(home)?;
+                // SAFETY: the range was checked against this allocation; a
+                // copy into pageable memory returns once it is complete,
+                // and the event below is waited for regardless.
+                unsafe {
+                    gpu.dtoh_async(
+                        dst.as_mut_ptr(),
+                        *ptr + offset as u64,
+                        dst.len(),
+                        stream_cuda(home)?,
+                    )?
+                };
+                home.record()?.synchronize()?;
+            }
         }
         Ok(())
     }
 
     /// Enqueues a copy of `src[src_range]` (page-locked, or the pageable
     /// fallback) into the buffer at `offset` on `stream`, which must belong
-    /// to this buffer's GPU. Host access to `src` waits for the copy.
+    /// to this buffer's GPU: a direct DMA, no staging copy. Host access to
+    /// `src` waits for the copy.
     pub fn copy_from_pinned(
         &mut self,
         offset: usize,
@@ -184,18 +321,28 @@ impl DeviceBuffer {
         let len = src_range.end.saturating_sub(src_range.start);
         check_range(OP, src_range.start, len, src.len())?;
         check_range(OP, offset, len, self.len)?;
-        self.order_after_pending(stream)?;
-        src.order_after_pending(stream)?;
+        self.pending.order_before(stream)?;
+        src.order_before(stream)?;
         for piece in chunks(src_range.clone(), COPY_CHUNK) {
             let dst_off = offset + (piece.start - src_range.start);
-            match &mut self.mem {
-                Mem::Emulated(b) => {
-                    b[dst_off..dst_off + piece.len()].copy_from_slice(&src.bytes()[piece.clone()])
-                }
+            match &self.mem {
+                // SAFETY: both ranges were checked; `src` is neither freed nor
+                // written by the host before the event noted below completes.
+                Mem::Emulated(m) => unsafe {
+                    self.emulated_copy(
+                        stream.engine(),
+                        (
+                            src.ptr() as usize + piece.start,
+                            m.addr() + dst_off,
+                            piece.len(),
+                        ),
+                        vec![Arc::clone(m)],
+                        Route::HostLink,
+                    )
+                },
                 Mem::Cuda { ptr, gpu } => {
                     let s = stream_cuda(stream)?;
-                    // SAFETY: both ranges were checked; `src` is not freed or
-                    // written by the host before its pending event (below) completes.
+                    // SAFETY: as above.
                     unsafe {
                         gpu.htod_async(
                             *ptr + dst_off as u64,
@@ -208,7 +355,7 @@ impl DeviceBuffer {
             }
         }
         let e = self.finish(stream)?;
-        src.set_pending(e.clone());
+        src.note_use(stream, &e);
         Ok(e)
     }
 
@@ -226,18 +373,28 @@ impl DeviceBuffer {
         self.check_stream(stream, OP)?;
         check_range(OP, offset, len, self.len)?;
         check_range(OP, dst_offset, len, dst.len())?;
-        self.order_after_pending(stream)?;
-        dst.order_after_pending(stream)?;
+        self.pending.order_before(stream)?;
+        dst.order_before(stream)?;
         for piece in chunks(offset..offset + len, COPY_CHUNK) {
             let host_off = dst_offset + (piece.start - offset);
             match &self.mem {
-                Mem::Emulated(b) => {
-                    dst.bytes_mut()[host_off..host_off + piece.len()].copy_from_slice(&b[piece])
-                }
+                // SAFETY: both ranges were checked; the host does not touch
+                // `dst` before the event noted below completes.
+                Mem::Emulated(m) => unsafe {
+                    self.emulated_copy(
+                        stream.engine(),
+                        (
+                            m.addr() + piece.start,
+                            dst.ptr_mut() as usize + host_off,
+                            piece.len(),
+                        ),
+                        vec![Arc::clone(m)],
+                        Route::HostLink,
+                    )
+                },
                 Mem::Cuda { ptr, gpu } => {
                     let s = stream_cuda(stream)?;
-                    // SAFETY: both ranges were checked; the host does not
-                    // touch `dst` before its pending event (below) completes.
+                    // SAFETY: as above.
                     unsafe {
                         gpu.dtoh_async(
                             dst.ptr_mut().add(host_off),
@@ -250,7 +407,7 @@ impl DeviceBuffer {
             }
         }
         let e = self.finish(stream)?;
-        dst.set_pending(e.clone());
+        dst.note_use(stream, &e);
         Ok(e)
     }
 
@@ -270,17 +427,25 @@ impl DeviceBuffer {
         let len = src_range.end.saturating_sub(src_range.start);
         check_range(OP, src_range.start, len, src.len())?;
         check_range(OP, offset, len, self.len)?;
-        self.order_after_pending(stream)?;
+        self.pending.order_before(stream)?;
         for piece in src.pieces(src_range.clone()) {
             let dst_off = offset + (piece.start - src_range.start);
             let bytes = &src.bytes()[piece];
-            match &mut self.mem {
-                Mem::Emulated(b) => b[dst_off..dst_off + bytes.len()].copy_from_slice(bytes),
+            match &self.mem {
+                // SAFETY: ranges checked; the registration's drop waits for
+                // the event noted below, so the bytes outlive the copy.
+                Mem::Emulated(m) => unsafe {
+                    self.emulated_copy(
+                        stream.engine(),
+                        (bytes.as_ptr() as usize, m.addr() + dst_off, bytes.len()),
+                        vec![Arc::clone(m)],
+                        Route::HostLink,
+                    )
+                },
                 Mem::Cuda { ptr, gpu } => {
                     let s = stream_cuda(stream)?;
-                    // SAFETY: ranges checked; the registration outlives the
-                    // copy because its drop waits for the event recorded below,
-                    // and pageable sources are consumed before the call returns.
+                    // SAFETY: as above; pageable sources are consumed before
+                    // the call returns.
                     unsafe {
                         gpu.htod_async(*ptr + dst_off as u64, bytes.as_ptr(), bytes.len(), s)?
                     }
@@ -288,7 +453,7 @@ impl DeviceBuffer {
             }
         }
         let e = self.finish(stream)?;
-        src.add_pending(e.clone());
+        src.note_use(stream, &e);
         Ok(e)
     }
 
@@ -308,18 +473,25 @@ impl DeviceBuffer {
         let len = src_range.end.saturating_sub(src_range.start);
         check_range(OP, src_range.start, len, src.len)?;
         check_range(OP, offset, len, self.len)?;
-        self.order_after_pending(stream)?;
-        src.order_after_pending(stream)?;
+        self.pending.order_before(stream)?;
+        src.pending.order_before(stream)?;
         for piece in chunks(src_range.clone(), COPY_CHUNK) {
             let dst_off = offset + (piece.start - src_range.start);
-            match (&mut self.mem, &src.mem) {
-                (Mem::Emulated(d), Mem::Emulated(s)) => {
-                    d[dst_off..dst_off + piece.len()].copy_from_slice(&s[piece])
-                }
+            match (&self.mem, &src.mem) {
+                // SAFETY: ranges checked against both allocations, which the
+                // copy keeps alive; `&mut self` and `&src` are two buffers.
+                (Mem::Emulated(d), Mem::Emulated(s)) => unsafe {
+                    self.emulated_copy(
+                        stream.engine(),
+                        (s.addr() + piece.start, d.addr() + dst_off, piece.len()),
+                        vec![Arc::clone(d), Arc::clone(s)],
+                        Route::OnDevice,
+                    )
+                },
                 (Mem::Cuda { ptr: d, gpu: dg }, Mem::Cuda { ptr: s, gpu: sg }) => {
                     let st = stream_cuda(stream)?;
                     // SAFETY: ranges checked against both allocations; both
-                    // buffers wait for the event recorded below before freeing.
+                    // buffers order their frees after the event noted below.
                     unsafe {
                         dg.dtod_async(
                             *d + dst_off as u64,
@@ -340,7 +512,7 @@ impl DeviceBuffer {
             }
         }
         let e = self.finish(stream)?;
-        *src.pending.lock() = Some(e.clone());
+        src.pending.note(stream, &e);
         Ok(e)
     }
 
@@ -361,7 +533,7 @@ impl DeviceBuffer {
         self.check_stream(stream, OP)?;
         check_range(OP, offset, src.len(), self.len)?;
         if !pool.stages() {
-            return self.copy_pageable_async(offset, src, stream);
+            return self.copy_pageable(offset, src, stream);
         }
         let mut last = None;
         for piece in chunks(0..src.len(), pool.slot_bytes()) {
@@ -376,18 +548,34 @@ impl DeviceBuffer {
         }
     }
 
-    /// Pageable host-to-device copies enqueued on `stream`: the driver
-    /// stages pageable memory itself and has consumed `src` on return.
-    fn copy_pageable_async(&mut self, offset: usize, src: &[u8], stream: &Stream) -> Result<Event> {
-        self.order_after_pending(stream)?;
-        for piece in chunks(0..src.len(), COPY_CHUNK) {
-            let bytes = &src[piece.clone()];
-            match &mut self.mem {
-                Mem::Emulated(b) => {
-                    b[offset + piece.start..offset + piece.end].copy_from_slice(bytes)
-                }
-                Mem::Cuda { ptr, gpu } => {
-                    let s = stream_cuda(stream)?;
+    /// Copies pageable `src` into the buffer at `offset` on `stream`, after
+    /// every use of the buffer; `src` has been read on return. CUDA stages
+    /// pageable memory itself; an emulated copy runs here, since `src` is
+    /// only borrowed.
+    fn copy_pageable(&mut self, offset: usize, src: &[u8], stream: &Stream) -> Result<Event> {
+        if src.is_empty() {
+            return Ok(Event::completed(self.device()));
+        }
+        match &self.mem {
+            Mem::Emulated(m) => {
+                self.pending.synchronize()?;
+                // SAFETY: range checked by the caller; no use is in flight
+                // and `src` is read before this returns.
+                unsafe {
+                    self.emulated_copy(
+                        None,
+                        (src.as_ptr() as usize, m.addr() + offset, src.len()),
+                        Vec::new(),
+                        Route::HostLink,
+                    )
+                };
+                Ok(Event::completed(self.device()))
+            }
+            Mem::Cuda { ptr, gpu } => {
+                self.pending.order_before(stream)?;
+                let s = stream_cuda(stream)?;
+                for piece in chunks(0..src.len(), COPY_CHUNK) {
+                    let bytes = &src[piece.clone()];
                     // SAFETY: range checked by the caller; pageable memory is
                     // copied out by the driver before the call returns.
                     unsafe {
@@ -399,9 +587,9 @@ impl DeviceBuffer {
                         )?
                     }
                 }
+                self.finish(stream)
             }
         }
-        self.finish(stream)
     }
 
     /// Copies bytes `offset..offset + dst.len()` of the buffer into `dst`
@@ -426,12 +614,27 @@ impl DeviceBuffer {
         }
         Ok(())
     }
+
+    /// Sets every byte to zero, on the home stream.
+    pub(crate) fn zero(&self) -> Result<()> {
+        match &self.mem {
+            // Emulated memory is zeroed when allocated.
+            Mem::Emulated(_) => Ok(()),
+            Mem::Cuda { ptr, gpu } => {
+                // SAFETY: the whole allocation, on the stream it was
+                // allocated on (so after the allocation).
+                unsafe { gpu.memset_zero_async(*ptr, self.len, stream_cuda(&self.home)?)? };
+                self.note_enqueued(&self.home);
+                Ok(())
+            }
+        }
+    }
 }
 
 pub(crate) fn stream_cuda(stream: &Stream) -> Result<&crate::cuda::CudaStream> {
     match &stream.imp {
-        crate::stream::StreamImpl::Cuda { stream, .. } => Ok(stream),
-        crate::stream::StreamImpl::Emulated => Err(Error::WrongDevice {
+        StreamImpl::Cuda { stream, .. } => Ok(stream),
+        StreamImpl::Emulated | StreamImpl::Engine(_) => Err(Error::WrongDevice {
             operation: "CUDA copy on an emulated device's stream",
             expected: stream.device(),
             found: stream.device(),
@@ -441,14 +644,30 @@ pub(crate) fn stream_cuda(stream: &Stream) -> Result<&crate::cuda::CudaStream> {
 
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
-        // A copy may still read or write the bytes: wait for it first.
-        // Errors cannot be returned from drop; the driver keeps them.
-        let _ = self.synchronize();
-        match &self.mem {
-            Mem::Emulated(_) => {}
-            // SAFETY: allocated by gpu.alloc for this buffer, freed once here.
-            Mem::Cuda { ptr, gpu } => unsafe { gpu.free(*ptr) },
+        if let Mem::Cuda { ptr, gpu } = &self.mem {
+            // The free goes on the stream of the latest use on this GPU,
+            // after waits for the uses on other streams: enqueued, so the
+            // host does not wait. Errors cannot be returned from drop.
+            let uses = self.pending.take();
+            let free_on = uses
+                .iter()
+                .filter(|u| u.stream.gpu_id == self.gpu.id())
+                .max_by_key(|u| u.seq)
+                .map_or_else(|| self.home.clone(), |u| u.stream.clone());
+            for u in uses.iter().filter(|u| u.stream.id != free_on.id) {
+                if u.event().and_then(|e| free_on.wait(&e)).is_err() {
+                    // The free cannot be ordered after this use: wait for it
+                    // here rather than free memory still in use.
+                    let _ = u.event().and_then(|e| e.synchronize());
+                }
+            }
+            if let Ok(s) = stream_cuda(&free_on) {
+                // SAFETY: allocated by gpu.alloc for this buffer and freed
+                // once, after every use (ordered above).
+                unsafe { gpu.free(*ptr, s) };
+            }
         }
+        // Emulated memory goes when the last queued copy holding it has run.
         self.gpu.inner.ledger.release(self.len as u64);
     }
 }
@@ -470,5 +689,14 @@ mod tests {
         let e = check_range("t", 3, 3, 5).unwrap_err().to_string();
         assert!(e.contains("3..6") && e.contains("5 bytes"), "{e}");
         assert!(check_range("t", usize::MAX, 2, 5).is_err());
+    }
+
+    #[test]
+    fn emulated_memory_is_zeroed_and_refuses_absurd_sizes() {
+        let m = EmulatedMemory::zeroed(10_000).unwrap();
+        // SAFETY: 10_000 bytes were just allocated and zeroed.
+        let bytes = unsafe { std::slice::from_raw_parts(m.ptr.as_ptr(), m.len) };
+        assert!(bytes.iter().all(|&b| b == 0));
+        assert!(EmulatedMemory::zeroed(usize::MAX / 2 + 1).is_none());
     }
 }

@@ -275,7 +275,7 @@ impl Gpu {
             Backend::Cuda(g) => {
                 let stream = self.compute_stream();
                 for b in buffers() {
-                    b.order_after_pending(stream)?;
+                    b.order_before(stream)?;
                 }
                 let ptr = |b: &DeviceBuffer, offset: usize| {
                     RawArg::Ptr(b.cuda_ptr().unwrap_or(0) + offset as u64)
@@ -302,7 +302,7 @@ impl Gpu {
                 unsafe { g.launch(crate::buffer::stream_cuda(stream)?, &name, shape, &raw)? };
                 let done = stream.record()?;
                 for b in buffers() {
-                    b.set_pending(done.clone());
+                    b.note_use(stream, &done);
                 }
                 Ok(())
             }
@@ -329,7 +329,7 @@ impl Gpu {
                     return Ok(());
                 }
                 let stream = self.compute_stream();
-                dst.order_after_pending(stream)?;
+                dst.order_before(stream)?;
                 let ptr = dst.cuda_ptr().unwrap_or(0) + offset as u64;
                 // SAFETY: the range was checked against the allocation; a
                 // pageable source is consumed before the call returns.
@@ -341,7 +341,7 @@ impl Gpu {
                         crate::buffer::stream_cuda(stream)?,
                     )?
                 };
-                dst.set_pending(stream.record()?);
+                dst.note_use(stream, &stream.record()?);
                 Ok(())
             }
         }
@@ -398,7 +398,7 @@ impl Gpu {
                     });
                 };
                 for buffer in [a, b, &*c] {
-                    buffer.order_after_pending(stream)?;
+                    buffer.order_before(stream)?;
                 }
                 let ptrs = (
                     a.cuda_ptr().unwrap_or(0),
@@ -410,7 +410,7 @@ impl Gpu {
                 unsafe { g.gemm(cuda, &shape, input, output, ptrs)? };
                 let done = stream.record()?;
                 for buffer in [a, b, &*c] {
-                    buffer.set_pending(done.clone());
+                    buffer.note_use(stream, &done);
                 }
                 Ok(())
             }

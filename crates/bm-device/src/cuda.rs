@@ -2,14 +2,21 @@
 //! in for it otherwise): with its `compute` submodule, the only code of the
 //! workspace that names cudarc.
 //!
-//! Device memory is raw `cuMemAlloc` memory rather than cudarc's
+//! Device memory is raw memory from a stream-ordered pool of our own per
+//! GPU (`cuMemAllocFromPoolAsync` / `cuMemFreeAsync`) rather than cudarc's
 //! `CudaSlice`: we order work with our own events, so cudarc's two events
 //! per allocation would be pure overhead (thousands of weight tensors), and
-//! raw pointers let one buffer type serve every dtype.
+//! raw pointers let one buffer type serve every dtype. The pool keeps what
+//! is freed (its release threshold is unlimited) for the next allocation,
+//! so a steady state takes nothing from the driver, and does not let the
+//! driver insert waits between streams behind our back (internal
+//! dependencies off): reuse across streams follows our events or the
+//! completion of the free.
 
 mod compute;
 
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -154,19 +161,80 @@ BM_SPIN:
 }
 "#;
 
-/// One CUDA GPU: its primary context and the lazily loaded busy-wait
-/// kernel, compute kernels and cuBLAS handle.
+/// One CUDA GPU: its primary context, its memory pool, and the lazily
+/// loaded busy-wait kernel, compute kernels and cuBLAS handle.
 pub(crate) struct CudaGpu {
     ctx: Arc<CudaContext>,
+    /// `None` when the GPU has no memory pools (then plain `cuMemAlloc`).
+    pool: Option<sys::CUmemoryPool>,
+    /// The most memory the pool has held, and how often it grew.
+    pool_high: parking_lot::Mutex<u64>,
+    driver_allocations: AtomicU64,
     busy_wait: OnceLock<std::result::Result<CudaFunction, String>>,
     kernels: compute::Lazy<compute::Kernels>,
     blas: compute::Lazy<parking_lot::Mutex<cudarc::cublas::CudaBlas>>,
 }
 
+// SAFETY: the pool handle is a driver object that every driver call
+// accepts from any thread; everything else is Send and Sync already.
+unsafe impl Send for CudaGpu {}
+// SAFETY: as above.
+unsafe impl Sync for CudaGpu {}
+
+/// A memory pool on `ctx`'s device that keeps freed memory for reuse and
+/// never makes one stream wait for another by itself.
+fn create_pool(ctx: &CudaContext) -> std::result::Result<sys::CUmemoryPool, DriverError> {
+    ctx.bind_to_thread()?;
+    // SAFETY: an all-zero CUmemPoolProps is the documented default (no
+    // handle types, no size limit); the fields set make it device memory.
+    let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
+    props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    props.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    props.location.id = ctx.cu_device();
+    let mut pool = std::ptr::null_mut();
+    // SAFETY: valid properties, one handle written.
+    unsafe { sys::cuMemPoolCreate(&mut pool, &props) }.result()?;
+    let mut keep_all: u64 = u64::MAX;
+    let mut no_internal_waits: i32 = 0;
+    // SAFETY: each attribute takes the type passed (cuuint64_t, int).
+    let set = unsafe {
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&raw mut keep_all).cast(),
+        )
+        .result()
+        .and_then(|()| {
+            sys::cuMemPoolSetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES,
+                (&raw mut no_internal_waits).cast(),
+            )
+            .result()
+        })
+    };
+    if let Err(e) = set {
+        // SAFETY: created above, never used.
+        let _ = unsafe { sys::cuMemPoolDestroy(pool) };
+        return Err(e);
+    }
+    Ok(pool)
+}
+
 impl CudaGpu {
     fn new(ctx: Arc<CudaContext>) -> Self {
+        // A GPU without pools (or whose pool cannot be made) allocates
+        // with cuMemAlloc instead.
+        let pool = if ctx.has_async_alloc() {
+            create_pool(&ctx).ok()
+        } else {
+            None
+        };
         CudaGpu {
             ctx,
+            pool,
+            pool_high: parking_lot::Mutex::new(0),
+            driver_allocations: AtomicU64::new(0),
             busy_wait: OnceLock::new(),
             kernels: OnceLock::new(),
             blas: OnceLock::new(),
@@ -204,70 +272,160 @@ impl CudaGpu {
         self.ctx.synchronize().map_err(self.err("cuCtxSynchronize"))
     }
 
-    /// Allocates `bytes` of device memory, turning the driver's
-    /// out-of-memory into [`Error::OutOfMemory`] with what was free.
-    pub(crate) fn alloc(&self, bytes: usize) -> Result<sys::CUdeviceptr> {
-        self.ctx
-            .bind_to_thread()
-            .map_err(self.err("binding the context"))?;
-        // SAFETY: the memory is uninitialised bytes, which is all we claim.
-        match unsafe { result::malloc_sync(bytes) } {
-            Ok(ptr) => Ok(ptr),
-            Err(DriverError(sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY)) => {
-                let free = self.mem_info().map(|(f, _)| f).unwrap_or(0);
-                Err(Error::OutOfMemory {
-                    device: self.device(),
-                    requested: bytes as u64,
-                    free,
-                })
-            }
-            Err(e) => Err(driver_error("cuMemAlloc", Some(self.device()), e)),
+    fn pool_attribute(&self, attr: sys::CUmemPool_attribute) -> Result<u64> {
+        let Some(pool) = self.pool else {
+            return Ok(0);
+        };
+        let mut value: u64 = 0;
+        // SAFETY: the memory attributes asked for here are cuuint64_t.
+        unsafe { sys::cuMemPoolGetAttribute(pool, attr, (&raw mut value).cast()) }
+            .result()
+            .map_err(self.err("cuMemPoolGetAttribute"))?;
+        Ok(value)
+    }
+
+    /// Bytes the pool holds that no allocation uses.
+    pub(crate) fn pool_unused(&self) -> u64 {
+        let reserved =
+            self.pool_attribute(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT);
+        let used = self.pool_attribute(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT);
+        match (reserved, used) {
+            (Ok(r), Ok(u)) => r.saturating_sub(u),
+            _ => 0,
         }
     }
 
-    /// Frees memory from [`CudaGpu::alloc`]. cuMemFree waits for work using
-    /// it; errors are recorded on the context (a destructor cannot return them).
+    /// Allocations that took memory from the driver (see
+    /// [`Gpu::driver_allocations`](crate::Gpu::driver_allocations)).
+    pub(crate) fn driver_allocations(&self) -> u64 {
+        self.driver_allocations.load(Ordering::Relaxed)
+    }
+
+    /// Waits for every free in flight and hands the pool's unused memory
+    /// back to the driver.
+    pub(crate) fn release_cached(&self) -> Result<()> {
+        self.synchronize()?;
+        if let Some(pool) = self.pool {
+            // SAFETY: a live pool.
+            unsafe { sys::cuMemPoolTrimTo(pool, 0) }
+                .result()
+                .map_err(self.err("cuMemPoolTrimTo"))?;
+        }
+        Ok(())
+    }
+
+    /// Allocates `bytes` of device memory, usable by work enqueued on
+    /// `stream` after this call. An out-of-memory is retried once after
+    /// [`CudaGpu::release_cached`], then becomes [`Error::OutOfMemory`]
+    /// with what was free.
+    pub(crate) fn alloc(&self, bytes: usize, stream: &CudaStream) -> Result<sys::CUdeviceptr> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(self.err("binding the context"))?;
+        let attempt = || -> std::result::Result<sys::CUdeviceptr, DriverError> {
+            let mut ptr: sys::CUdeviceptr = 0;
+            match self.pool {
+                // SAFETY: a live pool and stream; the memory is
+                // uninitialised bytes, which is all we claim.
+                Some(pool) => unsafe {
+                    sys::cuMemAllocFromPoolAsync(&mut ptr, bytes, pool, stream.cu_stream())
+                }
+                .result()?,
+                // SAFETY: as above.
+                None => ptr = unsafe { result::malloc_sync(bytes) }?,
+            }
+            Ok(ptr)
+        };
+        let oom = |e: &DriverError| e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY;
+        let ptr = match attempt() {
+            Err(e) if oom(&e) => {
+                self.release_cached()?;
+                attempt()
+            }
+            other => other,
+        };
+        let ptr = match ptr {
+            Ok(ptr) => ptr,
+            Err(e) if oom(&e) => {
+                let free = self.mem_info().map(|(f, _)| f).unwrap_or(0);
+                return Err(Error::OutOfMemory {
+                    device: self.device(),
+                    requested: bytes as u64,
+                    free,
+                });
+            }
+            Err(e) => {
+                return Err(driver_error(
+                    "cuMemAllocFromPoolAsync",
+                    Some(self.device()),
+                    e,
+                ));
+            }
+        };
+        self.count_driver_allocation();
+        Ok(ptr)
+    }
+
+    /// Counts an allocation that took memory from the driver: every one
+    /// without a pool, one that grew the pool's reservation with it.
+    fn count_driver_allocation(&self) {
+        if self.pool.is_none() {
+            self.driver_allocations.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        let Ok(reserved) =
+            self.pool_attribute(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)
+        else {
+            return;
+        };
+        let mut high = self.pool_high.lock();
+        if reserved > *high {
+            *high = reserved;
+            self.driver_allocations.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Frees memory from [`CudaGpu::alloc`] after the work enqueued on
+    /// `stream` so far, without blocking the host (with a pool; without
+    /// one, cuMemFree waits). Errors are recorded on the context: a
+    /// destructor cannot return them.
     ///
     /// # Safety
-    /// `ptr` came from `alloc` on this GPU and is freed once.
-    pub(crate) unsafe fn free(&self, ptr: sys::CUdeviceptr) {
+    /// `ptr` came from `alloc` on this GPU and is freed once; every use of
+    /// it is ordered before the work enqueued on `stream` so far.
+    pub(crate) unsafe fn free(&self, ptr: sys::CUdeviceptr, stream: &CudaStream) {
         self.ctx.record_err(self.ctx.bind_to_thread());
-        // SAFETY: per this function's contract.
-        self.ctx.record_err(unsafe { result::free_sync(ptr) });
+        match self.pool {
+            // SAFETY: per this function's contract.
+            Some(_) => self
+                .ctx
+                .record_err(unsafe { sys::cuMemFreeAsync(ptr, stream.cu_stream()) }.result()),
+            None => {
+                // cuMemFree does not order itself after other streams.
+                self.ctx.record_err(stream.synchronize());
+                // SAFETY: per this function's contract; the stream has drained.
+                self.ctx.record_err(unsafe { result::free_sync(ptr) });
+            }
+        }
     }
 
-    /// # Safety
-    /// `ptr..ptr+bytes` is device memory of this GPU.
-    pub(crate) unsafe fn memset_zero(&self, ptr: sys::CUdeviceptr, bytes: usize) -> Result<()> {
-        self.ctx
-            .bind_to_thread()
-            .map_err(self.err("binding the context"))?;
-        // SAFETY: per this function's contract.
-        unsafe { result::memset_d8_sync(ptr, 0, bytes) }.map_err(self.err("cuMemsetD8"))
-    }
-
-    /// Synchronous host-to-device copy (any host memory).
+    /// Enqueues setting `bytes` bytes from `ptr` to zero on `stream`.
     ///
     /// # Safety
-    /// `dst..dst+src.len()` is device memory of this GPU.
-    pub(crate) unsafe fn htod_sync(&self, dst: sys::CUdeviceptr, src: &[u8]) -> Result<()> {
+    /// `ptr..ptr+bytes` is device memory of this GPU, usable on `stream`.
+    pub(crate) unsafe fn memset_zero_async(
+        &self,
+        ptr: sys::CUdeviceptr,
+        bytes: usize,
+        stream: &CudaStream,
+    ) -> Result<()> {
         self.ctx
             .bind_to_thread()
             .map_err(self.err("binding the context"))?;
-        // SAFETY: per this function's contract; the copy completes before return.
-        unsafe { result::memcpy_htod_sync(dst, src) }.map_err(self.err("cuMemcpyHtoD"))
-    }
-
-    /// Synchronous device-to-host copy (any host memory).
-    ///
-    /// # Safety
-    /// `src..src+dst.len()` is device memory of this GPU.
-    pub(crate) unsafe fn dtoh_sync(&self, dst: &mut [u8], src: sys::CUdeviceptr) -> Result<()> {
-        self.ctx
-            .bind_to_thread()
-            .map_err(self.err("binding the context"))?;
-        // SAFETY: per this function's contract; the copy completes before return.
-        unsafe { result::memcpy_dtoh_sync(dst, src) }.map_err(self.err("cuMemcpyDtoH"))
+        // SAFETY: per this function's contract.
+        unsafe { sys::cuMemsetD8Async(ptr, 0, bytes, stream.cu_stream()) }
+            .result()
+            .map_err(self.err("cuMemsetD8Async"))
     }
 
     /// Enqueues a host-to-device copy on `stream`.
@@ -292,11 +450,12 @@ impl CudaGpu {
             .map_err(self.err("cuMemcpyHtoDAsync"))
     }
 
-    /// Enqueues a device-to-host copy on `stream`.
+    /// Enqueues a device-to-host copy on `stream`. Into pageable memory the
+    /// driver returns only once the copy is complete.
     ///
     /// # Safety
-    /// The device range is this GPU's memory; `dst..dst+len` is page-locked
-    /// host memory that nothing reads or writes until the copy completes.
+    /// The device range is this GPU's memory; `dst..dst+len` is host memory
+    /// that nothing reads or writes until the copy completes.
     pub(crate) unsafe fn dtoh_async(
         &self,
         dst: *mut u8,
@@ -474,6 +633,19 @@ impl CudaGpu {
         // SAFETY: per this function's contract.
         self.ctx
             .record_err(unsafe { sys::cuMemHostUnregister(ptr as *mut c_void) }.result());
+    }
+}
+
+impl Drop for CudaGpu {
+    fn drop(&mut self) {
+        if let Some(pool) = self.pool {
+            // Every buffer (which holds this GPU) is gone; its free may still
+            // be queued, so the pool goes once the device is idle.
+            self.ctx.record_err(self.ctx.synchronize());
+            // SAFETY: no allocation of the pool is live any more.
+            self.ctx
+                .record_err(unsafe { sys::cuMemPoolDestroy(pool) }.result());
+        }
     }
 }
 

@@ -120,6 +120,17 @@ pub enum Error {
         /// What is wrong.
         message: String,
     },
+    /// A reader pool could not read its source.
+    Read {
+        /// The file, `None` for mapped or in-memory bytes.
+        path: Option<PathBuf>,
+        /// First byte of the read.
+        offset: u64,
+        /// Bytes asked for.
+        len: u64,
+        /// What went wrong.
+        reason: String,
+    },
     /// A host file (cgroup limits, /proc/meminfo) could not be read or parsed.
     HostMemoryInfo {
         /// The file.
@@ -218,6 +229,22 @@ impl std::fmt::Display for Error {
             Error::BadComputeArgs { operation, message } => write!(f, "{operation}: {message}"),
             Error::HostAlloc { bytes } => {
                 write!(f, "could not allocate {bytes} bytes of host memory")
+            }
+            Error::Read {
+                path,
+                offset,
+                len,
+                reason,
+            } => {
+                let what = path.as_ref().map_or_else(
+                    || "the mapped bytes".to_string(),
+                    |p| p.display().to_string(),
+                );
+                write!(
+                    f,
+                    "reading bytes {offset}..{} of {what}: {reason}",
+                    offset.saturating_add(*len)
+                )
             }
             Error::HostMemoryInfo { path, reason } => {
                 write!(

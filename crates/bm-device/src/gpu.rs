@@ -3,8 +3,9 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::buffer::{DeviceBuffer, Mem};
+use crate::buffer::{DeviceBuffer, EmulatedMemory, Mem};
 use crate::ledger::Ledger;
+use crate::link::{CopyEngine, SimulatedLink};
 use crate::stream::{Stream, StreamImpl, StreamRole};
 use crate::{Device, Error, GpuMemory, Result};
 
@@ -44,6 +45,10 @@ pub(crate) struct GpuInner {
     compute: Stream,
     copy: Stream,
     pub(crate) backend: Backend,
+    /// An emulated GPU's simulated host link.
+    link: Option<SimulatedLink>,
+    /// Host allocations of an emulated GPU (a CUDA GPU counts its own).
+    emulated_allocations: AtomicU64,
 }
 
 pub(crate) enum Backend {
@@ -68,9 +73,14 @@ impl std::fmt::Debug for Gpu {
 }
 
 impl Gpu {
-    /// A host-emulated GPU holding at most `capacity` bytes.
-    pub(crate) fn emulated(ordinal: usize, capacity: u64) -> Self {
+    /// A host-emulated GPU holding at most `capacity` bytes; with a link,
+    /// its copy stream runs on a copy-engine thread at the link's speed.
+    pub(crate) fn emulated(ordinal: usize, capacity: u64, link: Option<SimulatedLink>) -> Self {
         let id = next_gpu_id();
+        let copy = match link {
+            Some(l) => StreamImpl::Engine(Arc::new(CopyEngine::new(Device::Gpu(ordinal), l))),
+            None => StreamImpl::Emulated,
+        };
         Gpu {
             inner: Arc::new(GpuInner {
                 id,
@@ -79,8 +89,10 @@ impl Gpu {
                 total: capacity,
                 ledger: Ledger::new(Device::Gpu(ordinal), capacity),
                 compute: Stream::new(id, ordinal, StreamRole::Compute, StreamImpl::Emulated),
-                copy: Stream::new(id, ordinal, StreamRole::Copy, StreamImpl::Emulated),
+                copy: Stream::new(id, ordinal, StreamRole::Copy, copy),
                 backend: Backend::Emulated,
+                link,
+                emulated_allocations: AtomicU64::new(0),
             }),
         }
     }
@@ -113,6 +125,8 @@ impl Gpu {
                 compute: stream(StreamRole::Compute)?,
                 copy: stream(StreamRole::Copy)?,
                 backend: Backend::Cuda(gpu),
+                link: None,
+                emulated_allocations: AtomicU64::new(0),
             }),
         })
     }
@@ -145,16 +159,25 @@ impl Gpu {
         self.inner.total
     }
 
+    /// The simulated host link of an emulated GPU, if it has one.
+    pub fn link(&self) -> Option<SimulatedLink> {
+        self.inner.link
+    }
+
     /// Free and total memory now. For CUDA this is the driver's figure
-    /// (after context creation, so the context's own memory is not free);
-    /// for an emulated device, capacity minus live bytes.
+    /// (after context creation, so the context's own memory is not free)
+    /// plus what this GPU's memory pool holds unused, ready for reuse; for
+    /// an emulated device, capacity minus live bytes.
     pub fn memory(&self) -> Result<GpuMemory> {
         let (free, total) = match &self.inner.backend {
             Backend::Emulated => (
                 self.inner.total.saturating_sub(self.inner.ledger.live()),
                 self.inner.total,
             ),
-            Backend::Cuda(g) => g.mem_info()?,
+            Backend::Cuda(g) => {
+                let (free, total) = g.mem_info()?;
+                (free.saturating_add(g.pool_unused()), total)
+            }
         };
         Ok(GpuMemory {
             device: self.device(),
@@ -217,62 +240,97 @@ impl Gpu {
         }
     }
 
-    /// Allocates `bytes` of device memory with unspecified contents.
+    /// How many times memory was taken from the driver: for a CUDA GPU,
+    /// allocations that grew its memory pool (a steady state reuses what
+    /// the pool holds and takes none; without pool support, every
+    /// allocation); for an emulated GPU, every host allocation.
+    pub fn driver_allocations(&self) -> u64 {
+        match &self.inner.backend {
+            Backend::Emulated => self.inner.emulated_allocations.load(Ordering::Relaxed),
+            Backend::Cuda(g) => g.driver_allocations(),
+        }
+    }
+
+    /// Hands the memory this GPU's pool holds unused back to the driver
+    /// (after waiting for the frees in flight), e.g. before another process
+    /// needs it. Emulated GPUs hold none.
+    pub fn release_cached_memory(&self) -> Result<()> {
+        match &self.inner.backend {
+            Backend::Emulated => Ok(()),
+            Backend::Cuda(g) => g.release_cached(),
+        }
+    }
+
+    /// Allocates `bytes` of device memory with unspecified contents, on the
+    /// compute stream (see [`Gpu::alloc_on`]).
     ///
     /// Zero bytes, or more than the budget allows, fail with a typed error
-    /// before the driver is asked; a driver out-of-memory becomes
-    /// [`Error::OutOfMemory`].
+    /// before the driver is asked; a driver out-of-memory (after returning
+    /// the pool's unused memory and retrying) becomes [`Error::OutOfMemory`].
     pub fn alloc(&self, bytes: usize) -> Result<DeviceBuffer> {
-        self.alloc_inner(bytes, false)
+        self.alloc_inner(bytes, false, &self.inner.compute)
     }
 
-    /// Allocates `bytes` of device memory set to zero.
+    /// Allocates `bytes` on `stream`, which becomes the buffer's home: the
+    /// memory is ready for work enqueued there after this call, and other
+    /// streams are ordered after the allocation when they use the buffer.
+    /// Allocate a buffer on the stream that fills it (the copy stream for
+    /// an upload), so that filling it does not wait for the other stream.
+    pub fn alloc_on(&self, bytes: usize, stream: &Stream) -> Result<DeviceBuffer> {
+        self.alloc_inner(bytes, false, stream)
+    }
+
+    /// Allocates `bytes` of device memory set to zero, on the compute stream.
     pub fn alloc_zeroed(&self, bytes: usize) -> Result<DeviceBuffer> {
-        self.alloc_inner(bytes, true)
+        self.alloc_inner(bytes, true, &self.inner.compute)
     }
 
-    fn alloc_inner(&self, bytes: usize, zeroed: bool) -> Result<DeviceBuffer> {
+    /// Allocates `bytes` set to zero on `stream` (see [`Gpu::alloc_on`]).
+    pub fn alloc_zeroed_on(&self, bytes: usize, stream: &Stream) -> Result<DeviceBuffer> {
+        self.alloc_inner(bytes, true, stream)
+    }
+
+    fn alloc_inner(&self, bytes: usize, zeroed: bool, stream: &Stream) -> Result<DeviceBuffer> {
         if bytes == 0 {
             return Err(Error::ZeroSizedAllocation {
                 device: self.device(),
             });
         }
+        stream.check_on(self.id(), self.ordinal(), "allocation")?;
         let ledger = &self.inner.ledger;
         ledger.reserve(bytes as u64)?;
-        let mem = match self.alloc_mem(bytes, zeroed) {
+        let mem = match self.alloc_mem(bytes, stream) {
             Ok(m) => m,
             Err(e) => {
                 ledger.release(bytes as u64);
                 return Err(e);
             }
         };
-        Ok(DeviceBuffer::new(self.clone(), bytes, mem))
+        let buffer = DeviceBuffer::new(self.clone(), bytes, mem, stream.clone());
+        // The allocation is work on `stream`: others wait for it.
+        buffer.note_enqueued(stream);
+        if zeroed {
+            // On failure the buffer's drop frees the memory and the budget.
+            buffer.zero()?;
+        }
+        Ok(buffer)
     }
 
-    fn alloc_mem(&self, bytes: usize, zeroed: bool) -> Result<Mem> {
+    fn alloc_mem(&self, bytes: usize, stream: &Stream) -> Result<Mem> {
         match &self.inner.backend {
             Backend::Emulated => {
-                let mut v: Vec<u8> = Vec::new();
-                v.try_reserve_exact(bytes).map_err(|_| Error::OutOfMemory {
+                self.inner
+                    .emulated_allocations
+                    .fetch_add(1, Ordering::Relaxed);
+                let m = EmulatedMemory::zeroed(bytes).ok_or_else(|| Error::OutOfMemory {
                     device: self.device(),
                     requested: bytes as u64,
                     free: self.inner.total.saturating_sub(self.inner.ledger.live()),
                 })?;
-                // Emulated memory is always zeroed: uninitialised host bytes
-                // would be undefined behaviour to read.
-                v.resize(bytes, 0);
-                Ok(Mem::Emulated(v.into_boxed_slice()))
+                Ok(Mem::Emulated(Arc::new(m)))
             }
             Backend::Cuda(g) => {
-                let ptr = g.alloc(bytes)?;
-                if zeroed {
-                    // SAFETY: ptr..ptr+bytes was just allocated on this GPU.
-                    if let Err(e) = unsafe { g.memset_zero(ptr, bytes) } {
-                        // SAFETY: allocated above and never handed out.
-                        unsafe { g.free(ptr) };
-                        return Err(e);
-                    }
-                }
+                let ptr = g.alloc(bytes, crate::buffer::stream_cuda(stream)?)?;
                 Ok(Mem::Cuda {
                     ptr,
                     gpu: Arc::clone(g),

@@ -61,29 +61,56 @@
 //! Every allocation ([`Gpu::alloc`]) is first reserved against the GPU's
 //! budget, so a request beyond it fails with [`Error::BudgetExceeded`]
 //! before the driver runs out; if the driver still runs out (another
-//! process took the memory) the error is [`Error::OutOfMemory`] naming the
-//! device, the request and what was free. Dropping a [`DeviceBuffer`]
-//! returns its bytes to the budget after any copy using it completes.
+//! process took the memory) the pool's unused memory is handed back and
+//! the allocation retried once, then the error is [`Error::OutOfMemory`]
+//! naming the device, the request and what was free.
+//!
+//! Device memory comes from a stream-ordered memory pool of each GPU's own
+//! (`cuMemAllocFromPoolAsync`/`cuMemFreeAsync`): an allocation is made on a
+//! stream (the compute stream, or the one [`Gpu::alloc_on`] names: the
+//! copy stream for an upload, so filling it never waits for compute), and
+//! the pool keeps freed memory for the next allocation, so once a decode
+//! step has run, the next takes nothing from the driver
+//! ([`Gpu::driver_allocations`] counts what it takes;
+//! [`Gpu::release_cached_memory`] hands the rest back). **Dropping a
+//! [`DeviceBuffer`] never blocks the host**: its bytes return to the budget
+//! at once (live and peak stay exact), and its free is enqueued on the
+//! stream of its latest use, after waits for its uses on other streams.
 //!
 //! # Moving bytes
 //!
-//! Per GPU a compute stream and a copy stream; an [`Event`] recorded after
-//! a copy lets the compute stream wait for exactly that copy, and lets
-//! staging memory be reused only once the copy that read it finished. Every
-//! buffer also remembers its last copy, so later work on any stream is
-//! ordered after it and nothing is freed under a copy in flight.
+//! Per GPU a compute stream and a copy stream. Every device buffer, pinned
+//! buffer and host registration keeps, under one lock, the last [`Event`]
+//! of its use on each stream, ordered by a process-wide sequence number so
+//! that two threads noting uses at once never lose the later one. Work on
+//! another stream first waits for those events (work on the same stream
+//! needs nothing), host access waits for all of them, and staging memory is
+//! refilled only once the copy that read it finished. Every memset and host
+//! copy is asynchronous on the buffer's own stream (CUDA stages pageable
+//! sources itself; nothing runs on the legacy stream).
 //!
 //! Fast host-to-device copies need page-locked memory, and pinning is
-//! expensive, so it is done once: a [`PinnedPool`] is a ring of staging
-//! slots (portable, *not* write-combined, because downloads read them back
-//! on the CPU) that [`DeviceBuffer::upload`] fills while the copy engine
-//! drains the previous slot. Memory that already exists (an offloaded
-//! layer, a mapped checkpoint) can be page-locked in place with
+//! expensive, so it is done once. A CPU-tier weight kept in a
+//! [`PinnedBuffer`] is copied straight to the device with
+//! [`DeviceBuffer::copy_from_pinned`], no staging copy. A [`PinnedPool`] is
+//! a ring of staging slots (portable, *not* write-combined, because
+//! downloads read them back on the CPU) that [`DeviceBuffer::upload`] fills
+//! while the copy engine drains the previous slot; a [`ReaderPool`] does
+//! the same with min(8, cores) reader threads from a file (`O_DIRECT` where
+//! the file system allows it) or a mapping, reading slot *k + 1* while slot
+//! *k* is on the link. Memory that already exists (an offloaded layer, a
+//! mapped checkpoint) can be page-locked in place with
 //! [`DeviceSet::register_host`], in 1 GiB pieces since one huge
 //! registration fails on recent drivers. When pinning or registering fails,
 //! copies fall back to pageable memory: slower, still correct. Large copies
 //! are cut into [`COPY_CHUNK`] pieces; copies between GPUs go peer to peer
 //! where [`DeviceSet::enable_peer_access`] could enable it.
+//!
+//! Emulated GPUs do all of this with host memory and memcpy. Given a
+//! [`SimulatedLink`] ([`DeviceSet::emulated_with_link`]) an emulated GPU's
+//! copy stream runs on a copy-engine thread, each host↔device copy lasting
+//! the link's latency plus its bytes at the link's bandwidth, concurrently
+//! with the caller, so copy/compute overlap is measurable without a GPU.
 //!
 //! # Compute
 //!
@@ -125,8 +152,11 @@ mod host_memory;
 mod kernel_cache;
 mod ledger;
 pub mod libs;
+mod link;
 mod memory;
+mod pending;
 mod pinned;
+mod reader;
 mod set;
 #[allow(
     dead_code,
@@ -142,11 +172,13 @@ pub use error::{Error, Result};
 pub use gpu::{Gpu, GpuKind};
 pub use host_memory::{HostMemory, HostMemorySource, host_memory};
 pub use libs::{CudaLibrary, LibraryReport, LoadedLibrary, Searched};
+pub use link::SimulatedLink;
 pub use memory::{
     Budgets, CPU_MARGIN_MIN, CPU_MARGIN_PERCENT, GPU_MARGIN_MIN, GPU_MARGIN_PERCENT, GpuMemory,
     MemoryInfo, cpu_safety_margin, default_budgets, gpu_safety_margin,
 };
 pub use pinned::{HostRegistration, PinnedBuffer, PinnedPool, PoolSlot, REGISTER_CHUNK};
+pub use reader::{ReadSource, ReaderOptions, ReaderPool, SharedBytes, SourceFile};
 pub use set::{CudaStatus, DeviceSet};
 pub use stream::{Event, Stream, StreamRole};
 

@@ -77,31 +77,36 @@ impl CudaGpu {
         match *self {}
     }
 
-    pub(crate) fn alloc(&self, _bytes: usize) -> Result<DevicePtr> {
+    pub(crate) fn pool_unused(&self) -> u64 {
+        match *self {}
+    }
+
+    pub(crate) fn driver_allocations(&self) -> u64 {
+        match *self {}
+    }
+
+    pub(crate) fn release_cached(&self) -> Result<()> {
+        match *self {}
+    }
+
+    pub(crate) fn alloc(&self, _bytes: usize, _stream: &CudaStream) -> Result<DevicePtr> {
         match *self {}
     }
 
     /// # Safety
     /// As the CUDA backend's `free`.
-    pub(crate) unsafe fn free(&self, _ptr: DevicePtr) {
+    pub(crate) unsafe fn free(&self, _ptr: DevicePtr, _stream: &CudaStream) {
         match *self {}
     }
 
     /// # Safety
-    /// As the CUDA backend's `memset_zero`.
-    pub(crate) unsafe fn memset_zero(&self, _ptr: DevicePtr, _bytes: usize) -> Result<()> {
-        match *self {}
-    }
-
-    /// # Safety
-    /// As the CUDA backend's `htod_sync`.
-    pub(crate) unsafe fn htod_sync(&self, _dst: DevicePtr, _src: &[u8]) -> Result<()> {
-        match *self {}
-    }
-
-    /// # Safety
-    /// As the CUDA backend's `dtoh_sync`.
-    pub(crate) unsafe fn dtoh_sync(&self, _dst: &mut [u8], _src: DevicePtr) -> Result<()> {
+    /// As the CUDA backend's `memset_zero_async`.
+    pub(crate) unsafe fn memset_zero_async(
+        &self,
+        _ptr: DevicePtr,
+        _bytes: usize,
+        _stream: &CudaStream,
+    ) -> Result<()> {
         match *self {}
     }
 

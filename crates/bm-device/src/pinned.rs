@@ -17,6 +17,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use parking_lot::{Mutex, MutexGuard};
 
 use crate::buffer::chunks;
+use crate::pending::Pending;
 use crate::stream::Event;
 use crate::{Device, DeviceSet, Error, Result, Stream};
 
@@ -36,7 +37,7 @@ pub struct PinnedBuffer {
     ptr: NonNull<u8>,
     len: usize,
     backing: Backing,
-    pending: Mutex<Option<Event>>,
+    pending: Pending,
 }
 
 enum Backing {
@@ -73,7 +74,7 @@ impl PinnedBuffer {
             ptr,
             len,
             backing: Backing::Pageable,
-            pending: Mutex::new(None),
+            pending: Pending::default(),
         })
     }
 
@@ -87,7 +88,7 @@ impl PinnedBuffer {
             ptr,
             len,
             backing: Backing::Pinned(std::sync::Arc::clone(gpu)),
-            pending: Mutex::new(None),
+            pending: Pending::default(),
         })
     }
 
@@ -167,23 +168,17 @@ impl PinnedBuffer {
     }
 
     fn wait_pending(&self) -> Result<()> {
-        let pending = self.pending.lock().clone();
-        match pending {
-            Some(e) => e.synchronize(),
-            None => Ok(()),
-        }
+        self.pending.synchronize()
     }
 
-    pub(crate) fn order_after_pending(&self, stream: &Stream) -> Result<()> {
-        let pending = self.pending.lock().clone();
-        match pending {
-            Some(e) => stream.wait(&e),
-            None => Ok(()),
-        }
+    /// Makes `stream` wait for copies using this buffer on other streams.
+    pub(crate) fn order_before(&self, stream: &Stream) -> Result<()> {
+        self.pending.order_before(stream)
     }
 
-    pub(crate) fn set_pending(&self, e: Event) {
-        *self.pending.lock() = Some(e);
+    /// Notes `event` (after a copy on `stream`) as that stream's last use.
+    pub(crate) fn note_use(&self, stream: &Stream, event: &Event) {
+        self.pending.note(stream, event)
     }
 }
 
@@ -321,7 +316,7 @@ pub struct HostRegistration<'a> {
     bytes: &'a [u8],
     registered: Vec<Range<usize>>,
     gpu: Option<std::sync::Arc<crate::cuda::CudaGpu>>,
-    pending: Mutex<Vec<Event>>,
+    pending: Pending,
     fallback_reason: Option<String>,
 }
 
@@ -358,7 +353,7 @@ impl<'a> HostRegistration<'a> {
             bytes,
             registered: Vec::new(),
             gpu: None,
-            pending: Mutex::new(Vec::new()),
+            pending: Pending::default(),
             fallback_reason: None,
         };
         if bytes.is_empty() {
@@ -431,18 +426,15 @@ impl<'a> HostRegistration<'a> {
             .collect()
     }
 
-    pub(crate) fn add_pending(&self, e: Event) {
-        let mut pending = self.pending.lock();
-        pending.retain(|p| !matches!(p.is_complete(), Ok(true)));
-        pending.push(e);
+    /// Notes `event` (after a copy on `stream`) as that stream's last use.
+    pub(crate) fn note_use(&self, stream: &Stream, event: &Event) {
+        self.pending.note(stream, event)
     }
 }
 
 impl Drop for HostRegistration<'_> {
     fn drop(&mut self) {
-        for e in self.pending.lock().drain(..) {
-            let _ = e.synchronize();
-        }
+        let _ = self.pending.synchronize();
         if let Some(g) = self.gpu.take() {
             self.unregister(&g);
         }

@@ -1,7 +1,9 @@
 //! The devices a process uses.
 
 use crate::pinned::{HostRegistration, PinnedPool};
-use crate::{Budgets, Error, Gpu, GpuKind, MemoryInfo, Result, default_budgets, host_memory};
+use crate::{
+    Budgets, Error, Gpu, GpuKind, MemoryInfo, Result, SimulatedLink, default_budgets, host_memory,
+};
 
 /// What is known about CUDA in this process.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -98,11 +100,24 @@ impl DeviceSet {
     /// ordinals and copied with real memcpys, so multi-device code runs
     /// without a GPU. Never chosen unless asked for.
     pub fn emulated(capacities: &[u64]) -> DeviceSet {
+        Self::emulated_gpus(capacities, None)
+    }
+
+    /// Like [`DeviceSet::emulated`], each GPU behind a [`SimulatedLink`]:
+    /// its copy stream runs on a copy-engine thread, concurrently with the
+    /// caller, and every host↔device copy takes the link's transfer time.
+    /// Compute stays host compute; with it, copy/compute overlap can be
+    /// measured without a GPU.
+    pub fn emulated_with_link(capacities: &[u64], link: SimulatedLink) -> DeviceSet {
+        Self::emulated_gpus(capacities, Some(link))
+    }
+
+    fn emulated_gpus(capacities: &[u64], link: Option<SimulatedLink>) -> DeviceSet {
         DeviceSet {
             gpus: capacities
                 .iter()
                 .enumerate()
-                .map(|(n, &c)| Gpu::emulated(n, c))
+                .map(|(n, &c)| Gpu::emulated(n, c, link))
                 .collect(),
             emulated: true,
             cuda: CudaStatus {
@@ -178,6 +193,14 @@ impl DeviceSet {
     /// otherwise or when pinning fails.
     pub fn pinned_pool(&self, slot_bytes: usize, slots: usize) -> Result<PinnedPool> {
         PinnedPool::new(self, slot_bytes, slots)
+    }
+
+    /// A pool of reader threads with page-locked staging slots, for uploads
+    /// from files and mappings that overlap reading with DMA (see
+    /// [`ReaderPool`](crate::ReaderPool)); slots are pageable when the set
+    /// cannot pin.
+    pub fn reader_pool(&self, options: crate::ReaderOptions) -> Result<crate::ReaderPool> {
+        crate::ReaderPool::new(self, options)
     }
 
     /// A standalone page-locked host buffer of `len` bytes (pageable when

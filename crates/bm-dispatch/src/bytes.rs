@@ -182,8 +182,10 @@ pub(crate) fn upload_chunks(
         what: what.to_string(),
         device,
     })?;
+    // Allocated on the copy stream that fills it, so the copies do not
+    // wait for the compute stream's queued work.
     let mut buf = gpu
-        .alloc(len.max(1))
+        .alloc_on(len.max(1), gpu.copy_stream())
         .map_err(|e| Error::device(format!("{what} on GPU {i}"), e))?;
     let mut last = None;
     fill(&mut |offset, piece| {
