@@ -8,8 +8,10 @@
 //! feature and stripped; this xtask itself (release, no CUDA needed), so
 //! `./xtask bench --prebuilt .` can write the benchmark report there, with
 //! the Python scripts of its baseline under `tools/`; the commit it was
-//! built from; and `run.sh`, which runs everything with `BM_GPU_TESTS=1` (a
-//! missing GPU is then a failure, not a skip) and writes `report.md`.
+//! built from; and `run.sh` (`xtask/src/run.sh`), which runs the tests with
+//! `BM_GPU_TESTS=1` (a missing GPU is then a failure, not a skip) and the
+//! bench rows inside 8 minutes by default, everything with `--full`, each
+//! step under its own time limit, and writes `report.md` (see docs/gpu.md).
 
 use std::fs;
 use std::path::{Path, PathBuf};

@@ -16,8 +16,9 @@ tasks:
            every test of the workspace, with and without the cuda feature
   gpu-bundle  build the GPU integration tests, the benches and the CLI
            (release, stripped, cuda feature) and this xtask into
-           target/gpu-bundle/ with a run.sh that runs them all, then the
-           bench report, and writes report.md (< 64 MiB in all)
+           target/gpu-bundle/ with a run.sh that runs the tests and the
+           bench rows (--full: every bench and the bench report) under
+           time limits and writes report.md (< 64 MiB; docs/gpu.md)
   gpu-test build the bundle and run it here; fails when no GPU is present
   bench [--quick] [--with-accelerate] [--prebuilt DIR]
            run the benchmark suite and write target/bench-report.md and .json:

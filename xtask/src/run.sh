@@ -1,118 +1,190 @@
 #!/usr/bin/env bash
-# Runs every GPU test, bench and CLI check of this bundle, then the
-# benchmark report (./xtask bench --prebuilt . --quick), and writes
-# report.md next to this script, with bench-report.md and .json beside it.
-# Exits non-zero if anything failed or if no CUDA GPU is present.
-# Usage: ./run.sh [--no-bench]
+# The GPU bundle's runner (see docs/gpu.md). By default, inside 8 minutes
+# on one H100:
+#   1. environment: GPUs, driver, PCIe link (nvidia-smi), the CUDA libraries
+#      bigmodel loads (bin/bigmodel devices --json);
+#   2. bm-device GPU tests, then the compute tests (bm-device, bm-compute),
+#      also under compute-sanitizer memcheck when it is installed;
+#   3. the model GPU tests (bm-models) and any other GPU test binary;
+#   4. the bench rows: host-to-device bandwidth by size (h2d), then the
+#      load and streaming benches when the bundle has them.
+# With --full it then runs every other bench and the benchmark report
+# against PyTorch + Accelerate (./xtask bench --prebuilt .).
+#
+# Every step has its own time limit, and the whole run a deadline, so one
+# hung step cannot eat the machine's command limit: a step that runs out
+# of time is killed and reported as TIMEOUT, later steps that no longer fit
+# are SKIPPED. report.md (next to this script) gets each step's output and
+# status and ends with a summary table and "result: PASS" or
+# "result: FAIL (the steps that failed)"; the exit status is 0 only on PASS.
+#
+# Usage: ./run.sh [--full] [--no-sanitizer]
+#   BM_RUN_DEADLINE  seconds for the whole run (default 470, or 1800 with --full)
 set -u
 cd "$(dirname "$0")"
 export BM_GPU_TESTS=1
 report="$PWD/report.md"
-status=0
-failed=""
-bench=1
-[ "${1:-}" = "--no-bench" ] && bench=0
-# GPU compute loads libnvrtc and libcublas by name at run time: put the
-# toolkit's library folders on the search path when the machine has them.
-for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
-  [ -d "$d" ] && export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+full=0
+sanitizer=1
+for arg in "$@"; do
+  case "$arg" in
+    --full) full=1 ;;
+    --no-sanitizer) sanitizer=0 ;;
+    --no-bench) echo "--no-bench is gone: the default run is the quick one; see --full" >&2; exit 2 ;;
+    *) echo "usage: $0 [--full] [--no-sanitizer]" >&2; exit 2 ;;
+  esac
 done
+if [ "$full" -eq 1 ]; then
+  deadline=${BM_RUN_DEADLINE:-1800}
+else
+  deadline=${BM_RUN_DEADLINE:-470}
+fi
+start=$SECONDS
+failed=""
+summary=""
 
 {
   echo "# bigmodel GPU bundle report"
   echo
   echo "- date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-  echo "- host: $(uname -srm)"
+  echo "- host: $(uname -srm), $(nproc) CPUs"
   echo "- built from commit: $(cat commit 2>/dev/null || echo unknown)"
-  if command -v nvidia-smi >/dev/null 2>&1; then
-    echo "- GPUs: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | paste -sd ';' -)"
-  fi
+  echo "- run: $0 $*, deadline ${deadline}s"
 } > "$report"
 
-# step NAME CMD...: runs CMD, appends its output and exit status to the report.
+# note STATUS NAME SECONDS: one line of the summary table.
+note() {
+  summary="${summary}| $2 | $1 | $3 s |"$'\n'
+  case "$1" in
+    PASS|SKIPPED) ;;
+    *) failed="${failed:+$failed, }$2 ($1)" ;;
+  esac
+}
+
+# step NAME LIMIT CMD...: runs CMD under a limit of LIMIT seconds (less if
+# the deadline is nearer), appends its output and status to the report.
 step() {
-  local name=$1; shift
-  echo "== $name"
-  {
-    echo
-    echo "## $name"
-    echo
-    echo '```'
-  } >> "$report"
-  "$@" 2>&1 | tee -a "$report"
-  local rc=${PIPESTATUS[0]}
-  {
-    echo '```'
-    echo
-    echo "exit status: $rc"
-  } >> "$report"
-  [ "$rc" -eq 0 ] || fail "$name"
-}
-
-# fail NAME: records that step NAME failed.
-fail() {
-  status=1
-  failed="${failed:+$failed, }$1"
-}
-
-# bench_report: the benchmark report of the bundled xtask, appended to
-# report.md (headings one level down) and kept beside it; when it fails,
-# its exit status and the end of its log are recorded instead. Runs last,
-# so the test results above stand whatever happens here.
-bench_report() {
-  local args=(bench --prebuilt . --quick)
-  if python3 -c "import torch, accelerate, transformers" >/dev/null 2>&1; then
-    export BM_BENCH_PYTHON=python3
-    args+=(--with-accelerate)
+  local name=$1 limit=$2
+  shift 2
+  local left=$(( deadline - (SECONDS - start) ))
+  if [ "$left" -lt 15 ]; then
+    echo "== $name: skipped, ${left}s left of the ${deadline}s deadline"
+    printf '\n## %s\n\nskipped: the run deadline (%ss) was reached\n' "$name" "$deadline" >> "$report"
+    note SKIPPED "$name" 0
+    return
   fi
-  echo "== bench report: ./xtask ${args[*]}"
-  rm -f bench-report.md bench-report.json target/bench-report.md target/bench-report.json
-  ./xtask "${args[@]}" 2>&1 | tee bench-report.log
-  local rc=${PIPESTATUS[0]}
-  if [ "$rc" -eq 0 ] && [ -f target/bench-report.md ] && [ -f target/bench-report.json ]; then
-    cp target/bench-report.md target/bench-report.json .
-    {
-      echo
-      sed 's/^#/##/' bench-report.md
-      echo
-      echo "bench report: \`./xtask ${args[*]}\`, exit status 0 (bench-report.md, bench-report.json, log in bench-report.log)"
-    } >> "$report"
+  [ "$limit" -gt "$left" ] && limit=$left
+  echo "== $name (limit ${limit}s)"
+  printf '\n## %s\n\n```\n' "$name" >> "$report"
+  local t0=$SECONDS
+  if [ "$(type -t "$1")" = function ]; then
+    # timeout runs programs: a function of this script runs in a bash of its own.
+    timeout --kill-after=10 "$limit" bash -c "$(declare -f "$1"); $*" 2>&1 | tee -a "$report"
   else
-    {
-      echo
-      echo "## bench report"
-      echo
-      echo "\`./xtask ${args[*]}\` wrote no report; the end of bench-report.log:"
-      echo
-      echo '```'
-      tail -n 40 bench-report.log
-      echo '```'
-      echo
-      echo "exit status: $rc"
-    } >> "$report"
-    fail "bench report"
+    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$report"
+  fi
+  local rc=${PIPESTATUS[0]}
+  local took=$(( SECONDS - t0 ))
+  printf '```\n\n' >> "$report"
+  if [ "$rc" -eq 0 ]; then
+    echo "exit status 0 after ${took}s" >> "$report"
+    note PASS "$name" "$took"
+  elif [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+    echo "TIMEOUT: killed after ${limit}s" >> "$report"
+    note TIMEOUT "$name" "$took"
+  else
+    echo "FAILED: exit status $rc after ${took}s" >> "$report"
+    note FAIL "$name" "$took"
   fi
 }
 
-step "bigmodel devices" bin/bigmodel devices
-if ! bin/bigmodel devices --json | grep -q '"kind": "cuda"'; then
+finish() {
+  {
+    echo
+    echo "## Summary"
+    echo
+    echo "| step | status | time |"
+    echo "| --- | --- | --- |"
+    printf '%s' "$summary"
+    echo
+    echo "total: $(( SECONDS - start ))s"
+    echo
+    if [ -z "$failed" ]; then echo "result: PASS"; else echo "result: FAIL ($failed)"; fi
+  } >> "$report"
+  echo "report: $report"
+  [ -z "$failed" ]
+  exit $?
+}
+
+# 1. Environment.
+environment() {
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    nvidia-smi --query-gpu=index,name,driver_version,memory.total,pcie.link.gen.current,pcie.link.gen.max,pcie.link.width.current,pcie.link.width.max --format=csv
+    echo "(a PCIe link below its maximum generation at idle is normal: it trains up under load)"
+  else
+    echo "nvidia-smi: not installed"
+  fi
+  command -v nvcc >/dev/null 2>&1 && nvcc --version | tail -n 2
+  python3 -c 'import torch; print("python3 torch", torch.__version__, "cuda", torch.version.cuda)' 2>/dev/null || true
+  echo
+  bin/bigmodel devices --json
+}
+step "environment" 90 environment
+if ! timeout 60 bin/bigmodel devices --json 2>/dev/null | grep -q '"kind": "cuda"'; then
   echo "no CUDA GPU present" | tee -a "$report"
-  echo "result: FAIL (no GPU)" >> "$report"
-  exit 1
+  note FAIL "a CUDA GPU" 0
+  finish
 fi
-for t in tests/*; do
-  step "test $(basename "$t")" "$t" --test-threads=1
+
+# 2. and 3. Tests: devices first, then compute, then models, then the rest.
+ordered=()
+for t in tests/bm-device-gpu tests/bm-device-gpu_compute tests/bm-compute-gpu tests/bm-models-gpu; do
+  [ -x "$t" ] && ordered+=("$t")
 done
-if [ "$bench" -eq 1 ]; then
+for t in tests/*; do
+  case " ${ordered[*]} " in *" $t "*) ;; *) ordered+=("$t") ;; esac
+done
+for t in "${ordered[@]}"; do
+  name=$(basename "$t")
+  step "test $name" 150 "$t" --test-threads=1
+  case "$name" in
+    *gpu_compute|bm-compute-gpu)
+      if [ "$sanitizer" -eq 1 ] && command -v compute-sanitizer >/dev/null 2>&1; then
+        # The kernel cache test starts child processes; memcheck follows
+        # the kernels of this process only.
+        step "memcheck $name" 240 compute-sanitizer --tool memcheck --error-exitcode 1 \
+          "$t" --test-threads=1 --skip kernels_are_cubin_compiled_once
+      fi
+      ;;
+  esac
+done
+
+# 4. Bench rows. h2d is bm-device's; the load and streaming benches of the
+# dispatcher (issue 12, acceptance 6) go in this list when they exist.
+default_benches="h2d load stream"
+for b in $default_benches; do
+  if [ -x "benches/$b" ]; then
+    step "bench $b" 150 "benches/$b" --bench
+  fi
+done
+
+if [ "$full" -eq 1 ]; then
   for b in benches/*; do
-    step "bench $(basename "$b")" "$b" --bench
+    case " $default_benches " in *" $(basename "$b") "*) continue ;; esac
+    step "bench $(basename "$b")" 600 "$b" --bench
   done
-  bench_report
+  bench_report() {
+    local args=(bench --prebuilt . --quick)
+    if python3 -c "import torch, accelerate, transformers" >/dev/null 2>&1; then
+      export BM_BENCH_PYTHON=python3
+      args+=(--with-accelerate)
+    fi
+    rm -f bench-report.md bench-report.json target/bench-report.md target/bench-report.json
+    ./xtask "${args[@]}" || return $?
+    cp target/bench-report.md target/bench-report.json .
+  }
+  step "bench report (./xtask bench --prebuilt .)" 900 bench_report
+  [ -f bench-report.md ] && { echo; sed 's/^#/##/' bench-report.md; } >> "$report"
 fi
-if [ "$status" -eq 0 ]; then
-  echo "result: PASS" >> "$report"
-else
-  echo "result: FAIL ($failed)" >> "$report"
-fi
-echo "report: $report"
-exit $status
+
+finish

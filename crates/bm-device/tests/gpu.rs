@@ -262,3 +262,143 @@ fn cuda_buffers_refuse_foreign_streams() {
         Err(Error::WrongDevice { .. })
     ));
 }
+
+#[test]
+fn every_cuda_library_is_found_and_reported() {
+    let Some(set) = DeviceSet::cuda_for_gpu_tests() else {
+        return;
+    };
+    let libraries = set.cuda_libraries();
+    for l in &libraries {
+        println!(
+            "{}: {} {}",
+            l.library,
+            l.version.as_deref().unwrap_or("-"),
+            l.path.as_ref().map_or_else(
+                || l.error.clone().unwrap_or_default(),
+                |p| p.display().to_string()
+            )
+        );
+    }
+    assert_eq!(libraries.len(), bm_device::CudaLibrary::ALL.len());
+    for l in &libraries {
+        assert!(l.path.is_some() && l.error.is_none(), "{l:?}");
+    }
+}
+
+#[test]
+fn dropping_a_buffer_in_use_does_not_wait_for_the_gpu() {
+    let Some(set) = DeviceSet::cuda_for_gpu_tests() else {
+        return;
+    };
+    let g = set.gpu(0).unwrap();
+    let data = pattern(8 * MIB, 12);
+    let mut pinned = set.alloc_pinned(data.len()).unwrap();
+    pinned.as_mut_slice().unwrap().copy_from_slice(&data);
+    // A copy stuck behind a 500 ms kernel.
+    g.compute_stream()
+        .busy_wait(Duration::from_millis(500))
+        .unwrap();
+    let busy = g.compute_stream().record().unwrap();
+    g.copy_stream().wait(&busy).unwrap();
+    let mut buf = g.alloc_on(data.len(), g.copy_stream()).unwrap();
+    let copied = buf
+        .copy_from_pinned(0, &pinned, 0..data.len(), g.copy_stream())
+        .unwrap();
+    let before = std::time::Instant::now();
+    drop(buf);
+    let took = before.elapsed();
+    assert!(!copied.is_complete().unwrap(), "the copy is still queued");
+    assert!(
+        took < Duration::from_millis(250),
+        "drop blocked for {took:?}"
+    );
+    assert_eq!(g.live_bytes(), 0);
+    g.synchronize().unwrap();
+}
+
+#[test]
+fn a_steady_state_of_allocations_takes_nothing_from_the_driver() {
+    let Some(set) = DeviceSet::cuda_for_gpu_tests() else {
+        return;
+    };
+    let g = set.gpu(0).unwrap();
+    let sizes = [3 * MIB, 17 * 1024, 64 * MIB, 1000, 5 * MIB];
+    let round = || {
+        let bufs: Vec<_> = sizes.iter().map(|&n| g.alloc_zeroed(n).unwrap()).collect();
+        drop(bufs);
+    };
+    round();
+    round();
+    let after_two = g.driver_allocations();
+    for _ in 0..20 {
+        round();
+    }
+    assert_eq!(g.driver_allocations(), after_two);
+    assert_eq!(g.live_bytes(), 0);
+    // What the pool keeps counts as free, and can be handed back.
+    let before = g.memory().unwrap().free;
+    g.release_cached_memory().unwrap();
+    let after = g.memory().unwrap().free;
+    assert!(after + 8 * MIB as u64 >= before, "{before} -> {after}");
+}
+
+#[test]
+fn memsets_and_host_copies_are_ordered_on_the_buffers_stream() {
+    let Some(set) = DeviceSet::cuda_for_gpu_tests() else {
+        return;
+    };
+    let g = set.gpu(0).unwrap();
+    // The copy stream is held up by a kernel: a zeroed buffer allocated
+    // there, then written from the host and read back, must still come out
+    // in order.
+    g.compute_stream()
+        .busy_wait(Duration::from_millis(100))
+        .unwrap();
+    let busy = g.compute_stream().record().unwrap();
+    g.copy_stream().wait(&busy).unwrap();
+    let mut buf = g.alloc_zeroed_on(4 * MIB, g.copy_stream()).unwrap();
+    let data = pattern(MIB, 13);
+    buf.copy_from_host(MIB, &data).unwrap();
+    let mut back = vec![1u8; 4 * MIB];
+    buf.copy_to_host(0, &mut back).unwrap();
+    assert!(back[..MIB].iter().all(|&b| b == 0));
+    assert_eq!(&back[MIB..2 * MIB], &data[..]);
+    assert!(back[2 * MIB..].iter().all(|&b| b == 0));
+}
+
+#[test]
+fn the_reader_pool_uploads_a_file_through_pinned_slots() {
+    let Some(set) = DeviceSet::cuda_for_gpu_tests() else {
+        return;
+    };
+    let g = set.gpu(0).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("weights.bin");
+    let data = pattern(40 * MIB + 777, 14);
+    std::fs::write(&path, &data).unwrap();
+    let pool = set
+        .reader_pool(bm_device::ReaderOptions {
+            slot_bytes: 4 * MIB,
+            ..Default::default()
+        })
+        .unwrap();
+    assert!(pool.is_pinned());
+    for direct in [false, true] {
+        let file = bm_device::SourceFile::open(&path, direct).unwrap();
+        let range = 4099..data.len() as u64;
+        let n = (range.end - range.start) as usize;
+        let mut buf = g.alloc_on(n, g.copy_stream()).unwrap();
+        pool.upload_from_file(&file, range.clone(), &mut buf, 0, g.copy_stream())
+            .unwrap()
+            .synchronize()
+            .unwrap();
+        let mut back = vec![0u8; n];
+        buf.copy_to_host(0, &mut back).unwrap();
+        assert!(
+            back == data[range.start as usize..],
+            "direct: {}",
+            file.is_direct()
+        );
+    }
+}

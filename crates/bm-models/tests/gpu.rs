@@ -271,3 +271,44 @@ fn dispatched_tiny_llama_on_gpu_with_cpu_and_disk_offload_matches_transformers()
     }
     assert_eq!(outputs[0], outputs[1], "offloading changed the GPU output");
 }
+
+#[test]
+fn a_steady_state_decode_step_takes_no_memory_from_the_driver() {
+    let Some(set) = DeviceSet::cuda_for_gpu_tests() else {
+        return;
+    };
+    let gpu = set.gpu(0).unwrap();
+    let root = fixtures();
+    let dir = root.path().join("tiny-llama");
+    let lm = CausalLm::open(&dir, Some(DType::F32)).unwrap();
+    let weights = GpuWeights {
+        folder: FolderWeights::open(&dir, Some(DType::F32)).unwrap(),
+        gpu: gpu.clone(),
+        cache: Mutex::new(HashMap::new()),
+    };
+    let decoder = lm.decoder();
+    let mut cache = decoder.new_cache();
+    let mut step = |ids: &[u32]| -> u32 {
+        let logits = decoder
+            .forward(&weights, ids, &mut cache, Logits::Last)
+            .unwrap();
+        let row = logits.to_host().unwrap().to_f32_vec();
+        let best = row
+            .iter()
+            .enumerate()
+            .fold((0, f32::MIN), |b, (i, &v)| if v > b.1 { (i, v) } else { b });
+        best.0 as u32
+    };
+    // The prompt, then identical one-token steps (the KV cache holds 64
+    // positions before it grows, far more than these).
+    let mut token = step(&[1, 2, 3, 4]);
+    let mut counts = Vec::new();
+    for _ in 0..8 {
+        token = step(&[token]);
+        counts.push(gpu.driver_allocations());
+    }
+    println!("driver allocations after each decode step: {counts:?}");
+    // The first steps may grow the pool; after them the pool serves every
+    // allocation from what earlier steps freed.
+    assert_eq!(counts[2], counts[7], "{counts:?}");
+}
