@@ -120,7 +120,7 @@ fn items_of(tree: &ModuleTree, sizes: &ModuleSizes, options: &PlanOptions) -> Ve
             Some(u)
         };
         if let Some(u) = u {
-            runtime[u] += bytes;
+            runtime[u] = runtime[u].saturating_add(bytes);
         }
     }
     let mut item_of_root = vec![usize::MAX; units.len()];
@@ -137,8 +137,8 @@ fn items_of(tree: &ModuleTree, sizes: &ModuleSizes, options: &PlanOptions) -> Ve
         }
         let item = &mut items[item_of_root[r]];
         item.units.push(*unit);
-        item.bytes += sizes.of(*unit);
-        item.runtime += runtime[i];
+        item.bytes = item.bytes.saturating_add(sizes.of(*unit));
+        item.runtime = item.runtime.saturating_add(runtime[i]);
     }
     items
 }
@@ -199,8 +199,11 @@ fn fill(
         };
         cap.saturating_sub(used[d])
     };
-    let need =
-        |item: &Item, d: usize| item.bytes + if devices[d].is_gpu() { item.runtime } else { 0 };
+    // Saturating: a need past u64 fits no device, which is what it means.
+    let need = |item: &Item, d: usize| {
+        item.bytes
+            .saturating_add(if devices[d].is_gpu() { item.runtime } else { 0 })
+    };
     for (i, item) in items.iter().enumerate() {
         // Weightless units (dropout, activations) stay with their neighbour.
         if item.bytes == 0 && item.runtime == 0 {
@@ -235,7 +238,7 @@ fn fill(
                 devices[chosen]
             ));
         }
-        used[chosen] += need(item, chosen);
+        used[chosen] = used[chosen].saturating_add(need(item, chosen));
         device_of_item.push(chosen);
         if chosen > pointer && used[pointer] > 0 {
             pointer = chosen;
@@ -250,23 +253,35 @@ fn fill(
     for (i, item) in items.iter().enumerate() {
         let d = device_of_item[i];
         if tier(devices[d]) > tier(devices[exec]) {
-            runtime += item.runtime;
+            runtime = runtime.saturating_add(item.runtime);
             offloaded_sizes.push(item.bytes);
             if largest_offloaded.is_none_or(|l: usize| item.bytes > items[l].bytes) {
                 largest_offloaded = Some(i);
             }
         }
     }
-    let in_flight = (1 + prefetch_depth).min(offloaded_sizes.len());
+    let in_flight = prefetch_depth.saturating_add(1).min(offloaded_sizes.len());
     if in_flight > 0 {
         offloaded_sizes.select_nth_unstable_by(in_flight - 1, |a, b| b.cmp(a));
     }
-    let streamed: u64 = offloaded_sizes[..in_flight].iter().sum();
+    let streamed = offloaded_sizes[..in_flight]
+        .iter()
+        .fold(0u64, |sum, b| sum.saturating_add(*b));
     Ok(Fill {
         device_of_item,
-        needed_reserve: streamed + runtime,
+        // Saturated, it exceeds every device: an error below.
+        needed_reserve: streamed.saturating_add(runtime),
         largest_offloaded,
     })
+}
+
+/// A reserve for a message: saturated means past 64 bits.
+fn reserve_bytes(bytes: u64) -> String {
+    if bytes == u64::MAX {
+        "more than 2^64 bytes".into()
+    } else {
+        human_bytes(bytes)
+    }
 }
 
 fn item_name(tree: &ModuleTree, item: &Item) -> String {
@@ -301,12 +316,12 @@ fn fits_on_gpus(items: &[Item], caps: &[u64]) -> bool {
     let mut g = 0usize;
     let mut used = 0u64;
     for item in items {
-        let need = item.bytes + item.runtime;
+        let need = item.bytes.saturating_add(item.runtime);
         loop {
             if g >= caps.len() {
                 return false;
             }
-            if used + need <= caps[g] {
+            if used.saturating_add(need) <= caps[g] {
                 used += need;
                 break;
             }
@@ -418,7 +433,8 @@ pub fn plan(tree: &ModuleTree, options: &PlanOptions) -> Result<Plan, Error> {
     }
     // Room to prefetch is worth having only while the execution device
     // still holds something of its own: otherwise plan with less of it.
-    let mut depth = options.prefetch_depth;
+    // More units in flight than there are units is the same plan.
+    let mut depth = options.prefetch_depth.min(items.len());
     let mut reserve = 0u64;
     let mut result = None;
     for _round in 0..64 * (options.prefetch_depth.min(8) + 1) {
@@ -501,7 +517,8 @@ pub fn plan(tree: &ModuleTree, options: &PlanOptions) -> Result<Plan, Error> {
 
     let mut placed = vec![0u64; devices.len()];
     for (i, item) in items.iter().enumerate() {
-        placed[filled.device_of_item[i]] += item.bytes;
+        let d = filled.device_of_item[i];
+        placed[d] = placed[d].saturating_add(item.bytes);
     }
     let mut max_memory = MaxMemory::default();
     for (i, &d) in devices.iter().enumerate() {
@@ -516,15 +533,15 @@ pub fn plan(tree: &ModuleTree, options: &PlanOptions) -> Result<Plan, Error> {
         .filter(|(_, b)| **b > 0)
         .map(|(d, b)| (*d, *b))
         .collect();
-    let mut warnings = Vec::new();
     if reserve > caps[exec] {
-        warnings.push(format!(
-            "streaming the largest offloaded unit needs {} on {}, which has only {}: offloaded layers cannot run there",
-            human_bytes(reserve),
+        return Err(Error::DoesNotFit(format!(
+            "the streaming reserve on {} (the running offloaded unit and {depth} prefetched, plus their runtime bytes such as the KV cache for --max-seq-len) needs {}, more than its {}: offloaded layers could not run there",
             devices[exec],
+            reserve_bytes(reserve),
             human_bytes(caps[exec])
-        ));
+        )));
     }
+    let mut warnings = Vec::new();
     let mut unknown: Vec<&str> = options
         .no_split
         .iter()

@@ -50,6 +50,9 @@ pub enum Error {
     /// A custom device map that leaves tensors without a device
     /// (Accelerate's `check_device_map` message).
     UncoveredTensors(Vec<String>),
+    /// Custom device map keys that name no module and no tensor of the
+    /// model, each with the closest real names.
+    UnknownDeviceMapKeys(Vec<(String, Vec<String>)>),
     /// A custom device map that is not valid JSON of the expected shape.
     BadDeviceMap(String),
     /// The model does not fit the budgets.
@@ -118,6 +121,31 @@ impl fmt::Display for Error {
                 "The device_map provided does not give any device for the following parameters: {}",
                 names.join(", ")
             ),
+            Error::UnknownDeviceMapKeys(keys) => {
+                const SHOWN: usize = 5;
+                let described: Vec<String> = keys
+                    .iter()
+                    .take(SHOWN)
+                    .map(|(key, closest)| {
+                        let closest: Vec<String> =
+                            closest.iter().map(|n| format!("{n:?}")).collect();
+                        if closest.is_empty() {
+                            format!("{key:?}")
+                        } else {
+                            format!("{key:?} (closest: {})", closest.join(", "))
+                        }
+                    })
+                    .collect();
+                let more = match keys.len().saturating_sub(SHOWN) {
+                    0 => String::new(),
+                    n => format!(" and {n} more"),
+                };
+                write!(
+                    f,
+                    "the device map names what is not in the model: {}{more}",
+                    described.join("; ")
+                )
+            }
             Error::BadDeviceMap(msg) => write!(f, "invalid device map: {msg}"),
             Error::DoesNotFit(msg) => write!(f, "{msg}"),
         }

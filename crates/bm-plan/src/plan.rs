@@ -336,9 +336,20 @@ impl Plan {
 
 /// Accelerate's `check_device_map`: every state-dict tensor must be covered
 /// by a key (`""`, its own name or a dotted prefix). Returns the warnings
-/// (keys that name no module); uncovered tensors are an error listing them
-/// in state-dict order.
+/// (keys that name a tensor rather than a module); uncovered tensors are an
+/// error listing them in state-dict order. Unlike Accelerate, which only
+/// warns, a key naming nothing in the model is an error listing the closest
+/// real names: a misspelt key would otherwise be dropped silently.
 pub fn check_device_map(tree: &ModuleTree, map: &DeviceMap) -> Result<Vec<String>, Error> {
+    let unknown: Vec<(String, Vec<String>)> = map
+        .iter()
+        .map(|(n, _)| n)
+        .filter(|n| tree.find(n).is_none())
+        .map(|n| (n.to_string(), closest_names(tree, n)))
+        .collect();
+    if !unknown.is_empty() {
+        return Err(Error::UnknownDeviceMapKeys(unknown));
+    }
     let mut warnings = Vec::new();
     let invalid: Vec<&str> = map
         .iter()
@@ -376,6 +387,79 @@ pub fn check_device_map(tree: &ModuleTree, map: &DeviceMap) -> Result<Vec<String
     }
 }
 
+/// Up to three names of the model nearest to `key`, which names nothing:
+/// among what its deepest existing ancestor module holds (children and
+/// tensors), by edit distance of the next name component. Cheap whatever
+/// the model or key size: one module's contents, components cut to 64
+/// characters.
+fn closest_names(tree: &ModuleTree, key: &str) -> Vec<String> {
+    const COMPONENT: usize = 64;
+    let mut ancestor = 0;
+    let mut rest = key;
+    for (i, _) in key.match_indices('.').collect::<Vec<_>>().into_iter().rev() {
+        if let Some(Node::Module(m)) = tree.find(&key[..i]) {
+            ancestor = m;
+            rest = &key[i + 1..];
+            break;
+        }
+    }
+    let wanted: String = rest
+        .split('.')
+        .next()
+        .unwrap_or("")
+        .chars()
+        .take(COMPONENT)
+        .collect();
+    let module = tree.module(ancestor);
+    let children = module
+        .children
+        .iter()
+        .map(|&c| tree.module(c).name.as_str());
+    let tensors = module
+        .params
+        .iter()
+        .chain(&module.buffers)
+        .map(|&t| tree.tensor(t).name.as_str());
+    let mut ranked: Vec<(usize, &str)> = children
+        .chain(tensors)
+        .map(|name| {
+            let last: String = name
+                .rsplit('.')
+                .next()
+                .unwrap_or(name)
+                .chars()
+                .take(COMPONENT)
+                .collect();
+            (edit_distance(&wanted, &last), name)
+        })
+        .collect();
+    // Stable: equally close names keep registration order.
+    ranked.sort_by_key(|&(d, _)| d);
+    ranked
+        .into_iter()
+        .take(3)
+        .map(|(_, n)| n.to_string())
+        .collect()
+}
+
+/// Levenshtein distance over characters.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut diagonal = row[0];
+        row[0] = i + 1;
+        for (j, cb) in b.iter().enumerate() {
+            let above = row[j + 1];
+            row[j + 1] = (diagonal + usize::from(ca != *cb))
+                .min(above + 1)
+                .min(row[j] + 1);
+            diagonal = above;
+        }
+    }
+    row[b.len()]
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -408,22 +492,30 @@ mod tests {
             )
             .is_ok()
         );
-        let warnings = check_device_map(
+        // Accelerate only warns about keys naming nothing; here they are
+        // an error naming the closest real names.
+        let err = check_device_map(
             &tree,
             &map(&[
                 ("linear1", Device::Cpu),
                 ("batchnorm", Device::Cpu),
                 ("linear2", Device::Cpu),
                 ("invalid_module", g(0)),
-                ("another_invalid", g(1)),
+                ("linear3.weight", g(1)),
+                ("batchnorm.bias.x", g(1)),
             ]),
         )
-        .unwrap();
+        .unwrap_err();
         assert_eq!(
-            warnings,
-            vec![
-                "The following device_map keys do not match any submodules in the model: ['invalid_module', 'another_invalid']"
-            ]
+            err.to_string(),
+            "the device map names what is not in the model: \"invalid_module\" (closest: \"linear1\", \"batchnorm\", \"linear2\"); \"linear3.weight\" (closest: \"linear1\", \"linear2\", \"batchnorm\"); \"batchnorm.bias.x\" (closest: \"batchnorm.bias\", \"batchnorm.weight\", \"batchnorm.running_var\")"
+        );
+        let err = check_device_map(&tree, &map(&[("", Device::Cpu), ("batchnrom", g(0))]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("\"batchnrom\" (closest: \"batchnorm\","),
+            "{err}"
         );
         // A parameter-level key warns but covers its tensor.
         let w = check_device_map(

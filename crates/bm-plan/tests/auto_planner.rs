@@ -313,3 +313,35 @@ fn streaming_room_covers_the_prefetched_layers_unless_it_would_empty_the_gpu() {
         "{trace:#?}"
     );
 }
+
+/// Issue 10: runtime bytes and prefetch depths past 64 bits used to wrap
+/// (or panic in debug builds) into a plausible map. They are an error that
+/// names the streaming reserve, and a depth beyond the number of layers is
+/// the same plan as one that prefetches them all.
+#[test]
+fn absurd_runtime_bytes_and_prefetch_depths_never_wrap_into_a_plan() {
+    let tree = seq10();
+    let layer = 40_400;
+    let memory = mm(&[("0", 5 * layer), ("cpu", 100 * layer)]);
+    for per_layer in [u64::MAX / 4, u64::MAX] {
+        let opts = PlanOptions {
+            runtime_bytes: (1..=10)
+                .map(|i| match tree.find(&format!("linear{i}")) {
+                    Some(Node::Module(m)) => (m, per_layer),
+                    other => panic!("{other:?}"),
+                })
+                .collect(),
+            ..options(memory.clone(), &[], Mode::Sequential)
+        };
+        let e = plan(&tree, &opts).unwrap_err().to_string();
+        assert!(
+            e.contains("the streaming reserve on 0")
+                && e.contains("needs more than 2^64 bytes, more than its 197.27 KiB"),
+            "{e}"
+        );
+    }
+    assert_eq!(
+        layers_on_gpu0(memory.clone(), usize::MAX),
+        layers_on_gpu0(memory, 10)
+    );
+}
