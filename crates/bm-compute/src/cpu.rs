@@ -324,17 +324,21 @@ pub(crate) fn rotary(
         });
 }
 
-/// Scaled dot-product attention for `s` queries against `t` cached
-/// keys/values; the queries are the last `s` positions. Grouped-query
-/// attention: query head h reads kv head h / (heads / kv_heads). Scores
-/// are `q · k` times `scores.scale`, soft-capped when asked.
+/// Scaled dot-product attention for `s` queries of each of `batch`
+/// sequences against `t` cached keys/values of each; the queries are the
+/// last `s` positions. Rows are time-major (row `i * batch + b` is
+/// sequence b at position i), and sequence b attends to no position before
+/// `first[b]` (its left padding). Grouped-query attention: query head h
+/// reads kv head h / (heads / kv_heads). Scores are `q · k` times
+/// `scores.scale`, soft-capped when asked. A query that sees no key (a
+/// padding row) gets zeros.
 pub(crate) fn attention(
     q: &[f32],
     keys: &[f32],
     values: &[f32],
     heads: Heads,
-    mask: Mask,
-    scores: Scores,
+    (mask, scores): (Mask, Scores),
+    first: &[usize],
     out: &mut [f32],
 ) {
     let Heads {
@@ -342,9 +346,11 @@ pub(crate) fn attention(
         kv_heads: nkv,
         head_dim: hd,
     } = heads;
+    let batch = first.len();
     let (q_width, kv_width) = (nh * hd, nkv * hd);
-    let s = q.len() / q_width;
-    let t = keys.len() / kv_width;
+    let rows = q.len() / q_width;
+    let s = rows / batch;
+    let t = keys.len() / (kv_width * batch);
     let past = t - s;
     let group = nh / nkv;
     let Scores { scale, softcap } = scores;
@@ -352,19 +358,25 @@ pub(crate) fn attention(
         .into_par_iter()
         .map(|h| {
             let g = h / group;
-            let mut o = vec![0f32; s * hd];
+            let mut o = vec![0f32; rows * hd];
             let mut row = Vec::with_capacity(t);
-            for i in 0..s {
+            for r in 0..rows {
+                let (i, b) = (r / batch, r % batch);
                 let pos = past + i;
                 let (lo, hi) = match mask {
                     Mask::Bidirectional => (0, t),
                     Mask::Causal => (0, pos + 1),
                     Mask::SlidingWindow(w) => ((pos + 1).saturating_sub(w), pos + 1),
                 };
-                let qi = &q[i * q_width + h * hd..][..hd];
+                let lo = lo.max(first[b]);
+                if lo >= hi {
+                    continue;
+                }
+                let key = |j: usize| (j * batch + b) * kv_width + g * hd;
+                let qi = &q[r * q_width + h * hd..][..hd];
                 row.clear();
                 row.extend((lo..hi).map(|j| {
-                    let kj = &keys[j * kv_width + g * hd..][..hd];
+                    let kj = &keys[key(j)..][..hd];
                     let score = qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * scale;
                     match softcap {
                         Some(cap) => soft_cap(score, cap),
@@ -372,9 +384,9 @@ pub(crate) fn attention(
                     }
                 }));
                 softmax_row(&mut row);
-                let oi = &mut o[i * hd..][..hd];
+                let oi = &mut o[r * hd..][..hd];
                 for (p, j) in row.iter().zip(lo..hi) {
-                    let vj = &values[j * kv_width + g * hd..][..hd];
+                    let vj = &values[key(j)..][..hd];
                     for (acc, v) in oi.iter_mut().zip(vj) {
                         *acc += p * v;
                     }
@@ -384,8 +396,8 @@ pub(crate) fn attention(
         })
         .collect();
     for (h, o) in per_head.iter().enumerate() {
-        for i in 0..s {
-            out[i * q_width + h * hd..][..hd].copy_from_slice(&o[i * hd..][..hd]);
+        for r in 0..rows {
+            out[r * q_width + h * hd..][..hd].copy_from_slice(&o[r * hd..][..hd]);
         }
     }
 }

@@ -321,6 +321,15 @@ impl Rope {
     /// Rotates every head of `x` (`[seq, heads * head_dim]`), row r being
     /// at position `start_pos + r`.
     pub fn apply(&self, x: &Tensor, start_pos: usize) -> Result<Tensor, Error> {
+        let rows = rows_cols(x).0;
+        let positions: Vec<usize> = (start_pos..start_pos + rows).collect();
+        self.apply_at(x, &positions)
+    }
+
+    /// Rotates every head of `x` (`[rows, heads * head_dim]`), row r being
+    /// at position `positions[r]`: the rows of a batch, each sequence at
+    /// its own position.
+    pub fn apply_at(&self, x: &Tensor, positions: &[usize]) -> Result<Tensor, Error> {
         let (rows, cols) = rows_cols(x);
         if x.shape().len() != 2 || cols % self.head_dim != 0 {
             return Err(bad(
@@ -332,12 +341,24 @@ impl Rope {
                 ),
             ));
         }
+        if positions.len() != rows {
+            return Err(bad(
+                "rotary",
+                format!("{} positions for {rows} rows", positions.len()),
+            ));
+        }
         let rotary_dim = 2 * self.inv_freq.len();
         if let Backend::Cuda(_) = x.backend() {
+            // The kernel places row r at `start + r`.
+            let start = positions.first().copied().unwrap_or(0);
+            let consecutive = positions.iter().enumerate().all(|(r, &p)| p == start + r);
             return match self.theta {
-                Some(theta) if rotary_dim == self.head_dim => {
-                    cuda::rotary(x, self.head_dim, start_pos, theta)
+                Some(theta) if rotary_dim == self.head_dim && consecutive => {
+                    cuda::rotary(x, self.head_dim, start, theta)
                 }
+                Some(_) if rotary_dim == self.head_dim => Err(Error::NotOnCuda {
+                    op: "rotary embedding of a batch (rows at their own positions)",
+                }),
                 _ => Err(Error::NotOnCuda {
                     op: "rotary embedding with scaled or partial frequencies",
                 }),
@@ -351,8 +372,8 @@ impl Rope {
             Vec::with_capacity(rows * half),
             Vec::with_capacity(rows * half),
         );
-        for r in 0..rows {
-            let pos = (start_pos + r) as f32;
+        for &p in positions {
+            let pos = p as f32;
             for f in &self.inv_freq {
                 let angle = pos * f;
                 cos.push(round(angle.cos() * self.scaling));
@@ -371,24 +392,63 @@ impl Rope {
 /// Values are kept widened to f32: they were rounded to the model's dtype
 /// before being appended, so the widening is exact.
 ///
+/// A cache may hold a batch of sequences ([`LayerCache::batched`]).
+/// Positions are stored time-major: the `batch` rows of one position lie
+/// together (row `t * batch + b` is sequence b at cache position t), so
+/// one decoding step of every sequence appends contiguously, and queries
+/// and keys are laid out the same way. The first `pads[b]` positions of
+/// sequence b are left padding: no query of b attends to them.
+///
 /// A sliding-window layer may [`LayerCache::forget_outside_window`]: the
 /// host cache then drops positions no future query can see, so it stays
 /// within twice the window however long the sequence grows.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct LayerCache {
     width: usize,
+    /// Left-padding positions of each sequence (its length is the batch).
+    pads: Vec<usize>,
     keys: Vec<f32>,
     values: Vec<f32>,
     /// Positions dropped from the front (sliding-window layers).
     dropped: usize,
-    /// The cache of a layer computed on a GPU.
+    /// The cache of a layer computed on a GPU (one sequence).
     device: Option<cuda::DeviceKv>,
 }
 
+impl Default for LayerCache {
+    fn default() -> LayerCache {
+        LayerCache::new()
+    }
+}
+
 impl LayerCache {
-    /// An empty cache.
+    /// An empty cache for one sequence.
     pub fn new() -> LayerCache {
-        LayerCache::default()
+        LayerCache {
+            width: 0,
+            pads: vec![0],
+            keys: Vec::new(),
+            values: Vec::new(),
+            dropped: 0,
+            device: None,
+        }
+    }
+
+    /// An empty cache for `pads.len()` sequences, sequence b starting with
+    /// `pads[b]` positions of left padding.
+    pub fn batched(pads: &[usize]) -> Result<LayerCache, Error> {
+        if pads.is_empty() {
+            return Err(Error::EmptyInput("batch of sequences"));
+        }
+        Ok(LayerCache {
+            pads: pads.to_vec(),
+            ..LayerCache::new()
+        })
+    }
+
+    /// Sequences in the batch.
+    pub fn batch(&self) -> usize {
+        self.pads.len()
     }
 
     /// Positions seen so far (the next position's index), dropped ones
@@ -401,7 +461,11 @@ impl LayerCache {
     fn rows(&self) -> usize {
         match &self.device {
             Some(kv) => kv.rows,
-            None => self.keys.len().checked_div(self.width).unwrap_or(0),
+            None => self
+                .keys
+                .len()
+                .checked_div(self.width * self.batch())
+                .unwrap_or(0),
         }
     }
 
@@ -415,10 +479,10 @@ impl LayerCache {
         if self.device.is_some() || rows < 2 * window.max(1) {
             return;
         }
-        let drop = rows - keep;
-        self.keys.drain(..drop * self.width);
-        self.values.drain(..drop * self.width);
-        self.dropped += drop;
+        let drop = (rows - keep) * self.width * self.batch();
+        self.keys.drain(..drop);
+        self.values.drain(..drop);
+        self.dropped += rows - keep;
     }
 
     /// True when nothing is cached.
@@ -426,10 +490,81 @@ impl LayerCache {
         self.len() == 0
     }
 
-    /// Appends the keys and values (`[seq, kv_heads * head_dim]`) of new positions.
+    /// Forgets every position from `len` on, so that the next one appended
+    /// is position `len` (a conversation rewound to the prefix it shares
+    /// with the cache). Positions a sliding window already dropped cannot
+    /// be rewound to.
+    pub fn truncate(&mut self, len: usize) -> Result<(), Error> {
+        if len >= self.len() {
+            return Ok(());
+        }
+        if len < self.dropped {
+            return Err(bad(
+                "kv cache truncate",
+                format!(
+                    "cannot rewind to position {len}: the sliding window dropped the first {}",
+                    self.dropped
+                ),
+            ));
+        }
+        let held = len - self.dropped;
+        match &mut self.device {
+            Some(kv) => kv.rows = held,
+            None => {
+                let keep = held * self.width * self.pads.len();
+                self.keys.truncate(keep);
+                self.values.truncate(keep);
+            }
+        }
+        Ok(())
+    }
+
+    /// Keeps only the sequences whose `keep` entry is true (finished ones
+    /// leave the batch), in order.
+    pub fn retain(&mut self, keep: &[bool]) -> Result<(), Error> {
+        let batch = self.batch();
+        if keep.len() != batch {
+            return Err(bad(
+                "kv cache retain",
+                format!("{} flags for a batch of {batch}", keep.len()),
+            ));
+        }
+        if keep.iter().all(|k| *k) {
+            return Ok(());
+        }
+        if !keep.iter().any(|k| *k) {
+            return Err(Error::EmptyInput("batch of sequences"));
+        }
+        if self.device.is_some() {
+            return Err(Error::NotOnCuda {
+                op: "batched KV cache (several sequences at once)",
+            });
+        }
+        let w = self.width;
+        let gather = |rows: &[f32]| -> Vec<f32> {
+            rows.chunks_exact(w.max(1))
+                .enumerate()
+                .filter(|(r, _)| keep[r % batch])
+                .flat_map(|(_, row)| row.iter().copied())
+                .collect()
+        };
+        self.keys = gather(&self.keys);
+        self.values = gather(&self.values);
+        self.pads = self
+            .pads
+            .iter()
+            .zip(keep)
+            .filter(|(_, k)| **k)
+            .map(|(p, _)| *p)
+            .collect();
+        Ok(())
+    }
+
+    /// Appends the keys and values of new positions: `[seq * batch, width]`,
+    /// time-major (every sequence's row of one position together).
     pub fn append(&mut self, keys: &Tensor, values: &Tensor) -> Result<(), Error> {
         let backend = backend_of(&[keys, values]);
-        let (_, width) = rows_cols(keys);
+        let (rows, width) = rows_cols(keys);
         if keys.shape() != values.shape() || keys.shape().len() != 2 {
             return Err(bad(
                 "kv cache append",
@@ -446,8 +581,17 @@ impl LayerCache {
                 format!("width {width} differs from the cached {}", self.width),
             ));
         }
+        if rows % self.batch() != 0 {
+            return Err(bad(
+                "kv cache append",
+                format!("{rows} rows do not divide into a batch of {}", self.batch()),
+            ));
+        }
         let on_gpu = self.device.is_some();
         match backend {
+            Backend::Cuda(_) if self.batch() > 1 => Err(Error::NotOnCuda {
+                op: "batched KV cache (several sequences at once)",
+            }),
             Backend::Cuda(_) if !self.keys.is_empty() => Err(bad(
                 "kv cache append",
                 "this layer's cache is in host memory; GPU keys cannot join it".into(),
@@ -471,11 +615,17 @@ impl LayerCache {
             }
         }
     }
+
+    /// Bytes the cache holds (keys and values, as f32).
+    pub fn bytes(&self) -> usize {
+        2 * self.rows() * self.width * self.batch() * 4
+    }
 }
 
 /// Scaled dot-product attention (softmax in f32) of `q`
-/// (`[seq, heads * head_dim]`, the last `seq` positions) against every
-/// position in `cache`. The result is `[seq, heads * head_dim]`.
+/// (`[seq * batch, heads * head_dim]`, the last `seq` positions of each
+/// sequence of the cache's batch, time-major as the cache) against every
+/// position in `cache`. The result has `q`'s shape.
 pub fn attention(
     q: &Tensor,
     cache: &LayerCache,
@@ -494,7 +644,7 @@ pub fn attention_with(
     mask: Mask,
     scores: Scores,
 ) -> Result<Tensor, Error> {
-    let (s, width) = rows_cols(q);
+    let (rows, width) = rows_cols(q);
     if heads.kv_heads == 0 || heads.heads % heads.kv_heads != 0 {
         return Err(bad(
             "attention",
@@ -513,6 +663,14 @@ pub fn attention_with(
             ),
         ));
     }
+    let batch = cache.batch();
+    if rows % batch != 0 {
+        return Err(bad(
+            "attention",
+            format!("{rows} query rows do not divide into a batch of {batch}"),
+        ));
+    }
+    let s = rows / batch;
     if cache.rows() < s {
         return Err(bad(
             "attention",
@@ -528,24 +686,32 @@ pub fn attention_with(
             ),
         ));
     }
+    // The first held position each sequence may attend to.
+    let first: Vec<usize> = cache
+        .pads
+        .iter()
+        .map(|p| p.saturating_sub(cache.dropped))
+        .collect();
+    let on_host = |qs: &[f32]| {
+        Tensor::build(q.dtype(), q.shape(), |out| {
+            cpu::attention(
+                qs,
+                &cache.keys,
+                &cache.values,
+                heads,
+                (mask, scores),
+                &first,
+                out,
+            )
+        })
+    };
     match (&cache.device, q.backend()) {
         (Some(kv), _) if scores == Scores::standard(heads.head_dim) => kv.attention(q, heads, mask),
         (Some(_), _) => Err(Error::NotOnCuda {
             op: "attention with a non-standard scale or soft-capping",
         }),
-        (None, Backend::Cpu) => {
-            let qs = q.f32_values();
-            Tensor::build(q.dtype(), q.shape(), |out| {
-                cpu::attention(&qs, &cache.keys, &cache.values, heads, mask, scores, out)
-            })
-        }
-        (None, Backend::Cuda(_)) => {
-            let host = q.to_host()?;
-            let qs = host.f32_values();
-            Tensor::build(q.dtype(), q.shape(), |out| {
-                cpu::attention(&qs, &cache.keys, &cache.values, heads, mask, scores, out)
-            })
-        }
+        (None, Backend::Cpu) => on_host(&q.f32_values()),
+        (None, Backend::Cuda(_)) => on_host(&q.to_host()?.f32_values()),
     }
 }
 
@@ -1054,6 +1220,190 @@ mod tests {
         }
         let err = attention(&t(&[1, 4], &[0.; 4]), &rolling, heads, Mask::Causal).unwrap_err();
         assert!(err.to_string().contains("dropped"), "{err}");
+    }
+
+    /// Rows `[seq, width]` of a deterministic sequence `seed`.
+    fn rows_of(seed: f32, seq: usize, width: usize) -> Vec<f32> {
+        (0..seq * width)
+            .map(|i| ((i as f32 + 1.0) * seed).sin())
+            .collect()
+    }
+
+    /// Interleaves per-sequence rows `[seq, width]` (left-padded with
+    /// `pad` zero rows each) into time-major `[len * batch, width]`.
+    fn time_major(seqs: &[(Vec<f32>, usize)], width: usize) -> Vec<f32> {
+        let len = seqs[0].0.len() / width + seqs[0].1;
+        let mut out = Vec::new();
+        for step in 0..len {
+            for (rows, pad) in seqs {
+                match step.checked_sub(*pad) {
+                    Some(i) => out.extend_from_slice(&rows[i * width..][..width]),
+                    None => out.extend(std::iter::repeat_n(0.0, width)),
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn a_padded_batch_attends_as_each_sequence_alone() {
+        let heads = Heads {
+            heads: 2,
+            kv_heads: 1,
+            head_dim: 3,
+        };
+        let (qw, kw) = (6, 3);
+        // Sequence 0 has 5 positions, sequence 1 has 3 (2 positions of left
+        // padding in the batch); then one decoding step each.
+        let lens = [5usize, 3];
+        let pads = [0usize, 2];
+        for mask in [Mask::Causal, Mask::SlidingWindow(2)] {
+            let mut alone = Vec::new();
+            for (b, &len) in lens.iter().enumerate() {
+                let seed = b as f32 + 0.3;
+                let mut cache = LayerCache::new();
+                let (k, v) = (rows_of(seed, len + 1, kw), rows_of(seed + 7.0, len + 1, kw));
+                cache
+                    .append(
+                        &t(&[len, kw], &k[..len * kw]),
+                        &t(&[len, kw], &v[..len * kw]),
+                    )
+                    .unwrap();
+                let q = rows_of(seed + 3.0, len + 1, qw);
+                let prefill = attention(&t(&[len, qw], &q[..len * qw]), &cache, heads, mask)
+                    .unwrap()
+                    .to_f32_vec();
+                cache
+                    .append(&t(&[1, kw], &k[len * kw..]), &t(&[1, kw], &v[len * kw..]))
+                    .unwrap();
+                let step = attention(&t(&[1, qw], &q[len * qw..]), &cache, heads, mask)
+                    .unwrap()
+                    .to_f32_vec();
+                alone.push((prefill, step));
+            }
+            let mut cache = LayerCache::batched(&pads).unwrap();
+            // Every sequence's rows of `seed + offset`: the prompt positions
+            // (left-padded) when `prompt`, else the decoding step's.
+            let batch_rows = |offset: f32, width: usize, prompt: bool| {
+                let seqs: Vec<(Vec<f32>, usize)> = lens
+                    .iter()
+                    .enumerate()
+                    .map(|(b, &len)| {
+                        let all = rows_of(b as f32 + 0.3 + offset, len + 1, width);
+                        match prompt {
+                            true => (all[..len * width].to_vec(), pads[b]),
+                            false => (all[len * width..].to_vec(), 0),
+                        }
+                    })
+                    .collect();
+                time_major(&seqs, width)
+            };
+            let (k, v, q) = (
+                batch_rows(0.0, kw, true),
+                batch_rows(7.0, kw, true),
+                batch_rows(3.0, qw, true),
+            );
+            cache.append(&t(&[10, kw], &k), &t(&[10, kw], &v)).unwrap();
+            let prefill = attention(&t(&[10, qw], &q), &cache, heads, mask)
+                .unwrap()
+                .to_f32_vec();
+            let (k, v, q) = (
+                batch_rows(0.0, kw, false),
+                batch_rows(7.0, kw, false),
+                batch_rows(3.0, qw, false),
+            );
+            cache.append(&t(&[2, kw], &k), &t(&[2, kw], &v)).unwrap();
+            let step = attention(&t(&[2, qw], &q), &cache, heads, mask)
+                .unwrap()
+                .to_f32_vec();
+            for (b, (want_prefill, want_step)) in alone.iter().enumerate() {
+                for i in 0..lens[b] {
+                    let r = (i + pads[b]) * 2 + b;
+                    assert_eq!(
+                        &prefill[r * qw..][..qw],
+                        &want_prefill[i * qw..][..qw],
+                        "{mask:?} sequence {b} position {i}"
+                    );
+                }
+                assert_eq!(&step[b * qw..][..qw], &want_step[..], "{mask:?} step {b}");
+            }
+            // Padding rows of sequence 1 see no key: zeros.
+            assert_eq!(&prefill[qw..2 * qw], &[0.0; 6]);
+            // Sequence 0 leaves; sequence 1 goes on alone, as before.
+            cache.retain(&[false, true]).unwrap();
+            assert_eq!((cache.batch(), cache.len()), (1, 6));
+            let again = attention(&t(&[1, qw], &q[qw..]), &cache, heads, mask).unwrap();
+            assert_eq!(again.to_f32_vec(), alone[1].1, "{mask:?} after retain");
+        }
+        let mut cache = LayerCache::batched(&[0, 0]).unwrap();
+        let err = cache
+            .append(&t(&[3, 1], &[0.; 3]), &t(&[3, 1], &[0.; 3]))
+            .unwrap_err();
+        assert!(err.to_string().contains("batch of 2"), "{err}");
+        assert!(LayerCache::batched(&[]).is_err());
+        assert!(cache.retain(&[false, false]).is_err());
+        assert!(cache.retain(&[true]).is_err());
+    }
+
+    #[test]
+    fn truncate_rewinds_the_cache_unless_the_window_dropped_it() {
+        let heads = Heads {
+            heads: 1,
+            kv_heads: 1,
+            head_dim: 2,
+        };
+        let k = rows_of(0.5, 6, 2);
+        let v = rows_of(1.5, 6, 2);
+        let mut full = LayerCache::new();
+        full.append(&t(&[6, 2], &k), &t(&[6, 2], &v)).unwrap();
+        let mut rewound = LayerCache::new();
+        rewound
+            .append(
+                &t(&[6, 2], &rows_of(9.0, 6, 2)),
+                &t(&[6, 2], &rows_of(8.0, 6, 2)),
+            )
+            .unwrap();
+        rewound.truncate(0).unwrap();
+        assert_eq!((rewound.len(), rewound.bytes()), (0, 0));
+        rewound
+            .append(&t(&[4, 2], &k[..8]), &t(&[4, 2], &v[..8]))
+            .unwrap();
+        rewound.truncate(9).unwrap();
+        assert_eq!(rewound.len(), 4);
+        rewound.truncate(3).unwrap();
+        rewound
+            .append(&t(&[3, 2], &k[6..]), &t(&[3, 2], &v[6..]))
+            .unwrap();
+        let q = t(&[1, 2], &[0.3, -0.7]);
+        assert_eq!(
+            attention(&q, &rewound, heads, Mask::Causal)
+                .unwrap()
+                .to_f32_vec(),
+            attention(&q, &full, heads, Mask::Causal)
+                .unwrap()
+                .to_f32_vec()
+        );
+        let mut windowed = LayerCache::new();
+        windowed.append(&t(&[6, 2], &k), &t(&[6, 2], &v)).unwrap();
+        windowed.forget_outside_window(2);
+        let err = windowed.truncate(2).unwrap_err();
+        assert!(err.to_string().contains("dropped the first 5"), "{err}");
+        windowed.truncate(5).unwrap();
+        assert_eq!(windowed.len(), 5);
+    }
+
+    #[test]
+    fn rope_at_positions_equals_rope_from_a_start() {
+        let rope = Rope::new(4, 10000.0);
+        let x = t(&[3, 8], &rows_of(0.7, 3, 8));
+        let from_start = rope.apply(&x, 5).unwrap().to_f32_vec();
+        let at = rope.apply_at(&x, &[5, 6, 7]).unwrap().to_f32_vec();
+        assert_eq!(from_start, at);
+        let row1 = rope.apply(&x.rows(1, 2).unwrap(), 2).unwrap().to_f32_vec();
+        let mixed = rope.apply_at(&x, &[9, 2, 0]).unwrap().to_f32_vec();
+        assert_eq!(&mixed[8..16], &row1[..]);
+        let err = rope.apply_at(&x, &[1, 2]).unwrap_err();
+        assert!(err.to_string().contains("2 positions for 3 rows"), "{err}");
     }
 
     #[test]
