@@ -19,6 +19,14 @@ pub enum Error {
     Plan(bm_plan::Error),
     /// Loading the checkpoint into the model or dispatching it failed.
     Dispatch(bm_dispatch::Error),
+    /// [`crate::find_executable_batch_size`] halved the batch size down to
+    /// zero: every size ran out of memory.
+    NoExecutableBatchSize {
+        /// The batch size tried first.
+        starting_batch_size: usize,
+        /// The out-of-memory error of the last try (at batch size 1).
+        last_error: Option<String>,
+    },
 }
 
 impl fmt::Display for Error {
@@ -31,6 +39,19 @@ impl fmt::Display for Error {
             Error::Shard(e) => e.fmt(f),
             Error::Plan(e) => e.fmt(f),
             Error::Dispatch(e) => e.fmt(f),
+            Error::NoExecutableBatchSize {
+                starting_batch_size,
+                last_error,
+            } => {
+                write!(
+                    f,
+                    "No executable batch size found, reached zero (started at {starting_batch_size}, halving on each out-of-memory error)"
+                )?;
+                match last_error {
+                    Some(e) => write!(f, "; the last try failed with: {e}"),
+                    None => Ok(()),
+                }
+            }
         }
     }
 }
@@ -38,7 +59,7 @@ impl fmt::Display for Error {
 impl std::error::Error for Error {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            Error::UnknownStrategy(_) => None,
+            Error::UnknownStrategy(_) | Error::NoExecutableBatchSize { .. } => None,
             Error::Memory(e) => Some(e),
             Error::Shard(e) => Some(e),
             Error::Plan(e) => Some(e),

@@ -22,7 +22,8 @@
 //!    prefetching the next block while this one computes.
 //!
 //! [`load_checkpoint_and_dispatch`] does all four from a builder's tree and
-//! a checkpoint path. A framework then runs each block between
+//! a checkpoint path. [`find_executable_batch_size`] runs a job with the
+//! largest batch that fits, halving it on out-of-memory errors. A framework then runs each block between
 //! [`dispatch::Model::enter`] and [`dispatch::Forward::exit`], reading the
 //! block's weights with [`dispatch::Forward::weight`].
 //!
@@ -78,11 +79,13 @@ pub use bm_plan as plan;
 pub use bm_shard as shard;
 pub use bm_tensor as tensor;
 
+mod batch_size;
 mod error;
 /// docs/guide.md, whose Rust examples run as doc tests.
 #[cfg(doctest)]
 mod guide;
 
+pub use batch_size::{OutOfMemory, find_executable_batch_size};
 pub use error::Error;
 
 use bm_device::{Budgets, DeviceSet, GpuKind, MemoryInfo};
