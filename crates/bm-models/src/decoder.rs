@@ -3,8 +3,8 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Instant;
 
+use bigmodel::device::{DeviceBuffer, Gpu, GpuKind};
 use bm_tensor::DType;
 
 use crate::family::{Activation, DecoderConfig, Mlp, Norm, Positions, Projections, RopeConfig};
@@ -12,7 +12,7 @@ use crate::ops::{self, LayerCache, Mask, Rope};
 use crate::quant_config::QuantizeOptions;
 use crate::text::TextTokenizer;
 use crate::weights::{FolderWeights, LinearWeight, WeightLayout, WeightSource};
-use crate::{Error, Tensor};
+use crate::{Error, GenerationConfig, Tensor};
 
 /// Fetches `name` and checks its shape against the config.
 pub(crate) fn fetch(
@@ -120,14 +120,25 @@ impl Linear {
     }
 }
 
-/// The per-layer key/value caches of one generation.
+/// The per-layer key/value caches of one generation: one sequence, or a
+/// batch of left-padded sequences (time-major, see [`LayerCache`]).
+///
+/// A layer that runs on an emulated GPU keeps its cache in host memory
+/// (emulated GPUs do not compute) and holds as much of that GPU's budget as
+/// the cache takes, so a batch too large for the device fails there with
+/// the device's out-of-memory error, as it would on a real GPU, whose
+/// layers keep their caches in its memory.
 #[derive(Debug)]
 pub struct KvCache {
     layers: Vec<LayerCache>,
+    /// Left-padding positions of each sequence of the batch.
+    pads: Vec<usize>,
+    /// The emulated-GPU budget each layer's cache holds, if any.
+    charges: Vec<Option<DeviceBuffer>>,
 }
 
 impl KvCache {
-    /// Positions cached so far.
+    /// Positions cached so far (padding included).
     pub fn len(&self) -> usize {
         self.layers.first().map_or(0, LayerCache::len)
     }
@@ -135,6 +146,68 @@ impl KvCache {
     /// True when nothing is cached.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// Sequences in the batch.
+    pub fn batch(&self) -> usize {
+        self.pads.len()
+    }
+
+    /// Left-padding positions of each sequence.
+    pub(crate) fn pads(&self) -> &[usize] {
+        &self.pads
+    }
+
+    /// Bytes the caches hold.
+    pub fn bytes(&self) -> usize {
+        self.layers.iter().map(LayerCache::bytes).sum()
+    }
+
+    /// Forgets every position from `len` on (see [`LayerCache::truncate`]).
+    pub fn truncate(&mut self, len: usize) -> Result<(), Error> {
+        for layer in &mut self.layers {
+            layer.truncate(len)?;
+        }
+        Ok(())
+    }
+
+    /// Keeps only the sequences whose `keep` entry is true.
+    pub fn retain(&mut self, keep: &[bool]) -> Result<(), Error> {
+        for layer in &mut self.layers {
+            layer.retain(keep)?;
+        }
+        let mut flags = keep.iter();
+        self.pads.retain(|_| *flags.next().unwrap_or(&false));
+        Ok(())
+    }
+
+    /// The position of each row of the next `steps` positions, time-major:
+    /// a sequence's own position, not counting its padding (0 on padding
+    /// rows, which nothing attends to), as transformers computes
+    /// `position_ids` from a left-padded attention mask.
+    pub fn positions(&self, steps: usize) -> Vec<usize> {
+        let start = self.len();
+        (start..start + steps)
+            .flat_map(|t| self.pads.iter().map(move |&pad| t.saturating_sub(pad)))
+            .collect()
+    }
+
+    /// Makes layer `index`'s cache hold its bytes of `gpu`'s budget when
+    /// `gpu` is emulated (growing the hold by doubling, so it is taken
+    /// rarely).
+    fn charge(&mut self, index: usize, gpu: &Gpu) -> Result<(), Error> {
+        if gpu.kind() != GpuKind::Emulated {
+            return Ok(());
+        }
+        let need = self.layers[index].bytes();
+        let held = self.charges[index].as_ref().map_or(0, DeviceBuffer::len);
+        if need <= held {
+            return Ok(());
+        }
+        // The old hold is returned first, so the new one may use its room.
+        self.charges[index] = None;
+        self.charges[index] = Some(gpu.alloc(need.max(2 * held))?);
+        Ok(())
     }
 }
 
@@ -248,22 +321,32 @@ impl Decoder {
         names
     }
 
-    /// An empty cache for one generation.
+    /// An empty cache for one sequence.
     pub fn new_cache(&self) -> KvCache {
-        KvCache {
+        self.new_batch_cache(&[0])
+            .expect("a batch of one sequence is not empty")
+    }
+
+    /// An empty cache for `pads.len()` sequences, sequence b left-padded
+    /// by `pads[b]` positions.
+    pub fn new_batch_cache(&self, pads: &[usize]) -> Result<KvCache, Error> {
+        Ok(KvCache {
             layers: (0..self.config.num_layers)
-                .map(|_| LayerCache::new())
-                .collect(),
-        }
+                .map(|_| LayerCache::batched(pads))
+                .collect::<Result<_, _>>()?,
+            pads: pads.to_vec(),
+            charges: (0..self.config.num_layers).map(|_| None).collect(),
+        })
     }
 
     /// The embedding blocks (tokens, and learned positions where the family
-    /// has them) for `ids` at positions `start..`: `[ids.len(), hidden]`.
+    /// has them) for `ids`, row r at position `positions[r]`:
+    /// `[ids.len(), hidden]`.
     pub fn embed(
         &self,
         src: &dyn WeightSource,
         ids: &[u32],
-        start: usize,
+        positions: &[usize],
     ) -> Result<Tensor, Error> {
         let c = &self.config;
         let n = c.names();
@@ -281,7 +364,7 @@ impl Decoder {
         })?;
         match (&c.positions, n.positions) {
             (Positions::Learned { max_positions }, Some(block)) => in_block(src, block, || {
-                let end = start + ids.len();
+                let end = positions.iter().max().map_or(0, |p| p + 1);
                 if end > *max_positions {
                     return Err(Error::SequenceTooLong {
                         len: end,
@@ -293,11 +376,8 @@ impl Decoder {
                     &format!("{block}.weight"),
                     &[*max_positions, c.hidden_size],
                 )?;
-                let positions: Vec<u32> = (start as u32..end as u32).collect();
-                Ok(ops::add(
-                    &x,
-                    &ops::embedding(&positions, &table, self.dtype)?,
-                )?)
+                let rows: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
+                Ok(ops::add(&x, &ops::embedding(&rows, &table, self.dtype)?)?)
             }),
             _ => Ok(x),
         }
@@ -416,14 +496,16 @@ impl Decoder {
         })
     }
 
-    /// Block `{layers}.{index}` on `x` (`[seq, hidden]`), appending the
-    /// new positions' keys and values to `cache`.
+    /// Block `{layers}.{index}` on `x` (`[seq * batch, hidden]`, time-major,
+    /// row r at position `positions[r]`), appending the new positions' keys
+    /// and values to layer `index` of `cache`.
     pub fn layer(
         &self,
         src: &dyn WeightSource,
         index: usize,
         x: &Tensor,
-        cache: &mut LayerCache,
+        positions: &[usize],
+        cache: &mut KvCache,
     ) -> Result<Tensor, Error> {
         let c = &self.config;
         let n = c.names();
@@ -441,19 +523,25 @@ impl Decoder {
             } else {
                 (q, k)
             };
-            let start = cache.len();
             let (q, k) = match &self.rotary {
                 Some(rotary) => {
-                    let rope = rotary.for_pass_ending_at(start + x.shape()[0]);
-                    (rope.apply(&q, start)?, rope.apply(&k, start)?)
+                    // transformers picks LongRoPE's factors by the batch's
+                    // largest position.
+                    let end = positions.iter().max().map_or(0, |p| p + 1);
+                    let rope = rotary.for_pass_ending_at(end);
+                    (rope.apply_at(&q, positions)?, rope.apply_at(&k, positions)?)
                 }
                 None => (q, k),
             };
-            cache.append(&k, &v)?;
+            let layer_cache = &mut cache.layers[index];
+            layer_cache.append(&k, &v)?;
             let mask = window.map_or(Mask::Causal, Mask::SlidingWindow);
-            let attended = ops::attention_with(&q, cache, c.heads, mask, c.scores)?;
+            let attended = ops::attention_with(&q, layer_cache, c.heads, mask, c.scores)?;
             if let Some(w) = window {
-                cache.forget_outside_window(w);
+                layer_cache.forget_outside_window(w);
+            }
+            if let Some(gpu) = src.execution_gpu() {
+                cache.charge(index, &gpu)?;
             }
             let mut out = o_proj.forward(&attended)?;
             if let Some(post) = n.post_attention {
@@ -500,7 +588,10 @@ impl Decoder {
         })
     }
 
-    /// Runs every block on `ids` (the positions after those in `cache`).
+    /// Runs every block on `ids`: the next positions of every sequence of
+    /// `cache`'s batch, time-major (`ids.len()` a multiple of the batch).
+    /// [`Logits::Last`] returns the last position's row of each sequence,
+    /// `[batch, vocab]`.
     pub fn forward(
         &self,
         src: &dyn WeightSource,
@@ -511,103 +602,35 @@ impl Decoder {
         if ids.is_empty() {
             return Err(Error::EmptyInput("token sequence"));
         }
-        let mut x = self.embed(src, ids, cache.len())?;
-        for (index, layer_cache) in cache.layers.iter_mut().enumerate() {
-            x = self.layer(src, index, &x, layer_cache)?;
+        let batch = cache.batch();
+        if ids.len() % batch != 0 {
+            return Err(Error::BadOperands {
+                op: "decoder forward",
+                message: format!("{} ids do not divide into a batch of {batch}", ids.len()),
+            });
         }
-        if logits == Logits::Last && ids.len() > 1 {
-            x = x.rows(ids.len() - 1, ids.len())?;
+        let positions = cache.positions(ids.len() / batch);
+        let mut x = self.embed(src, ids, &positions)?;
+        for index in 0..self.config.num_layers {
+            x = self.layer(src, index, &x, &positions, cache)?;
+        }
+        if logits == Logits::Last && ids.len() > batch {
+            x = x.rows(ids.len() - batch, ids.len())?;
         }
         let x = self.final_norm(src, &x)?;
         self.lm_head(src, &x)
     }
-
-    /// Greedy decoding with the KV cache: the prompt in one forward pass,
-    /// then one token per pass.
-    pub fn generate(
-        &self,
-        src: &dyn WeightSource,
-        prompt: &[u32],
-        options: &GenerateOptions,
-    ) -> Result<Generation, Error> {
-        if prompt.is_empty() {
-            return Err(Error::EmptyInput("prompt"));
-        }
-        let mut cache = self.new_cache();
-        let mut tokens = Vec::with_capacity(options.max_new_tokens);
-        let mut step_seconds = Vec::with_capacity(options.max_new_tokens);
-        let mut prompt_logits = None;
-        let mut input = prompt.to_vec();
-        while tokens.len() < options.max_new_tokens {
-            let started = Instant::now();
-            let want = if options.keep_prompt_logits && prompt_logits.is_none() {
-                Logits::All
-            } else {
-                Logits::Last
-            };
-            let logits = self.forward(src, &input, &mut cache, want)?;
-            let rows = logits.shape()[0];
-            let next = argmax(&logits.rows(rows - 1, rows)?.to_host()?.f32_values());
-            if want == Logits::All {
-                prompt_logits = Some(logits);
-            }
-            step_seconds.push(started.elapsed().as_secs_f64());
-            tokens.push(next);
-            if options.stop_tokens.contains(&next) {
-                break;
-            }
-            input = vec![next];
-        }
-        Ok(Generation {
-            tokens,
-            prompt_logits,
-            step_seconds,
-        })
-    }
 }
 
-/// First index of the largest value (as `torch.argmax`).
-fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, v) in row.iter().enumerate() {
-        if *v > row[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
-
-/// How to generate.
-#[derive(Clone, Debug, Default)]
-pub struct GenerateOptions {
-    /// Tokens to generate at most.
-    pub max_new_tokens: usize,
-    /// Tokens that end generation (kept in the output), usually the config's
-    /// `eos_token_id`; empty to always generate `max_new_tokens`.
-    pub stop_tokens: Vec<u32>,
-    /// Keep the prompt's full logits (`[prompt_len, vocab]`, F32 values in
-    /// the compute dtype) from the first forward pass.
-    pub keep_prompt_logits: bool,
-}
-
-/// What greedy generation produced.
-#[derive(Debug)]
-pub struct Generation {
-    /// The new tokens (the prompt is not repeated).
-    pub tokens: Vec<u32>,
-    /// The first forward pass's logits, when asked for.
-    pub prompt_logits: Option<Tensor>,
-    /// Wall time of each forward pass; the first one is the prompt's.
-    pub step_seconds: Vec<f64>,
-}
-
-/// A causal LM loaded from a Hugging Face folder: decoder, weights and,
-/// when the folder has one, its tokenizer.
+/// A causal LM loaded from a Hugging Face folder: decoder, weights,
+/// generation defaults and, when the folder has one, its tokenizer.
+/// Generating is in `generate.rs`.
 pub struct CausalLm {
-    decoder: Decoder,
-    weights: Box<dyn WeightSource + Send>,
-    tokenizer: Option<TextTokenizer>,
-    dir: PathBuf,
+    pub(crate) decoder: Decoder,
+    pub(crate) weights: Box<dyn WeightSource + Send>,
+    pub(crate) tokenizer: Option<TextTokenizer>,
+    pub(crate) generation: GenerationConfig,
+    pub(crate) dir: PathBuf,
 }
 
 impl CausalLm {
@@ -654,10 +677,12 @@ impl CausalLm {
     ) -> Result<CausalLm, Error> {
         let dir = dir.as_ref().to_path_buf();
         let tokenizer = TextTokenizer::open_in(&dir, None)?;
+        let generation = GenerationConfig::from_dir(&dir, &config)?;
         Ok(CausalLm {
             decoder: Decoder::new(config, dtype)?,
             weights,
             tokenizer,
+            generation,
             dir,
         })
     }
@@ -670,34 +695,5 @@ impl CausalLm {
     /// The tokenizer, if the folder has one.
     pub fn tokenizer(&self) -> Option<&TextTokenizer> {
         self.tokenizer.as_ref()
-    }
-
-    /// Greedy generation from token ids.
-    pub fn generate_ids(
-        &self,
-        prompt: &[u32],
-        options: &GenerateOptions,
-    ) -> Result<Generation, Error> {
-        self.decoder
-            .generate(self.weights.as_ref(), prompt, options)
-    }
-
-    /// Greedy generation from text: returns the generation and its new
-    /// tokens decoded.
-    pub fn generate_text(
-        &self,
-        prompt: &str,
-        options: &GenerateOptions,
-    ) -> Result<(Generation, String), Error> {
-        let tokenizer = self.tokenizer.as_ref().ok_or_else(|| Error::NoTokenizer {
-            dir: self.dir.clone(),
-        })?;
-        if prompt.is_empty() {
-            return Err(Error::EmptyInput("prompt"));
-        }
-        let ids = tokenizer.encode(prompt, true)?;
-        let generation = self.generate_ids(&ids, options)?;
-        let text = tokenizer.decode(&generation.tokens)?;
-        Ok((generation, text))
     }
 }

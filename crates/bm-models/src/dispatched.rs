@@ -220,6 +220,19 @@ impl WeightSource for DispatchedWeights {
         self.to_tensor(name, weight)
     }
 
+    fn execution_gpu(&self) -> Option<bigmodel::device::Gpu> {
+        let me = std::thread::current().id();
+        let device = lock(&self.inner.open)
+            .get(&me)?
+            .last()?
+            .guard
+            .execution_device()?;
+        match device {
+            bigmodel::device::Device::Gpu(n) => self.inner.model.devices().gpu(n).ok().cloned(),
+            bigmodel::device::Device::Cpu => None,
+        }
+    }
+
     fn begin_block(&self, block: &str) -> Result<(), Error> {
         if let Some(e) = lock(&self.inner.exit_error).take() {
             return Err(Error::Dispatch(e));

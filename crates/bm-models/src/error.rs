@@ -88,6 +88,14 @@ pub enum Error {
         /// What the tokenizers crate said.
         message: String,
     },
+    /// A generation setting out of its range (a temperature of zero, a
+    /// top-p above one).
+    BadGenerateOption {
+        /// The setting, as transformers' `GenerationConfig` names it.
+        option: &'static str,
+        /// What is wrong with it.
+        message: String,
+    },
     /// Text was given but the model folder has no tokenizer.json.
     NoTokenizer {
         /// The model folder.
@@ -157,6 +165,7 @@ impl fmt::Display for Error {
             Error::Tokenizer { path, message } => {
                 write!(f, "{}: tokenizer: {message}", path.display())
             }
+            Error::BadGenerateOption { option, message } => write!(f, "{option}: {message}"),
             Error::NoTokenizer { dir } => write!(
                 f,
                 "{}: no tokenizer.json, so text cannot be used (give token ids)",
@@ -185,6 +194,20 @@ impl std::error::Error for Error {
             Error::Device(e) => Some(e),
             Error::Facade(e) => Some(e),
             _ => None,
+        }
+    }
+}
+
+impl bigmodel::OutOfMemory for Error {
+    /// A device that ran out of memory while computing (a KV cache or an
+    /// activation on a GPU, or an emulated GPU's budget), loading or
+    /// streaming weights.
+    fn is_out_of_memory(&self) -> bool {
+        match self {
+            Error::Compute(bm_compute::Error::Device(e)) | Error::Device(e) => e.is_out_of_memory(),
+            Error::Dispatch(e) => e.is_out_of_memory(),
+            Error::Facade(e) => e.is_out_of_memory(),
+            _ => false,
         }
     }
 }

@@ -272,6 +272,10 @@ pub struct DecoderConfig {
     pub tie_word_embeddings: bool,
     /// Tokens that end generation (`eos_token_id`).
     pub eos_token_ids: Vec<u32>,
+    /// The longest sequence (`max_position_embeddings`, GPT-2's
+    /// `n_positions`): generation stops there. `None` when the config
+    /// does not say.
+    pub max_positions: Option<usize>,
 }
 
 impl DecoderConfig {
@@ -390,6 +394,7 @@ fn rotary_decoder(c: &HfConfig, arch: DecoderArch) -> Result<DecoderConfig, Erro
         },
         tie_word_embeddings: c.tie_word_embeddings,
         eos_token_ids: k.token_ids("eos_token_id")?,
+        max_positions: k.opt_count("max_position_embeddings", MAX_POSITIONS)?,
     })
 }
 
@@ -435,6 +440,7 @@ fn gpt2(c: &HfConfig) -> Result<DecoderConfig, Error> {
         final_softcap: None,
         tie_word_embeddings: c.tie_word_embeddings,
         eos_token_ids: k.token_ids("eos_token_id")?,
+        max_positions: Some(max_positions),
     })
 }
 

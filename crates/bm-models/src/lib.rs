@@ -51,15 +51,18 @@ mod dispatched;
 mod encoder;
 mod error;
 mod family;
+mod generate;
+mod generation_config;
 mod quant_config;
 mod quantized;
+mod sampling;
 mod text;
 mod weights;
 
 pub use bm_compute::ops;
 pub use bm_compute::{Backend, HostBytes, SharedDeviceBuffer, Tensor};
 
-pub use decoder::{CausalLm, Decoder, GenerateOptions, Generation, KvCache, Logits};
+pub use decoder::{CausalLm, Decoder, KvCache, Logits};
 pub use dispatched::{Dispatched, DispatchedWeights, open_causal_lm, open_sentence_embedder};
 pub use encoder::{Encoder, EncoderConfig, SUPPORTED_ENCODERS, SentenceEmbedder};
 pub use error::Error;
@@ -67,6 +70,9 @@ pub use family::{
     Activation, DecoderArch, DecoderConfig, LongRope, Mlp, Norm, Positions, Projections,
     RopeConfig, SUPPORTED_DECODERS,
 };
+pub use generate::{BatchSize, Batched, GenerateOptions, Generation};
+pub use generation_config::GenerationConfig;
 pub use quant_config::{BnbCheckpoint, QuantizeOptions};
+pub use sampling::Sampling;
 pub use text::TextTokenizer;
 pub use weights::{FolderWeights, LinearWeight, WeightLayout, WeightSource};

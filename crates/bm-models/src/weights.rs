@@ -97,6 +97,12 @@ pub trait WeightSource: Sync {
     fn end_block(&self, block: &str) {
         let _ = block;
     }
+
+    /// The GPU the innermost open block executes on, if a GPU: what a
+    /// layer's KV cache is charged to. `None` by default (the CPU).
+    fn execution_gpu(&self) -> Option<bigmodel::device::Gpu> {
+        None
+    }
 }
 
 /// The weights of a Hugging Face model folder (`model.safetensors`,
