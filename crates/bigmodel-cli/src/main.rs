@@ -29,7 +29,7 @@ enum Command {
     Plan(cmd::plan::Args),
     /// List the devices found and their memory.
     Devices(cmd::devices::Args),
-    /// Load a decoder folder under a device map and generate greedily.
+    /// Load a decoder folder under a device map and generate from one or more prompts.
     Run(cmd::run::Args),
     /// Sentence embeddings from a BERT-family folder under a device map.
     Embed(cmd::embed::Args),

@@ -284,8 +284,8 @@ fn forcing_budget(devices: &DeviceSet, total: u64) -> Result<MaxMemory, String> 
 fn generate(lm: &CausalLm, tokens: usize) -> Result<Generation, String> {
     let options = GenerateOptions {
         max_new_tokens: tokens,
-        stop_tokens: Vec::new(),
         keep_prompt_logits: true,
+        ..GenerateOptions::default()
     };
     lm.generate_ids(&PROMPT, &options)
         .map_err(|e| e.to_string())

@@ -1,4 +1,5 @@
-//! `bigmodel run`: load a decoder folder under a device map and generate.
+//! `bigmodel run`: load a decoder folder under a device map and generate
+//! from one prompt or many (batched, greedy or sampled).
 //!
 //! Also home of what `embed` and `demo` share: turning the placement flags
 //! into the facade's options, the device-map table, and the peak resident
@@ -14,7 +15,10 @@ use bigmodel::dispatch::LoadProgress;
 use bigmodel::plan::{DeviceMap, MaxMemory, Mode, human_bytes};
 use bigmodel::tensor::DType;
 use bigmodel::{DeviceMapSpec, Options};
-use bm_models::{DispatchedWeights, GenerateOptions, Generation, open_causal_lm};
+use bm_models::{
+    BatchSize, CausalLm, DispatchedWeights, GenerateOptions, Generation, GenerationConfig,
+    Sampling, open_causal_lm,
+};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::{Value, json};
 
@@ -22,38 +26,145 @@ use super::CmdResult;
 
 /// Arguments of `bigmodel run`.
 #[derive(clap::Args)]
+#[command(group(
+    clap::ArgGroup::new("input")
+        .required(true)
+        .args(["prompt", "prompt_ids", "prompts_file"])
+))]
 pub struct Args {
     /// An HF decoder folder: config.json, safetensors or PyTorch .bin weights
-    /// (single or sharded), optionally tokenizer.json.
+    /// (single or sharded), optionally tokenizer.json and
+    /// generation_config.json.
     model_dir: PathBuf,
-    /// The prompt as text (needs the folder's tokenizer.json).
-    #[arg(
-        long,
-        conflicts_with = "prompt_ids",
-        required_unless_present = "prompt_ids"
-    )]
-    prompt: Option<String>,
-    /// The prompt as comma-separated token ids: `1,2,3`.
+    /// A prompt as text (needs the folder's tokenizer.json); repeat for
+    /// several prompts, generated together.
     #[arg(long)]
-    prompt_ids: Option<String>,
+    prompt: Vec<String>,
+    /// A prompt as comma-separated token ids: `1,2,3`; repeat for several.
+    #[arg(long)]
+    prompt_ids: Vec<String>,
+    /// A file of text prompts, one per line.
+    #[arg(long)]
+    prompts_file: Option<PathBuf>,
+    /// How many prompts run together: a number, or `auto` (all, halved
+    /// after each out-of-memory error until a batch fits). Default: all,
+    /// or 1 when the model runs on a GPU (batches run on the CPU path).
+    #[arg(long)]
+    batch_size: Option<String>,
     #[command(flatten)]
     placement: PlacementArgs,
     /// The dtype weights are loaded and computed in: f32, f16, bf16.
     /// Default: the stored dtype of the embedding.
     #[arg(long)]
     dtype: Option<String>,
-    /// Tokens to generate (greedy; stops early at the config's eos token).
-    #[arg(long, default_value_t = 16)]
-    max_new_tokens: usize,
+    #[command(flatten)]
+    sampling: SamplingArgs,
     /// Write the first forward's logits (F32, [prompt_len, vocab]) to this
-    /// safetensors file, as tensor `logits`.
+    /// safetensors file, as tensor `logits` (one prompt only).
     #[arg(long)]
     dump_logits: Option<PathBuf>,
-    /// Print one JSON document: generated_ids, text, device_map,
-    /// load_seconds, first_forward_seconds, seconds_per_token,
-    /// bytes_streamed_per_token, peak_host_bytes.
+    /// Print one JSON document: generated_ids (a list of lists with
+    /// several prompts), text, device_map, load_seconds,
+    /// first_forward_seconds, seconds_per_token, bytes_streamed_per_token,
+    /// peak_host_bytes, seed (when sampling), batch_size.
     #[arg(long)]
     json: bool,
+}
+
+/// How tokens are chosen: the flags `run` and `chat` share. What they do
+/// not say comes from the folder's generation_config.json, as in
+/// transformers.
+#[derive(clap::Args)]
+pub struct SamplingArgs {
+    /// Tokens to generate at most (default: generation_config.json's
+    /// max_new_tokens or max_length, else 16); never past the model's
+    /// max_position_embeddings.
+    #[arg(long)]
+    max_new_tokens: Option<usize>,
+    /// Sample the next token (implied by --temperature, --top-k, --top-p).
+    #[arg(long, conflicts_with = "greedy")]
+    sample: bool,
+    /// Take the most likely token, whatever generation_config.json says.
+    #[arg(long)]
+    greedy: bool,
+    /// Divide the logits by this before sampling (> 0).
+    #[arg(long)]
+    temperature: Option<f32>,
+    /// Sample among the K most likely tokens only (0: all).
+    #[arg(long)]
+    top_k: Option<usize>,
+    /// Sample among the most likely tokens whose probabilities add up to P.
+    #[arg(long)]
+    top_p: Option<f32>,
+    /// Penalise tokens already in the sequence (> 0; 1: none).
+    #[arg(long)]
+    repetition_penalty: Option<f32>,
+    /// The sampling seed: the same seed gives the same tokens. Default: a
+    /// random one (reported).
+    #[arg(long)]
+    seed: Option<u64>,
+}
+
+impl SamplingArgs {
+    /// The sampling settings: `config`'s, overridden by the flags.
+    pub fn sampling(&self, config: &GenerationConfig) -> Result<Sampling, String> {
+        let mut s = config.sampling.clone();
+        if let Some(t) = self.temperature {
+            s.temperature = t;
+        }
+        if let Some(k) = self.top_k {
+            s.top_k = k;
+        }
+        if let Some(p) = self.top_p {
+            s.top_p = p;
+        }
+        if let Some(r) = self.repetition_penalty {
+            s.repetition_penalty = r;
+        }
+        let warper = self.temperature.is_some() || self.top_k.is_some() || self.top_p.is_some();
+        if self.greedy {
+            s.do_sample = false;
+        } else if self.sample || warper {
+            s.do_sample = true;
+        }
+        s.seed = self.seed.unwrap_or_else(random_seed);
+        s.check().map_err(|e| match e {
+            bm_models::Error::BadGenerateOption { option, message } => {
+                format!("--{}: {message}", option.replace('_', "-"))
+            }
+            other => other.to_string(),
+        })?;
+        Ok(s)
+    }
+
+    /// New tokens for prompts of at most `longest` tokens: the flag, else
+    /// `config`'s, else 16.
+    pub fn max_new_tokens(
+        &self,
+        config: &GenerationConfig,
+        longest: usize,
+    ) -> Result<usize, String> {
+        match self.max_new_tokens {
+            Some(0) => Err("--max-new-tokens must be at least 1".into()),
+            Some(n) => Ok(n),
+            None => config
+                .max_new_tokens_for(longest, 16)
+                .map_err(|e| e.to_string()),
+        }
+    }
+
+    /// The seed when sampling, for the report.
+    pub fn reported_seed(sampling: &Sampling) -> Option<u64> {
+        sampling.do_sample.then_some(sampling.seed)
+    }
+}
+
+/// A seed nobody chose: the standard library's per-process random keys.
+fn random_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish()
 }
 
 /// Where the weights go: the flags `run` and `embed` share.
@@ -204,14 +315,107 @@ fn parse_ids(text: &str) -> Result<Vec<u32>, String> {
         .collect()
 }
 
+/// The prompts as text (`--prompt`, `--prompts-file`), or `None` when
+/// they are ids.
+fn text_prompts(args: &Args) -> Result<Option<Vec<String>>, String> {
+    if let Some(path) = &args.prompts_file {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("--prompts-file {}: {e}", path.display()))?;
+        let lines: Vec<String> = text.lines().map(str::to_string).collect();
+        if let Some(n) = lines.iter().position(|l| l.is_empty()) {
+            return Err(format!(
+                "{}: line {} is empty: give one prompt per line",
+                path.display(),
+                n + 1
+            ));
+        }
+        if lines.is_empty() {
+            return Err(format!("{}: no prompts in the file", path.display()));
+        }
+        return Ok(Some(lines));
+    }
+    if args.prompt.iter().any(String::is_empty) {
+        return Err("--prompt is empty: give some text".into());
+    }
+    Ok((!args.prompt.is_empty()).then(|| args.prompt.clone()))
+}
+
+/// `--batch-size`: a count of at least 1 or `auto`; by default all
+/// `prompts`, one at a time `on_gpu` (a layer computed on a GPU takes one
+/// sequence at a time).
+fn parse_batch_size(text: Option<&str>, prompts: usize, on_gpu: bool) -> Result<BatchSize, String> {
+    match text {
+        None if on_gpu => Ok(BatchSize::Fixed(1)),
+        None => Ok(BatchSize::Fixed(prompts)),
+        Some("auto") => Ok(BatchSize::Auto),
+        Some(n) => match n.parse::<usize>() {
+            Ok(n) if n > 0 => Ok(BatchSize::Fixed(n)),
+            _ => Err(format!(
+                "--batch-size {n:?}: expected a count of at least 1 or auto"
+            )),
+        },
+    }
+}
+
+/// Prints each new piece of a sequence's text as its tokens come, as
+/// transformers' `TextStreamer` does: the whole sequence is decoded again
+/// and what was not printed yet is printed, unless it ends inside a
+/// character (a byte-level token that needs the next one).
+pub struct TextStream<'a> {
+    lm: &'a CausalLm,
+    ids: Vec<u32>,
+    printed: usize,
+}
+
+impl<'a> TextStream<'a> {
+    /// A stream of `lm`'s tokens, nothing printed yet.
+    pub fn new(lm: &'a CausalLm) -> TextStream<'a> {
+        TextStream {
+            lm,
+            ids: Vec::new(),
+            printed: 0,
+        }
+    }
+
+    /// Adds a token and prints the text it completes.
+    pub fn push(&mut self, token: u32) {
+        use std::io::Write;
+        self.ids.push(token);
+        // A token the tokenizer cannot decode shows in the final text's
+        // error; the stream just waits.
+        let Ok(text) = self.lm.decode(&self.ids) else {
+            return;
+        };
+        if text.ends_with('\u{FFFD}') || !text.is_char_boundary(self.printed) {
+            return;
+        }
+        if let Some(new) = text.get(self.printed..) {
+            print!("{new}");
+            let _ = std::io::stdout().flush();
+            self.printed = text.len();
+        }
+    }
+}
+
 /// Seconds of the steps after the first (the decode steps), averaged; the
 /// first step's when there is only one.
 pub fn seconds_per_token(generation: &Generation) -> f64 {
-    let steps = &generation.step_seconds;
+    decode_seconds_per_token(std::slice::from_ref(&generation.step_seconds))
+}
+
+/// [`seconds_per_token`] over several batches' forward passes: the decode
+/// steps of all of them averaged, or the first passes' when none has more.
+fn decode_seconds_per_token(batches: &[Vec<f64>]) -> f64 {
+    let decode: Vec<f64> = batches
+        .iter()
+        .flat_map(|b| b.iter().skip(1))
+        .copied()
+        .collect();
+    let firsts: Vec<f64> = batches.iter().filter_map(|b| b.first()).copied().collect();
+    let steps = if decode.is_empty() { firsts } else { decode };
     match steps.len() {
         0 => 0.0,
-        1 => steps[0],
-        n => steps[1..].iter().sum::<f64>() / (n - 1) as f64,
+        n => steps.iter().sum::<f64>() / n as f64,
     }
 }
 
@@ -240,15 +444,22 @@ fn write_logits(path: &Path, shape: &[usize], values: &[f32]) -> Result<(), Stri
 
 /// Runs the command.
 pub fn run(args: Args) -> CmdResult {
+    use std::io::IsTerminal;
+
     let dtype = args.dtype.as_deref().map(parse_dtype).transpose()?;
     let mut options = args.placement.options(dtype)?;
-    let prompt_ids = args.prompt_ids.as_deref().map(parse_ids).transpose()?;
-    if args.prompt.as_deref() == Some("") {
-        return Err("--prompt is empty: give some text".into());
+    let texts = text_prompts(&args)?;
+    let ids: Vec<Vec<u32>> = args
+        .prompt_ids
+        .iter()
+        .map(|p| parse_ids(p))
+        .collect::<Result<_, _>>()?;
+    let count = texts.as_ref().map_or(ids.len(), Vec::len);
+    if args.dump_logits.is_some() && count > 1 {
+        return Err("--dump-logits takes one prompt".into());
     }
-    if args.max_new_tokens == 0 {
-        return Err("--max-new-tokens must be at least 1".into());
-    }
+    // Checked before loading, so a typo costs nothing.
+    parse_batch_size(args.batch_size.as_deref(), count, false)?;
 
     let (bar, progress) = load_progress_bar(args.json);
     options.load_progress = Some(progress);
@@ -259,56 +470,120 @@ pub fn run(args: Args) -> CmdResult {
     bar.finish_and_clear();
     let lm = &dispatched.model;
     let weights = &dispatched.weights;
+    let on_gpu = weights.model().hf_device_map().is_some_and(|map| {
+        map.iter()
+            .any(|(_, d)| matches!(d, bigmodel::plan::Device::Gpu(_)))
+    });
+    let batch_size = parse_batch_size(args.batch_size.as_deref(), count, on_gpu)?;
 
+    let prompts: Vec<Vec<u32>> = match &texts {
+        Some(texts) => texts
+            .iter()
+            .map(|t| lm.encode(t))
+            .collect::<Result<_, _>>()?,
+        None => ids,
+    };
+    let config = lm.generation_config();
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    let sampling = args.sampling.sampling(config)?;
     let generate = GenerateOptions {
-        max_new_tokens: args.max_new_tokens,
-        stop_tokens: lm.decoder().config().eos_token_ids.clone(),
+        max_new_tokens: args.sampling.max_new_tokens(config, longest)?,
+        stop_tokens: config.eos_token_ids.clone(),
         keep_prompt_logits: args.dump_logits.is_some(),
+        sampling,
+        first_stream: 0,
+    };
+    // One prompt's text is printed as it comes, on a terminal.
+    let stream =
+        count == 1 && !args.json && lm.tokenizer().is_some() && std::io::stdout().is_terminal();
+    let mut text_stream = TextStream::new(lm);
+    let mut on_token = |_: usize, token: u32| {
+        if stream {
+            text_stream.push(token);
+        }
+    };
+    let mut on_retry = |size: usize, e: &bm_models::Error| {
+        eprintln!("out of memory ({e}); trying a batch size of {size}");
     };
     let streamed_before = weights.streamed_bytes();
-    let (generation, text) = match (&prompt_ids, &args.prompt) {
-        (Some(ids), _) => {
-            let generation = lm.generate_ids(ids, &generate)?;
-            let text = match lm.tokenizer() {
-                Some(t) => Some(t.decode(&generation.tokens)?),
-                None => None,
-            };
-            (generation, text)
+    let batched = lm.generate_in_batches(
+        &prompts,
+        batch_size,
+        &generate,
+        &mut on_token,
+        &mut on_retry,
+    )?;
+    if stream {
+        println!();
+    }
+    let passes: Vec<f64> = batched.batch_seconds.iter().flatten().copied().collect();
+    let streamed_per_token =
+        (weights.streamed_bytes() - streamed_before) / (passes.len().max(1) as u64);
+    let generations = &batched.generations;
+    let max_positions = lm.decoder().config().max_positions;
+    for (i, g) in generations.iter().enumerate() {
+        if let (Some(room), Some(max)) = (g.capped_to, max_positions) {
+            eprintln!(
+                "note: prompt {}: at most {room} new tokens, the room left in the model's {max} positions (max_position_embeddings)",
+                i + 1
+            );
         }
-        (None, Some(prompt)) => {
-            let (generation, text) = lm.generate_text(prompt, &generate)?;
-            (generation, Some(text))
-        }
-        (None, None) => return Err("give --prompt TEXT or --prompt-ids 1,2,3".into()),
+    }
+    let texts_out: Option<Vec<String>> = match lm.tokenizer() {
+        Some(_) => Some(
+            generations
+                .iter()
+                .map(|g| lm.decode(&g.tokens))
+                .collect::<Result<_, _>>()?,
+        ),
+        None => None,
     };
-    let passes = generation.step_seconds.len().max(1) as u64;
-    let streamed_per_token = (weights.streamed_bytes() - streamed_before) / passes;
 
-    if let (Some(path), Some(logits)) = (&args.dump_logits, &generation.prompt_logits) {
+    if let (Some(path), Some(logits)) = (&args.dump_logits, &generations[0].prompt_logits) {
         write_logits(path, logits.shape(), &logits.to_f32_vec())?;
     }
-    let first_forward = generation.step_seconds.first().copied().unwrap_or(0.0);
-    let per_token = seconds_per_token(&generation);
+    let first_forward = passes.first().copied().unwrap_or(0.0);
+    let per_token = decode_seconds_per_token(&batched.batch_seconds);
     let peak = peak_host_bytes();
+    let seed = SamplingArgs::reported_seed(&generate.sampling);
     if args.json {
+        let tokens: Vec<&Vec<u32>> = generations.iter().map(|g| &g.tokens).collect();
         let mut doc = json!({
-            "generated_ids": generation.tokens,
+            "generated_ids": if count == 1 { json!(tokens[0]) } else { json!(tokens) },
             "device_map": device_map_json(weights),
             "load_seconds": load_seconds,
             "first_forward_seconds": first_forward,
             "seconds_per_token": per_token,
             "bytes_streamed_per_token": streamed_per_token,
             "peak_host_bytes": peak,
+            "batch_size": batched.batch_size,
         });
-        if let Some(text) = &text {
-            doc["text"] = json!(text);
+        if let Some(texts) = &texts_out {
+            doc["text"] = if count == 1 {
+                json!(texts[0])
+            } else {
+                json!(texts)
+            };
+        }
+        if let Some(seed) = seed {
+            doc["seed"] = json!(seed);
         }
         println!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
         print_device_map(weights);
-        println!("generated ids: {:?}", generation.tokens);
-        if let Some(text) = &text {
-            println!("text: {text:?}");
+        for (i, g) in generations.iter().enumerate() {
+            let label = if count == 1 {
+                String::new()
+            } else {
+                format!("prompt {}: ", i + 1)
+            };
+            println!("{label}generated ids: {:?}", g.tokens);
+            if let Some(texts) = &texts_out {
+                println!("{label}text: {:?}", texts[i]);
+            }
+        }
+        if let Some(seed) = seed {
+            println!("sampled with seed {seed}");
         }
         println!(
             "load: {load_seconds:.3} s, first forward: {first_forward:.3} s, {per_token:.4} s/token"
