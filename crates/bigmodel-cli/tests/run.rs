@@ -343,16 +343,30 @@ fn bad_input_is_a_clear_error() {
         "model.embed_tokens.weight",
     );
 
-    // GPT-2's learned positions end at n_positions (32).
+    // GPT-2's learned positions end at n_positions (32): generation stops
+    // there and says so, and a prompt that fills them leaves no room.
     let gpt2 = fixture("tiny-gpt2");
+    let out = bigmodel(&[
+        "run",
+        gpt2.to_str().unwrap(),
+        "--prompt-ids",
+        &ids_arg(&[3; 30]),
+        "--max-new-tokens",
+        "8",
+        "--json",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("at most 2 new tokens") && stderr.contains("32 positions"),
+        "{stderr}"
+    );
+    assert_eq!(json_of(&out)["generated_ids"].as_array().unwrap().len(), 2);
     fails_with(
         &[
             "run",
             gpt2.to_str().unwrap(),
             "--prompt-ids",
-            &ids_arg(&[3; 30]),
-            "--max-new-tokens",
-            "8",
+            &ids_arg(&[3; 32]),
         ],
         "sequence of 33 tokens is longer than the model's 32 positions",
     );
