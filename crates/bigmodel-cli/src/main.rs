@@ -43,7 +43,9 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) if !e.use_stderr() => e.exit(),
         Err(e) => {
-            eprintln!("{}", one_paragraph(&e.render().to_string()));
+            let args: Vec<String> = std::env::args().skip(1).collect();
+            let help = help_command(&args);
+            eprintln!("{}", one_paragraph(&e.render().to_string(), &help));
             return ExitCode::from(2);
         }
     };
@@ -66,29 +68,32 @@ fn main() -> ExitCode {
     }
 }
 
+/// The command whose `--help` a usage error points to: `bigmodel` and the
+/// first argument naming a subcommand, if one does.
+fn help_command(args: &[String]) -> String {
+    let cli = <Cli as clap::CommandFactory>::command();
+    let sub = args
+        .iter()
+        .find(|a| cli.get_subcommands().any(|c| c.get_name() == a.as_str()));
+    match sub {
+        Some(sub) => format!("bigmodel {sub}"),
+        None => "bigmodel".into(),
+    }
+}
+
 /// A clap usage error as the CLI contract wants every error: one paragraph.
-/// Clap's message, tip and context lines are joined; its usage block is
-/// replaced by the `--help` hint of the command that failed to parse.
-fn one_paragraph(rendered: &str) -> String {
+/// Clap's message, tip and context lines are joined; its usage block and
+/// help line give way to the `--help` hint of `command`.
+fn one_paragraph(rendered: &str, command: &str) -> String {
     let mut text = String::new();
-    let mut command = "bigmodel".to_string();
     for line in rendered.lines().map(str::trim).filter(|l| !l.is_empty()) {
-        if let Some(usage) = line.strip_prefix("Usage: ") {
-            // `bigmodel plan [OPTIONS] <SOURCE>`: the words before the
-            // first placeholder name the command.
-            let words: Vec<&str> = usage
-                .split_whitespace()
-                .take_while(|w| !w.starts_with(['[', '<']))
-                .collect();
-            if !words.is_empty() {
-                command = words.join(" ");
-            }
-        } else if !line.starts_with("For more information") {
-            if !text.is_empty() {
-                text += if text.ends_with(':') { " " } else { "; " };
-            }
-            text += line;
+        if line.starts_with("Usage: ") || line.starts_with("For more information") {
+            continue;
         }
+        if !text.is_empty() {
+            text += if text.ends_with(':') { " " } else { "; " };
+        }
+        text += line;
     }
     let text = text.trim_end_matches('.');
     format!("{text}. For more information, try '{command} --help'.")
@@ -111,12 +116,24 @@ mod tests {
                 "error: the following required arguments were not provided: <CHECKPOINT>. For more information, try 'bigmodel inspect --help'.",
             ),
             (
+                &[
+                    "bigmodel",
+                    "run",
+                    "m",
+                    "--max-new-tokens",
+                    "99999999999999999999999",
+                ],
+                "error: invalid value '99999999999999999999999' for '--max-new-tokens <MAX_NEW_TOKENS>': number too large to fit in target type. For more information, try 'bigmodel run --help'.",
+            ),
+            (
                 &["bigmodel", "nosuch"],
                 "error: unrecognized subcommand 'nosuch'. For more information, try 'bigmodel --help'.",
             ),
         ] {
             let e = Cli::try_parse_from(args).err().unwrap();
-            assert_eq!(one_paragraph(&e.render().to_string()), wanted);
+            let rest: Vec<String> = args[1..].iter().map(|a| a.to_string()).collect();
+            let help = help_command(&rest);
+            assert_eq!(one_paragraph(&e.render().to_string(), &help), wanted);
         }
     }
 }

@@ -59,9 +59,11 @@ pub(crate) fn read_keys(path: &Path) -> Result<ConfigKeys, Error> {
     Ok(ConfigKeys::parse(&read_text(path)?, path)?)
 }
 
+/// A regular file's text: a FIFO would block the read, so it is refused.
 fn read_text(path: &Path) -> Result<String, Error> {
-    std::fs::read_to_string(path).map_err(|source| Error::Io {
+    let bytes = bm_shard::read_regular(path)?;
+    String::from_utf8(bytes).map_err(|e| Error::Io {
         path: path.to_path_buf(),
-        source,
+        source: std::io::Error::new(std::io::ErrorKind::InvalidData, e),
     })
 }

@@ -19,6 +19,7 @@ use std::thread::ThreadId;
 
 use bigmodel::device::{DeviceBuffer, DeviceSet, GpuKind};
 use bigmodel::dispatch::{Activations, Bytes, Forward, Model, Placement, Weight};
+use bigmodel::plan::config::HfConfig;
 use bigmodel::tensor::{DType, HostBuffer};
 
 use crate::config::read_config;
@@ -330,6 +331,65 @@ fn dispatch(
     DispatchedWeights::new(Arc::new(model), dtype)
 }
 
+/// A config whose number of layers disagrees with the checkpoint is an
+/// error naming the key: loading 9000 configured layers over a checkpoint
+/// of 3 would plan and dispatch them all before failing, and 1 over 3
+/// would silently drop layers. Layer `i` is present when the tensor that
+/// comes first in layer 0 is present under `<layers>.i`.
+fn check_layer_count(
+    hf: &HfConfig,
+    planned: &bigmodel::plan::hf::HfModel,
+    weights: &FolderWeights,
+) -> Result<(), Error> {
+    let tree = &planned.tree;
+    let Some(&first) = planned.layers.first() else {
+        return Ok(());
+    };
+    let first = tree.module(first).name.as_str();
+    let (Some(stem), Some(suffix)) = (
+        first.strip_suffix(".0"),
+        tree.state_dict().into_iter().find_map(|t| {
+            tree.tensor(t)
+                .name
+                .strip_prefix(first)?
+                .strip_prefix('.')
+                .map(str::to_string)
+        }),
+    ) else {
+        return Ok(());
+    };
+    let tensor_of = |layer: usize| format!("{stem}.{layer}.{suffix}");
+    let layers = |n: usize| match n {
+        1 => "1 layer".to_string(),
+        n => format!("{n} layers"),
+    };
+    let configured = planned.layers.len();
+    // Counting stops one past the configured layers: enough to tell.
+    let held = (0..=configured)
+        .take_while(|&i| weights.contains(&tensor_of(i)))
+        .count();
+    let message = if held > configured {
+        format!(
+            "{}, but the checkpoint holds more (it has {})",
+            layers(configured),
+            tensor_of(configured)
+        )
+    } else if held < configured {
+        format!(
+            "{}, but the checkpoint holds {held} (it has no {})",
+            layers(configured),
+            tensor_of(held)
+        )
+    } else {
+        return Ok(());
+    };
+    Err(Error::Config {
+        path: hf.file().to_path_buf(),
+        key: hf.family.layers_key().to_string(),
+        message,
+    })
+}
+
 /// Opens the decoder folder `dir` (config.json, safetensors, optional
 /// tokenizer.json) as Accelerate's `load_checkpoint_and_dispatch` would:
 /// the module tree from config.json, every tensor loaded straight to where
@@ -347,6 +407,7 @@ pub fn open_causal_lm(
     let probe = FolderWeights::open(dir, None)?;
     let dtype = pick_dtype(&probe, &config.embedding_weight(), options.dtype);
     let planned = bigmodel::plan::hf::tree_from_config(&hf)?;
+    check_layer_count(&hf, &planned, &probe)?;
     let weights = dispatch(dir, planned.tree, planned.no_split, devices, options, dtype)?;
     let model = CausalLm::with_weights(dir, config, dtype, Box::new(weights.clone()))?;
     Ok(Dispatched { model, weights })
@@ -376,6 +437,7 @@ pub fn open_sentence_embedder(
     );
     let (tree, no_split) = if prefix.is_empty() {
         let planned = bigmodel::plan::hf::tree_from_config(&hf)?;
+        check_layer_count(&hf, &planned, &probe)?;
         (planned.tree, planned.no_split)
     } else {
         let tree = bigmodel::tree_from_checkpoint(dir)?;

@@ -51,6 +51,14 @@ pub enum Family {
 }
 
 impl Family {
+    /// The config.json key of the number of layers (GPT-2's `n_layer`).
+    pub fn layers_key(self) -> &'static str {
+        match self {
+            Family::Gpt2 => "n_layer",
+            _ => "num_hidden_layers",
+        }
+    }
+
     /// Every family, with its `model_type`.
     pub const ALL: [(Family, &'static str); 8] = [
         (Family::Llama, "llama"),
@@ -355,13 +363,13 @@ impl HfConfig {
                     .map_or_else(Vec::new, |a| a.into_iter().map(str::to_string).collect()),
             });
         };
-        let (hidden_key, layers_key, heads_key) = match family {
-            Gpt2 => ("n_embd", "n_layer", "n_head"),
-            _ => ("hidden_size", "num_hidden_layers", "num_attention_heads"),
+        let (hidden_key, heads_key) = match family {
+            Gpt2 => ("n_embd", "n_head"),
+            _ => ("hidden_size", "num_attention_heads"),
         };
         let vocab_size = keys.count("vocab_size", MAX_VOCAB)?;
         let hidden_size = keys.count(hidden_key, MAX_WIDTH)?;
-        let num_layers = keys.count(layers_key, MAX_LAYERS)?;
+        let num_layers = keys.count(family.layers_key(), MAX_LAYERS)?;
         let heads = keys.count(heads_key, MAX_HEADS)?;
         let intermediate_size = match family {
             Gpt2 => keys

@@ -33,7 +33,8 @@ pub struct Args {
 pub fn run(args: Args) -> CmdResult {
     // Everything that can be checked is checked before anything is written.
     let options = ShardOptions {
-        max_shard_size: parse_size(&args.max_shard_size)?,
+        max_shard_size: parse_size(&args.max_shard_size)
+            .map_err(|e| format!("--max-shard-size: {e}"))?,
         dtype: args.dtype.as_deref().map(parse_dtype).transpose()?,
     };
     let ckpt = Checkpoint::open(&args.input)?;

@@ -85,9 +85,9 @@ impl Source {
 }
 
 fn read_json(path: &Path) -> Result<serde_json::Value, String> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-    serde_json::from_str(&text).map_err(|e| format!("{} is not valid JSON: {e}", path.display()))
+    // A regular file only: reading a FIFO would wait for a writer.
+    let bytes = bigmodel::shard::read_regular(path).map_err(|e| format!("cannot read {e}"))?;
+    serde_json::from_slice(&bytes).map_err(|e| format!("{} is not valid JSON: {e}", path.display()))
 }
 
 /// The model a parsed config.json describes; errors name `file` and the key.

@@ -230,13 +230,13 @@ pub fn load_progress_bar(quiet: bool) -> (ProgressBar, LoadProgress) {
 }
 
 fn read_device_map(path: &Path) -> Result<DeviceMap, String> {
-    let text = std::fs::read_to_string(path).map_err(|e| {
+    // A regular file only: reading a FIFO would wait for a writer.
+    let bytes = bigmodel::shard::read_regular(path).map_err(|e| {
         format!(
-            "--device-map {}: not auto, balanced, balanced_low_0 or sequential, and not a readable JSON file ({e})",
-            path.display()
+            "--device-map: not auto, balanced, balanced_low_0 or sequential, and not a readable JSON file ({e})"
         )
     })?;
-    let doc: Value = serde_json::from_str(&text)
+    let doc: Value = serde_json::from_slice(&bytes)
         .map_err(|e| format!("{}: invalid JSON: {e}", path.display()))?;
     DeviceMap::from_json(&doc).map_err(|e| format!("{}: {e}", path.display()))
 }

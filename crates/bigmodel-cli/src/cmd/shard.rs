@@ -36,7 +36,8 @@ pub struct Args {
 /// Runs the command.
 pub fn run(args: Args) -> CmdResult {
     // Everything that can be checked is checked before anything is written.
-    let max_shard_size = parse_size(&args.max_shard_size)?;
+    let max_shard_size =
+        parse_size(&args.max_shard_size).map_err(|e| format!("--max-shard-size: {e}"))?;
     let dtype = args.dtype.as_deref().map(parse_dtype).transpose()?;
     let ckpt = Checkpoint::open(&args.checkpoint)?;
     refuse_own_folder(&ckpt, &args.out_dir)?;
