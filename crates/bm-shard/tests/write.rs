@@ -127,6 +127,42 @@ fn one_shard_is_model_safetensors_and_stale_files_go() {
     assert_eq!(Checkpoint::open(dir.path()).unwrap().len(), owned.len());
 }
 
+/// Issue 10 item 3: stale shards that are links (a Hugging Face cache
+/// snapshot's files all are) are unlinked, never followed: what they point
+/// to, a file or a folder, is untouched.
+#[cfg(unix)]
+#[test]
+fn stale_shards_that_are_links_are_unlinked_not_followed() {
+    use std::os::unix::fs::symlink;
+    let owned = state(MODEL_FOR_TEST);
+    let dir = tempfile::tempdir().unwrap();
+    let blobs = tempfile::tempdir().unwrap();
+    let blob = blobs.path().join("f00d");
+    std::fs::write(&blob, b"someone else's shard").unwrap();
+    let blob_dir = blobs.path().join("folder");
+    std::fs::create_dir(&blob_dir).unwrap();
+    std::fs::write(blob_dir.join("inside"), b"kept").unwrap();
+    symlink(&blob, dir.path().join("model-00001-of-00005.safetensors")).unwrap();
+    symlink(
+        &blob_dir,
+        dir.path().join("model-00002-of-00005.safetensors"),
+    )
+    .unwrap();
+    symlink(&blob, dir.path().join("model.safetensors")).unwrap();
+    let saved = save(&owned, dir.path(), 150);
+    assert_eq!(saved.shards.len(), 2);
+    assert_eq!(
+        listing(dir.path()),
+        [
+            "model-00001-of-00002.safetensors",
+            "model-00002-of-00002.safetensors",
+            "model.safetensors.index.json"
+        ]
+    );
+    assert_eq!(std::fs::read(&blob).unwrap(), b"someone else's shard");
+    assert_eq!(std::fs::read(blob_dir.join("inside")).unwrap(), b"kept");
+}
+
 #[test]
 fn dtype_casts_floats_only_and_ties_are_stored_once() {
     let owned = state(&[
