@@ -146,6 +146,9 @@ pub struct Options {
     pub prefetch_depth: Option<usize>,
     /// Told how far loading has got (bytes loaded, bytes in all).
     pub load_progress: Option<bm_dispatch::LoadProgress>,
+    /// Produces some tensors' bytes while loading (quantize-on-load); the
+    /// tree declares them in their produced form.
+    pub load_transform: Option<Arc<dyn bm_dispatch::LoadTransform>>,
 }
 
 impl Options {
@@ -196,6 +199,7 @@ pub fn load_checkpoint_and_dispatch(
         keep_in_fp32_modules: options.keep_in_fp32_modules.clone(),
         strict: options.strict,
         progress: options.load_progress.clone(),
+        transform: options.load_transform.clone(),
     };
     bm_dispatch::load_checkpoint_in_model(&model, &checkpoint, map.as_ref(), &load)?;
     if let Some(map) = map {

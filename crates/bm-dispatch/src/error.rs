@@ -78,6 +78,13 @@ pub enum Error {
     MoveOffloaded,
     /// A bad option value.
     BadOption(String),
+    /// A [`LoadTransform`](crate::LoadTransform) failed on a tensor.
+    Transform {
+        /// The tensor.
+        name: String,
+        /// The transform's error.
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
 }
 
 impl Error {
@@ -177,6 +184,7 @@ impl fmt::Display for Error {
                 "You can't move a model that has some modules offloaded to cpu or disk.",
             ),
             Error::BadOption(msg) => f.write_str(msg),
+            Error::Transform { name, source } => write!(f, "loading {name}: {source}"),
         }
     }
 }
@@ -189,6 +197,7 @@ impl std::error::Error for Error {
             Error::Device { source, .. } => Some(source),
             Error::Tensor { source, .. } => Some(source),
             Error::Io { source, .. } => Some(source),
+            Error::Transform { source, .. } => Some(source.as_ref()),
             _ => None,
         }
     }

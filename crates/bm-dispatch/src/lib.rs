@@ -24,7 +24,9 @@
 //!   it moves (integers never; `keep_in_fp32_modules`), and writes it
 //!   straight to its place through bounded staging ([`STAGING_BYTES`]), so
 //!   peak host memory is the CPU-resident part plus one staging window.
-//!   Missing and unexpected keys are reported, errors under `strict`.
+//!   Missing and unexpected keys are reported, errors under `strict`. A
+//!   [`LoadTransform`] may produce some tensors' bytes instead (bm-models
+//!   quantizes linear weights on load this way, one tensor at a time).
 //! * Hooks ([`ModelHook`], [`SequentialHook`], [`AlignDevicesHook`],
 //!   [`CpuOffload`]) run around a module's forward. [`dispatch_model`],
 //!   [`cpu_offload`], [`disk_offload`] and [`cpu_offload_with_hook`] attach
@@ -91,6 +93,8 @@ pub use hooks::{
     AlignDevicesHook, CpuOffload, ModelHook, SequentialHook, UserCpuOffloadHook,
     cpu_offload_with_hook, flatten,
 };
-pub use load::{LoadOptions, LoadProgress, LoadReport, STAGING_BYTES, load_checkpoint_in_model};
+pub use load::{
+    LoadOptions, LoadProgress, LoadReport, LoadTransform, STAGING_BYTES, load_checkpoint_in_model,
+};
 pub use model::Model;
 pub use slots::{Placement, SlotId, Tier};

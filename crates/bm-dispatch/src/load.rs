@@ -42,6 +42,37 @@ pub struct LoadOptions {
     pub strict: bool,
     /// Told how far loading has got, for a progress bar.
     pub progress: Option<LoadProgress>,
+    /// Produces the bytes of the tensors it claims instead of the
+    /// checkpoint's (quantize-on-load).
+    pub transform: Option<Arc<dyn LoadTransform>>,
+}
+
+/// Turns what a checkpoint stores for some tensors into the bytes the
+/// model holds for them, one tensor at a time while loading: bm-models
+/// quantizes linear weights this way, so the model is never whole in full
+/// precision in memory. The model declares such a tensor in its held form
+/// (a packed weight is `U8` of its packed length); the loader places the
+/// bytes returned like any tensor's (resident, offloaded to pinned memory
+/// or written to the offload folder), never casting them.
+pub trait LoadTransform: Send + Sync + std::fmt::Debug {
+    /// True when this transform produces tensor `name`.
+    fn claims(&self, name: &str) -> bool;
+
+    /// True when checkpoint entry `name` is read by the transform (a part
+    /// of a claimed tensor), so it is not an unexpected key.
+    fn reads(&self, name: &str) -> bool;
+
+    /// The bytes of claimed tensor `name`, exactly `declared.byte_len()`
+    /// long, read from `checkpoint`; `dtype` is what its stored values
+    /// load in (the load's dtype, F32 for `keep_in_fp32_modules`, else as
+    /// stored).
+    fn produce(
+        &self,
+        name: &str,
+        declared: &TensorMeta,
+        checkpoint: &Checkpoint,
+        dtype: DType,
+    ) -> std::result::Result<HostBuffer, Box<dyn std::error::Error + Send + Sync>>;
 }
 
 /// A callback told, after each tensor, the checkpoint bytes loaded so far
@@ -114,8 +145,11 @@ pub fn load_checkpoint_in_model(
     }
 
     let mut report = LoadReport::default();
+    let transform = options.transform.as_deref();
     for (name, _) in checkpoint.tensors() {
-        if !matches!(tree.find(name), Some(Node::Tensor(_))) {
+        if !matches!(tree.find(name), Some(Node::Tensor(_)))
+            && !transform.is_some_and(|t| t.reads(name))
+        {
             report.unexpected.push(name.to_string());
         }
     }
@@ -181,18 +215,50 @@ pub fn load_checkpoint_in_model(
             }
             continue;
         };
-        if stored.shape != tensor.meta.shape {
-            return Err(Error::ShapeMismatch {
-                name: tensor.name.clone(),
-                found: stored.shape.clone(),
-                expected: tensor.meta.shape.clone(),
-            });
-        }
-        let dtype = load_dtype(&tensor.name, tensor.meta.dtype, stored.dtype, options);
+        let (data, stored, dtype) = match transform.filter(|t| t.claims(&tensor.name)) {
+            Some(t) => {
+                let dtype = load_dtype(&tensor.name, stored.dtype, stored.dtype, options);
+                let bytes = t
+                    .produce(&tensor.name, &tensor.meta, checkpoint, dtype)
+                    .map_err(|source| Error::Transform {
+                        name: tensor.name.clone(),
+                        source,
+                    })?;
+                if bytes.len() != tensor.meta.byte_len() {
+                    return Err(Error::Transform {
+                        name: tensor.name.clone(),
+                        source: format!(
+                            "produced {} bytes, the model declares {} ({} {:?})",
+                            bytes.len(),
+                            tensor.meta.byte_len(),
+                            tensor.meta.dtype,
+                            tensor.meta.shape
+                        )
+                        .into(),
+                    });
+                }
+                (
+                    TensorBytes::Gathered(bytes),
+                    tensor.meta.clone(),
+                    tensor.meta.dtype,
+                )
+            }
+            None => {
+                if stored.shape != tensor.meta.shape {
+                    return Err(Error::ShapeMismatch {
+                        name: tensor.name.clone(),
+                        found: stored.shape.clone(),
+                        expected: tensor.meta.shape.clone(),
+                    });
+                }
+                let dtype = load_dtype(&tensor.name, tensor.meta.dtype, stored.dtype, options);
+                // Zero-copy from the mapping, except a strided view in a
+                // PyTorch file, which is gathered.
+                (checkpoint.bytes(&tensor.name)?, stored.clone(), dtype)
+            }
+        };
+        let stored = &stored;
         let meta = TensorMeta::new(dtype, stored.shape.clone());
-        // Zero-copy from the mapping, except a strided view in a PyTorch
-        // file, which is gathered.
-        let data = checkpoint.bytes(&tensor.name)?;
         let state = match target {
             Target::Resident(Device::Cpu) => {
                 let bytes = match data {

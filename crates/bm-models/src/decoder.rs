@@ -46,7 +46,7 @@ pub(crate) fn in_block<T>(
 /// Fetches the weight of linear layer `name` (`[out, inp]` as `nn.Linear`
 /// stores it, `[inp, out]` as `Conv1D` does when dense) and checks its shape
 /// against the config.
-fn fetch_linear(
+pub(crate) fn fetch_linear(
     src: &dyn WeightSource,
     name: &str,
     [out, inp]: [usize; 2],

@@ -23,7 +23,9 @@ use bigmodel::plan::config::HfConfig;
 use bigmodel::tensor::{DType, HostBuffer};
 
 use crate::config::read_config;
-use crate::weights::{FolderWeights, WeightSource};
+use crate::packed::{self, PackedWeights};
+use crate::quant_config::QuantizeOptions;
+use crate::weights::{FolderWeights, LinearWeight, WeightLayout, WeightSource};
 use crate::{
     CausalLm, DecoderConfig, EncoderConfig, Error, SUPPORTED_DECODERS, SUPPORTED_ENCODERS,
     SentenceEmbedder, Tensor, ops,
@@ -43,6 +45,8 @@ struct Inner {
     streamed: AtomicU64,
     fetches: AtomicU64,
     exit_error: Mutex<Option<bigmodel::dispatch::Error>>,
+    /// The linear weights held packed (quantized), if any.
+    packed: Option<Arc<PackedWeights>>,
 }
 
 /// A [`WeightSource`] over a dispatched model. Cheap to clone (clones
@@ -73,6 +77,16 @@ impl DispatchedWeights {
     /// (weights loaded in another dtype, e.g. `keep_in_fp32_modules`, are
     /// converted on each fetch).
     pub fn new(model: Arc<Model>, dtype: DType) -> Result<DispatchedWeights, Error> {
+        DispatchedWeights::with_packed(model, dtype, None)
+    }
+
+    /// [`DispatchedWeights::new`] over a model whose tree holds the
+    /// weights of `packed` in packed form.
+    fn with_packed(
+        model: Arc<Model>,
+        dtype: DType,
+        packed: Option<Arc<PackedWeights>>,
+    ) -> Result<DispatchedWeights, Error> {
         ops::check_compute_dtype("dispatched compute dtype", dtype)?;
         Ok(DispatchedWeights {
             inner: Arc::new(Inner {
@@ -82,6 +96,7 @@ impl DispatchedWeights {
                 streamed: AtomicU64::new(0),
                 fetches: AtomicU64::new(0),
                 exit_error: Mutex::new(None),
+                packed,
             }),
         })
     }
@@ -197,8 +212,9 @@ impl AsRef<DeviceBuffer> for DeviceWeight {
     }
 }
 
-impl WeightSource for DispatchedWeights {
-    fn tensor(&self, name: &str) -> Result<Arc<Tensor>, Error> {
+impl DispatchedWeights {
+    /// The weight `name` from the open block, counted.
+    fn fetch(&self, name: &str) -> Result<Weight, Error> {
         let weight = self.with_open_block(|block| {
             let local = self.local_name(&block.name, name)?;
             block.guard.weight(&local).map_err(|e| match e {
@@ -218,6 +234,18 @@ impl WeightSource for DispatchedWeights {
                 .fetch_add(weight.bytes.len() as u64, Ordering::Relaxed);
         }
         self.inner.fetches.fetch_add(1, Ordering::Relaxed);
+        Ok(weight)
+    }
+}
+
+impl WeightSource for DispatchedWeights {
+    fn tensor(&self, name: &str) -> Result<Arc<Tensor>, Error> {
+        if self.inner.packed.as_ref().is_some_and(|p| p.contains(name)) {
+            return Err(Error::QuantizedNotLinear {
+                name: name.to_string(),
+            });
+        }
+        let weight = self.fetch(name)?;
         self.to_tensor(name, weight)
     }
 
@@ -232,6 +260,30 @@ impl WeightSource for DispatchedWeights {
             bigmodel::device::Device::Gpu(n) => self.inner.model.devices().gpu(n).ok().cloned(),
             bigmodel::device::Device::Cpu => None,
         }
+    }
+
+    /// A packed weight arrives as its packed bytes (streamed at that size
+    /// when offloaded) and is used in place: host and mapped bytes without
+    /// a copy.
+    fn linear_weight(&self, name: &str, layout: WeightLayout) -> Result<LinearWeight, Error> {
+        let Some(packed) = self.inner.packed.as_ref().filter(|p| p.contains(name)) else {
+            return self.tensor(name).map(|t| LinearWeight::dense(t, layout));
+        };
+        let weight = self.fetch(name)?;
+        let bytes = match weight.bytes.as_ref() {
+            Bytes::Host(_) | Bytes::Mmap(_) => {
+                HostBytes::Shared(Arc::new(HostWeight(weight.bytes.clone())))
+            }
+            Bytes::Device(d) if d.gpu().kind() == GpuKind::Cuda => {
+                return Err(Error::Compute(bm_compute::Error::NotOnCuda {
+                    op: "linear_quantized",
+                }));
+            }
+            other => HostBytes::Owned(HostBuffer::from_bytes(
+                &other.to_host().map_err(Error::Dispatch)?,
+            )?),
+        };
+        Ok(LinearWeight::Quantized(Arc::new(packed.read(name, bytes)?)))
     }
 
     fn begin_block(&self, block: &str) -> Result<(), Error> {
@@ -313,22 +365,47 @@ fn pick_dtype(weights: &FolderWeights, probe: &str, requested: Option<DType>) ->
 }
 
 /// Loads `dir`'s checkpoint onto `tree` under `options` (with `dtype` and
-/// the family's no-split classes filled in) and dispatches it.
+/// the family's no-split classes filled in) and dispatches it. Linear
+/// weights are held packed when the folder is pre-quantized or `quantize`
+/// is given: the planner sizes them packed and they are produced one at a
+/// time while loading.
 fn dispatch(
     dir: &Path,
-    tree: bigmodel::plan::ModuleTree,
-    no_split: Vec<String>,
+    probe: &FolderWeights,
+    (tree, no_split): (bigmodel::plan::ModuleTree, Vec<String>),
     devices: Arc<DeviceSet>,
     options: &bigmodel::Options,
     dtype: DType,
+    quantize: Option<&QuantizeOptions>,
 ) -> Result<DispatchedWeights, Error> {
     let mut options = options.clone();
     options.dtype = Some(dtype);
     if options.no_split_module_classes.is_empty() {
         options.no_split_module_classes = no_split;
     }
+    let quantized = match (quantize, probe.prequantized()) {
+        (Some(_), Some(_)) => {
+            return Err(Error::Config {
+                path: dir.join("config.json"),
+                key: "quantization_config".into(),
+                message: "the folder is already quantized with bitsandbytes; load it without \
+                          quantize options"
+                    .into(),
+            });
+        }
+        (Some(q), None) => Some(packed::quantize_on_load(Some(dir), &tree, q, dtype)?),
+        (None, _) => packed::saved_quantized(probe, &tree)?,
+    };
+    let (tree, packed) = match quantized {
+        Some((tree, packed)) => {
+            let packed = Arc::new(packed);
+            options.load_transform = Some(packed.clone());
+            (tree, Some(packed))
+        }
+        None => (tree, None),
+    };
     let model = bigmodel::load_checkpoint_and_dispatch(tree, dir, devices, &options)?;
-    DispatchedWeights::new(Arc::new(model), dtype)
+    DispatchedWeights::with_packed(Arc::new(model), dtype, packed)
 }
 
 /// A config whose number of layers disagrees with the checkpoint is an
@@ -401,14 +478,45 @@ pub fn open_causal_lm(
     devices: Arc<DeviceSet>,
     options: &bigmodel::Options,
 ) -> Result<Dispatched<CausalLm>, Error> {
-    let dir = dir.as_ref();
+    open_decoder(dir.as_ref(), devices, options, None)
+}
+
+/// [`open_causal_lm`] with the linear layers quantized while loading, as
+/// `quantize` says (Accelerate's `load_and_quantize_model`): each weight is
+/// quantized from the compute dtype as it is read, so the model is never
+/// whole in full precision in memory, and the planner and the dispatcher
+/// size, place and stream it packed. A pre-quantized folder is refused
+/// (open it with [`open_causal_lm`]).
+pub fn open_causal_lm_quantized(
+    dir: impl AsRef<Path>,
+    devices: Arc<DeviceSet>,
+    options: &bigmodel::Options,
+    quantize: &QuantizeOptions,
+) -> Result<Dispatched<CausalLm>, Error> {
+    open_decoder(dir.as_ref(), devices, options, Some(quantize))
+}
+
+fn open_decoder(
+    dir: &Path,
+    devices: Arc<DeviceSet>,
+    options: &bigmodel::Options,
+    quantize: Option<&QuantizeOptions>,
+) -> Result<Dispatched<CausalLm>, Error> {
     let hf = read_config(dir, SUPPORTED_DECODERS)?;
     let config = DecoderConfig::from_config(&hf)?;
     let probe = FolderWeights::open(dir, None)?;
     let dtype = pick_dtype(&probe, &config.embedding_weight(), options.dtype);
     let planned = bigmodel::plan::hf::tree_from_config(&hf)?;
     check_layer_count(&hf, &planned, &probe)?;
-    let weights = dispatch(dir, planned.tree, planned.no_split, devices, options, dtype)?;
+    let weights = dispatch(
+        dir,
+        &probe,
+        (planned.tree, planned.no_split),
+        devices,
+        options,
+        dtype,
+        quantize,
+    )?;
     let model = CausalLm::with_weights(dir, config, dtype, Box::new(weights.clone()))?;
     Ok(Dispatched { model, weights })
 }
@@ -421,7 +529,26 @@ pub fn open_sentence_embedder(
     devices: Arc<DeviceSet>,
     options: &bigmodel::Options,
 ) -> Result<Dispatched<SentenceEmbedder>, Error> {
-    let dir = dir.as_ref();
+    open_encoder(dir.as_ref(), devices, options, None)
+}
+
+/// [`open_sentence_embedder`] with the linear layers quantized while
+/// loading, as [`open_causal_lm_quantized`] does for decoders.
+pub fn open_sentence_embedder_quantized(
+    dir: impl AsRef<Path>,
+    devices: Arc<DeviceSet>,
+    options: &bigmodel::Options,
+    quantize: &QuantizeOptions,
+) -> Result<Dispatched<SentenceEmbedder>, Error> {
+    open_encoder(dir.as_ref(), devices, options, Some(quantize))
+}
+
+fn open_encoder(
+    dir: &Path,
+    devices: Arc<DeviceSet>,
+    options: &bigmodel::Options,
+    quantize: Option<&QuantizeOptions>,
+) -> Result<Dispatched<SentenceEmbedder>, Error> {
     let hf = read_config(dir, SUPPORTED_ENCODERS)?;
     let config = EncoderConfig::from_config(&hf)?;
     let probe = FolderWeights::open(dir, None)?;
@@ -443,7 +570,15 @@ pub fn open_sentence_embedder(
         let tree = bigmodel::tree_from_checkpoint(dir)?;
         (tree, Vec::new())
     };
-    let weights = dispatch(dir, tree, no_split, devices, options, dtype)?;
+    let weights = dispatch(
+        dir,
+        &probe,
+        (tree, no_split),
+        devices,
+        options,
+        dtype,
+        quantize,
+    )?;
     let model =
         SentenceEmbedder::with_weights(dir, config, dtype, prefix, Box::new(weights.clone()))?;
     Ok(Dispatched { model, weights })

@@ -7,10 +7,10 @@ use bm_tensor::DType;
 use bigmodel::plan::config::{Family, HfConfig, MAX_POSITIONS};
 
 use crate::config::{found, read_config, read_keys};
-use crate::decoder::{fetch, in_block};
+use crate::decoder::{fetch, fetch_linear, in_block};
 use crate::ops::{self, Heads, LayerCache, Mask};
 use crate::text::TextTokenizer;
-use crate::weights::{FolderWeights, WeightSource};
+use crate::weights::{FolderWeights, WeightLayout, WeightSource};
 use crate::{Error, Tensor};
 
 /// The encoder architectures this crate runs.
@@ -168,9 +168,14 @@ impl Encoder {
             let (h, i) = (c.hidden_size, c.intermediate_size);
             let linear =
                 |name: &str, out: usize, inp: usize, x: &Tensor| -> Result<Tensor, Error> {
-                    let w = fetch(src, &format!("{block}.{name}.weight"), &[out, inp])?;
+                    let w = fetch_linear(
+                        src,
+                        &format!("{block}.{name}.weight"),
+                        [out, inp],
+                        WeightLayout::Linear,
+                    )?;
                     let b = fetch(src, &format!("{block}.{name}.bias"), &[out])?;
-                    Ok(ops::linear(x, &w, Some(&b))?)
+                    w.forward(x, Some(&b))
                 };
             let norm = |name: &str, x: &Tensor| -> Result<Tensor, Error> {
                 let w = fetch(src, &format!("{block}.{name}.weight"), &[h])?;

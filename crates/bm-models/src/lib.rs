@@ -53,6 +53,7 @@ mod error;
 mod family;
 mod generate;
 mod generation_config;
+mod packed;
 mod quant_config;
 mod quantized;
 mod sampling;
@@ -63,7 +64,10 @@ pub use bm_compute::ops;
 pub use bm_compute::{Backend, HostBytes, SharedDeviceBuffer, Tensor};
 
 pub use decoder::{CausalLm, Decoder, KvCache, Logits};
-pub use dispatched::{Dispatched, DispatchedWeights, open_causal_lm, open_sentence_embedder};
+pub use dispatched::{
+    Dispatched, DispatchedWeights, open_causal_lm, open_causal_lm_quantized,
+    open_sentence_embedder, open_sentence_embedder_quantized,
+};
 pub use encoder::{Encoder, EncoderConfig, SUPPORTED_ENCODERS, SentenceEmbedder};
 pub use error::Error;
 pub use family::{
@@ -72,6 +76,7 @@ pub use family::{
 };
 pub use generate::{BatchSize, Batched, GenerateOptions, Generation};
 pub use generation_config::GenerationConfig;
+pub use packed::{OwnedEntry, SaveQuantized, quantized_tree};
 pub use quant_config::{BnbCheckpoint, QuantizeOptions};
 pub use sampling::Sampling;
 pub use text::TextTokenizer;

@@ -136,10 +136,10 @@ pub(crate) fn read_bnb_checkpoint(config: &ConfigKeys) -> Result<Option<BnbCheck
 /// transformers' `get_keys_to_not_convert` for the decoder families: the
 /// output head, and with tied embeddings the input embedding it shares
 /// (`model.embed_tokens`, GPT-2's `transformer.wte`). A folder that is not
-/// a decoder's spares the head only.
-pub(crate) fn default_skip_modules(dir: &Path) -> Vec<String> {
+/// a decoder's, or no folder, spares the head only.
+pub(crate) fn default_skip_modules(dir: Option<&Path>) -> Vec<String> {
     let mut skip = vec!["lm_head".to_string()];
-    if let Ok(decoder) = crate::DecoderConfig::from_dir(dir) {
+    if let Some(Ok(decoder)) = dir.map(crate::DecoderConfig::from_dir) {
         if decoder.tie_word_embeddings {
             skip.push(module_of(&decoder.embedding_weight()).to_string());
         }
@@ -264,13 +264,17 @@ mod tests {
         );
         let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
         assert_eq!(
-            default_skip_modules(&fixtures.join("tiny-llama")),
+            default_skip_modules(Some(&fixtures.join("tiny-llama"))),
             ["lm_head"]
         );
         assert_eq!(
-            default_skip_modules(&fixtures.join("tiny-qwen2")),
+            default_skip_modules(Some(&fixtures.join("tiny-qwen2"))),
             ["lm_head", "model.embed_tokens"]
         );
-        assert_eq!(default_skip_modules(&fixtures.join("minilm")), ["lm_head"]);
+        assert_eq!(
+            default_skip_modules(Some(&fixtures.join("minilm"))),
+            ["lm_head"]
+        );
+        assert_eq!(default_skip_modules(None), ["lm_head"]);
     }
 }

@@ -72,15 +72,6 @@ impl OnLoad {
     }
 }
 
-/// Suffixes of the entries that belong to a quantized weight's state.
-const STATE_PARTS: [&str; 5] = [
-    ".absmax",
-    ".quant_map",
-    ".nested_absmax",
-    ".nested_quant_map",
-    ".quant_state.bitsandbytes__",
-];
-
 /// Reads and checks every quantized weight of a pre-quantized folder.
 /// `config_path` names config.json in errors.
 pub(crate) fn read_prequantized(
@@ -154,19 +145,7 @@ pub(crate) fn read_prequantized(
     }
     // Parts whose weight has no quant state: a state entry went missing.
     for (name, _) in checkpoint.tensors() {
-        let owner = STATE_PARTS
-            .iter()
-            .find_map(|p| name.split_once(p).map(|(w, _)| (w, p.trim_matches('.'))))
-            .or_else(|| {
-                name.strip_suffix(".weight_format")
-                    .map(|m| (m, "weight_format"))
-            });
-        if let Some((weight, field)) = owner {
-            let weight = if field == "weight_format" {
-                format!("{weight}.weight")
-            } else {
-                weight.to_string()
-            };
+        if let Some((weight, field)) = QuantizedTensor::state_owner(name) {
             if !out.contains_key(&weight) {
                 return Err(state_error(
                     &weight,

@@ -3,6 +3,7 @@
 //! (safetensors, or PyTorch `.bin` files) through `bm_shard::Checkpoint`,
 //! pre-quantized by bitsandbytes or quantized while loading.
 
+use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -57,7 +58,7 @@ impl LinearWeight {
     }
 
     /// A dense weight stored in `layout`.
-    fn dense(t: Arc<Tensor>, layout: WeightLayout) -> LinearWeight {
+    pub(crate) fn dense(t: Arc<Tensor>, layout: WeightLayout) -> LinearWeight {
         match layout {
             WeightLayout::Linear => LinearWeight::Dense(t),
             WeightLayout::Conv1D => LinearWeight::DenseTransposed(t),
@@ -195,9 +196,18 @@ impl FolderWeights {
         let skip = options
             .skip_modules
             .clone()
-            .unwrap_or_else(|| quant_config::default_skip_modules(dir));
+            .unwrap_or_else(|| quant_config::default_skip_modules(Some(dir)));
         weights.quant = Some(FolderQuant::OnLoad(OnLoad::new(options, &skip)?));
         Ok(weights)
+    }
+
+    /// The weights of a pre-quantized folder, by name; `None` for a dense
+    /// folder (also one quantized on load).
+    pub(crate) fn prequantized(&self) -> Option<&HashMap<String, Arc<QuantizedTensor>>> {
+        match &self.quant {
+            Some(FolderQuant::Prequantized(q)) => Some(q),
+            _ => None,
+        }
     }
 
     /// The checkpoint read.
@@ -253,7 +263,7 @@ pub(crate) fn host_bytes(bytes: TensorBytes) -> HostBytes {
 }
 
 /// A 2-D tensor transposed (same dtype; a copy).
-fn transpose(t: &Tensor) -> Result<Tensor, Error> {
+pub(crate) fn transpose(t: &Tensor) -> Result<Tensor, Error> {
     let [rows, cols] = match *t.shape() {
         [r, c] => [r, c],
         ref other => {

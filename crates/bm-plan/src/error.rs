@@ -57,6 +57,13 @@ pub enum Error {
     BadDeviceMap(String),
     /// The model does not fit the budgets.
     DoesNotFit(String),
+    /// Weights that cannot be quantized as asked.
+    NotQuantizable {
+        /// The weight, or `(model)` when none could be.
+        what: String,
+        /// Why.
+        reason: String,
+    },
 }
 
 impl fmt::Display for Error {
@@ -148,6 +155,7 @@ impl fmt::Display for Error {
             }
             Error::BadDeviceMap(msg) => write!(f, "invalid device map: {msg}"),
             Error::DoesNotFit(msg) => write!(f, "{msg}"),
+            Error::NotQuantizable { what, reason } => write!(f, "cannot quantize {what}: {reason}"),
         }
     }
 }

@@ -13,6 +13,9 @@
 //!   `config.json` ([`hf::tree_from_config`] on a [`config::HfConfig`], the
 //!   one config reader, which bm-models uses too) for the families of
 //!   [`config::Family`], with transformers' names and classes.
+//! * [`quant::quantize_tree`] replaces the linear weights of a tree by their
+//!   bitsandbytes-packed form ([`quant::QuantScheme`]), so what follows
+//!   sizes and places them at their packed bytes.
 //! * [`ModuleSizes`] sizes every tensor and subtree in one linear pass,
 //!   either with Accelerate's rule (a dtype only ever shrinks) or with the
 //!   sizes a load really allocates.
@@ -45,6 +48,7 @@ pub mod config;
 pub mod device;
 pub mod hf;
 pub mod plan;
+pub mod quant;
 pub mod sizes;
 pub mod tree;
 

@@ -448,6 +448,17 @@ impl ModuleTree {
         out
     }
 
+    /// The same tree with the dtype and shape of some tensors replaced
+    /// (`(tensor, new meta)`; a tied tensor must not be among them).
+    pub(crate) fn with_metas(&self, metas: Vec<(TensorId, TensorMeta)>) -> ModuleTree {
+        let mut tree = self.clone();
+        for (t, meta) in metas {
+            debug_assert!(tree.tensors[t].tie_group.is_none());
+            tree.tensors[t].meta = meta;
+        }
+        tree
+    }
+
     /// Number of parameters (tied storages counted once).
     pub fn parameter_count(&self) -> u64 {
         self.tensors

@@ -39,5 +39,5 @@ pub fn run(args: Args) -> CmdResult {
     };
     let ckpt = Checkpoint::open(&args.input)?;
     refuse_own_folder(&ckpt, &args.out_dir)?;
-    write(&ckpt, &args.out_dir, &options, args.json)
+    write(&ckpt, &args.out_dir, &options, args.json, None)
 }

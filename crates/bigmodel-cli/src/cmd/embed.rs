@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use bigmodel::device::DeviceSet;
-use bm_models::open_sentence_embedder;
+use bm_models::{open_sentence_embedder, open_sentence_embedder_quantized};
 use serde_json::json;
 
 use super::CmdResult;
@@ -22,6 +22,10 @@ pub struct Args {
     texts: Vec<String>,
     #[command(flatten)]
     placement: PlacementArgs,
+    /// Quantize the linear layers while loading: nf4, fp4 or int8 (as
+    /// `run --quantize`).
+    #[arg(long, value_name = "nf4|fp4|int8")]
+    quantize: Option<String>,
     /// Print one JSON document: `embeddings` (one list of floats per text).
     #[arg(long)]
     json: bool,
@@ -32,12 +36,16 @@ pub fn run(args: Args) -> CmdResult {
     if let Some(i) = args.texts.iter().position(String::is_empty) {
         return Err(format!("text {} is empty: give some text", i + 1).into());
     }
+    let quantize = super::run::parse_quantize(args.quantize.as_deref())?;
     let mut options = args.placement.options(None)?;
     let (bar, progress) = super::run::load_progress_bar(args.json);
     options.load_progress = Some(progress);
-    let dispatched =
-        open_sentence_embedder(&args.model_dir, Arc::new(DeviceSet::probe()), &options)
-            .map_err(|e| format!("{}: {e}", args.model_dir.display()))?;
+    let devices = Arc::new(DeviceSet::probe());
+    let dispatched = match &quantize {
+        Some(q) => open_sentence_embedder_quantized(&args.model_dir, devices, &options, q),
+        None => open_sentence_embedder(&args.model_dir, devices, &options),
+    }
+    .map_err(|e| format!("{}: {e}", args.model_dir.display()))?;
     bar.finish_and_clear();
     let embeddings = dispatched.model.embed(&args.texts)?;
     if args.json {

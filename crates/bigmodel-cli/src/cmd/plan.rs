@@ -38,6 +38,10 @@ pub struct Args {
     /// A mode (as --mode) or a JSON device map to check against the model.
     #[arg(long)]
     device_map: Option<String>,
+    /// Size the linear layers quantized: nf4, fp4 or int8 (as `run
+    /// --quantize` loads them: packed codes and quant state).
+    #[arg(long, value_name = "nf4|fp4|int8")]
+    quantize: Option<String>,
     /// Keep the buffers of offloaded modules offloaded.
     #[arg(long)]
     offload_buffers: bool,
@@ -182,11 +186,33 @@ pub fn run(args: Args) -> CmdResult {
         return Err("--fallback-allocation applies to --compat accelerate only".into());
     }
 
+    let quantize = super::run::parse_quantize(args.quantize.as_deref())?;
     let source = load_source(&args.source)?;
-    let tree = source.tree();
+    let quantized = match &quantize {
+        Some(q) => {
+            let folder = if args.source.is_dir() {
+                Some(args.source.as_path())
+            } else {
+                args.source.parent()
+            };
+            let config_folder = folder.filter(|f| f.join("config.json").is_file());
+            Some(
+                bm_models::quantized_tree(config_folder, source.tree(), q)
+                    .map_err(|e| format!("{}: {e}", args.source.display()))?,
+            )
+        }
+        None => None,
+    };
+    let tree = quantized.as_ref().unwrap_or(source.tree());
 
     if let Some(path) = custom_map {
-        return check_custom_map(tree, &path, dtype, args.json);
+        return check_custom_map(
+            tree,
+            &path,
+            dtype,
+            args.json,
+            source.tree().parameter_count(),
+        );
     }
 
     let (max_memory, from_user) = match &args.max_memory {
@@ -255,12 +281,18 @@ pub fn run(args: Args) -> CmdResult {
     if args.json {
         println!("{}", serde_json::to_string_pretty(&plan.to_json())?);
     } else {
-        print_table(tree, &plan, dtype);
+        print_table(tree, &plan, dtype, source.tree().parameter_count());
     }
     Ok(())
 }
 
-fn check_custom_map(tree: &ModuleTree, path: &Path, dtype: Option<DType>, json: bool) -> CmdResult {
+fn check_custom_map(
+    tree: &ModuleTree,
+    path: &Path,
+    dtype: Option<DType>,
+    json: bool,
+    parameters: u64,
+) -> CmdResult {
     let doc = read_json(path)?;
     let map = DeviceMap::from_json(&doc).map_err(|e| format!("{}: {e}", path.display()))?;
     let warnings = check_device_map(tree, &map).map_err(|e| format!("{}: {e}", path.display()))?;
@@ -292,12 +324,14 @@ fn check_custom_map(tree: &ModuleTree, path: &Path, dtype: Option<DType>, json: 
     if json {
         println!("{}", serde_json::to_string_pretty(&plan.to_json())?);
     } else {
-        print_table(tree, &plan, dtype);
+        print_table(tree, &plan, dtype, parameters);
     }
     Ok(())
 }
 
-fn print_table(tree: &ModuleTree, plan: &Plan, dtype: Option<DType>) {
+/// The plan as a table; `parameters` is the model's count (a quantized
+/// tree holds packed bytes, not parameters).
+fn print_table(tree: &ModuleTree, plan: &Plan, dtype: Option<DType>, parameters: u64) {
     let total: u64 = plan.device_bytes.iter().map(|(_, b)| b).sum();
     let sizes = ModuleSizes::compute(
         tree,
@@ -310,7 +344,7 @@ fn print_table(tree: &ModuleTree, plan: &Plan, dtype: Option<DType>) {
         "{} modules, {} tensors, {} parameters, {} to place",
         tree.modules().len(),
         tree.tensors().len(),
-        tree.parameter_count(),
+        parameters,
         human_bytes(sizes.total())
     );
     println!(

@@ -17,7 +17,7 @@ use bigmodel::tensor::DType;
 use bigmodel::{DeviceMapSpec, Options};
 use bm_models::{
     BatchSize, CausalLm, DispatchedWeights, GenerateOptions, Generation, GenerationConfig,
-    Sampling, open_causal_lm,
+    QuantizeOptions, Sampling, open_causal_lm, open_causal_lm_quantized,
 };
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::{Value, json};
@@ -59,6 +59,11 @@ pub struct Args {
     dtype: Option<String>,
     #[command(flatten)]
     sampling: SamplingArgs,
+    /// Quantize the linear layers while loading: nf4, fp4 (bitsandbytes'
+    /// 4-bit, block size 64, compute in f32) or int8 (LLM.int8()). A folder
+    /// saved pre-quantized by bitsandbytes loads quantized without it.
+    #[arg(long, value_name = "nf4|fp4|int8")]
+    quantize: Option<String>,
     /// Write the first forward's logits (F32, [prompt_len, vocab]) to this
     /// safetensors file, as tensor `logits` (one prompt only).
     #[arg(long)]
@@ -239,6 +244,13 @@ fn read_device_map(path: &Path) -> Result<DeviceMap, String> {
     let doc: Value = serde_json::from_slice(&bytes)
         .map_err(|e| format!("{}: invalid JSON: {e}", path.display()))?;
     DeviceMap::from_json(&doc).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// `--quantize`: nf4, fp4 or int8, with bitsandbytes' and transformers'
+/// defaults.
+pub fn parse_quantize(text: Option<&str>) -> Result<Option<QuantizeOptions>, String> {
+    text.map(|q| QuantizeOptions::named(q).map_err(|e| format!("--quantize: {e}")))
+        .transpose()
 }
 
 /// `--dtype`: f32, f16 or bf16 (or their torch names).
@@ -447,6 +459,7 @@ pub fn run(args: Args) -> CmdResult {
     use std::io::IsTerminal;
 
     let dtype = args.dtype.as_deref().map(parse_dtype).transpose()?;
+    let quantize = parse_quantize(args.quantize.as_deref())?;
     let mut options = args.placement.options(dtype)?;
     let texts = text_prompts(&args)?;
     let ids: Vec<Vec<u32>> = args
@@ -464,8 +477,12 @@ pub fn run(args: Args) -> CmdResult {
     let (bar, progress) = load_progress_bar(args.json);
     options.load_progress = Some(progress);
     let started = Instant::now();
-    let dispatched = open_causal_lm(&args.model_dir, Arc::new(DeviceSet::probe()), &options)
-        .map_err(|e| format!("{}: {e}", args.model_dir.display()))?;
+    let devices = Arc::new(DeviceSet::probe());
+    let dispatched = match &quantize {
+        Some(q) => open_causal_lm_quantized(&args.model_dir, devices, &options, q),
+        None => open_causal_lm(&args.model_dir, devices, &options),
+    }
+    .map_err(|e| format!("{}: {e}", args.model_dir.display()))?;
     let load_seconds = started.elapsed().as_secs_f64();
     bar.finish_and_clear();
     let lm = &dispatched.model;

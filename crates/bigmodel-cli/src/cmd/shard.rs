@@ -9,7 +9,8 @@ use bigmodel::shard::{
     AtomicFile, Checkpoint, Error as ShardError, SaveTensor, ShardOptions, TensorBytes, parse_size,
     resolve_in_folder, shard_checkpoint, sync_folder,
 };
-use bigmodel::tensor::DType;
+use bigmodel::tensor::{DType, TensorMeta};
+use bm_models::{OwnedEntry, SaveQuantized};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::json;
 
@@ -28,6 +29,12 @@ pub struct Args {
     /// Convert float tensors to this dtype (f32, f16, bf16); others are copied.
     #[arg(long)]
     pub dtype: Option<String>,
+    /// Quantize the linear layers as transformers saves a bitsandbytes
+    /// model (nf4, fp4, int8), from their values in --dtype (else as
+    /// stored), and add `quantization_config` to config.json. Needs the
+    /// model folder's config.json.
+    #[arg(long, value_name = "nf4|fp4|int8")]
+    pub quantize: Option<String>,
     /// Write one JSON document to stdout (and no progress bar).
     #[arg(long)]
     pub json: bool,
@@ -39,18 +46,86 @@ pub fn run(args: Args) -> CmdResult {
     let max_shard_size =
         parse_size(&args.max_shard_size).map_err(|e| format!("--max-shard-size: {e}"))?;
     let dtype = args.dtype.as_deref().map(parse_dtype).transpose()?;
+    let quantize = super::run::parse_quantize(args.quantize.as_deref())?;
     let ckpt = Checkpoint::open(&args.checkpoint)?;
     refuse_own_folder(&ckpt, &args.out_dir)?;
+    let Some(quantize) = quantize else {
+        let options = ShardOptions {
+            max_shard_size,
+            dtype,
+        };
+        return write(&ckpt, &args.out_dir, &options, args.json, None);
+    };
+    let folder = model_folder(&ckpt);
+    let saver = SaveQuantized::new(&folder, &quantize)
+        .map_err(|e| format!("--quantize: {}: {e}", folder.display()))?;
+    // Casting happens before quantizing; the writer must not cast the
+    // quant state's f32 parts.
     let options = ShardOptions {
         max_shard_size,
-        dtype,
+        dtype: None,
     };
-    write(&ckpt, &args.out_dir, &options, args.json)
+    write(
+        &ckpt,
+        &args.out_dir,
+        &options,
+        args.json,
+        Some((&saver, dtype)),
+    )?;
+    write_quantized_config(&folder, &args.out_dir, &saver, dtype)
+}
+
+/// The folder a checkpoint was read from: itself, or the folder of its
+/// index or file.
+fn model_folder(ckpt: &Checkpoint) -> PathBuf {
+    let source = ckpt.path();
+    if source.is_dir() {
+        return source.to_path_buf();
+    }
+    match source.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    }
+}
+
+/// Writes `out_dir/config.json`: the source folder's, with transformers'
+/// `quantization_config` (and `dtype` when one was asked for).
+fn write_quantized_config(
+    folder: &Path,
+    out_dir: &Path,
+    saver: &SaveQuantized,
+    dtype: Option<DType>,
+) -> CmdResult {
+    let path = folder.join("config.json");
+    let text =
+        std::fs::read_to_string(&path).map_err(|e| format!("reading {}: {e}", path.display()))?;
+    let mut config: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    let Some(object) = config.as_object_mut() else {
+        return Err(format!("{}: not a JSON object", path.display()).into());
+    };
+    object.insert("quantization_config".into(), saver.quantization_config());
+    if let Some(d) = dtype {
+        object.insert("dtype".into(), json!(d.as_torch_str()));
+    }
+    let dest = out_dir.join("config.json");
+    let text = serde_json::to_string_pretty(&config)? + "\n";
+    bigmodel::shard::write_atomic(&dest, text.as_bytes()).map_err(|e| e.to_string())?;
+    Ok(())
 }
 
 /// Writes `ckpt` into `out_dir` as `shard` does, with its side files, and
-/// reports what was written.
-pub fn write(ckpt: &Checkpoint, out_dir: &Path, options: &ShardOptions, json: bool) -> CmdResult {
+/// reports what was written. With `quantize`, the weights it quantizes
+/// are written as its entries, from their values in the given dtype, and
+/// other float tensors are cast to that dtype here (the quantized model is
+/// held in memory at its packed size until it is written).
+pub fn write(
+    ckpt: &Checkpoint,
+    out_dir: &Path,
+    options: &ShardOptions,
+    json: bool,
+    quantize: Option<(&SaveQuantized, Option<DType>)>,
+) -> CmdResult {
     // Names of one tensor (tied weights a PyTorch file stores under each
     // name) share one buffer, so the writer stores them once.
     let mut first_name: HashMap<&str, &str> = HashMap::new();
@@ -65,14 +140,56 @@ pub fn write(ckpt: &Checkpoint, out_dir: &Path, options: &ShardOptions, json: bo
             data.insert(name, ckpt.bytes(name)?);
         }
     }
-    let tensors: Vec<SaveTensor<'_>> = ckpt
+    // Quantized entries and cast copies, made before writing.
+    let mut made: Vec<OwnedEntry> = Vec::new();
+    let mut replaced: std::collections::HashSet<&str> = std::collections::HashSet::new();
+    if let Some((saver, dtype)) = quantize {
+        for (name, meta) in ckpt.tensors() {
+            let target = dtype
+                .filter(|_| meta.dtype.is_float())
+                .unwrap_or(meta.dtype);
+            if saver.quantizes(name) {
+                made.extend(saver.entries(name, ckpt, target)?);
+            } else if target != meta.dtype && !first_name.contains_key(name) {
+                let cast = ckpt.read_as(name, target)?;
+                let meta = TensorMeta::new(target, meta.shape.clone());
+                made.push((name.to_string(), meta, cast.as_bytes().to_vec()));
+            } else {
+                continue;
+            }
+            replaced.insert(name);
+        }
+    }
+    let made_names: HashMap<&str, usize> = made
+        .iter()
+        .enumerate()
+        .map(|(i, (n, _, _))| (n.as_str(), i))
+        .collect();
+    let mut tensors: Vec<SaveTensor<'_>> = ckpt
         .tensors()
-        .map(|(name, meta)| SaveTensor {
-            name,
-            meta,
-            data: data[first_name.get(name).unwrap_or(&name)].as_bytes(),
+        .filter(|(name, _)| !replaced.contains(name))
+        .map(|(name, meta)| {
+            let source = first_name.get(name).unwrap_or(&name);
+            match made_names.get(source) {
+                // A tied name of a tensor cast above.
+                Some(&i) => SaveTensor {
+                    name,
+                    meta: &made[i].1,
+                    data: &made[i].2,
+                },
+                None => SaveTensor {
+                    name,
+                    meta,
+                    data: data[source].as_bytes(),
+                },
+            }
         })
         .collect();
+    tensors.extend(made.iter().map(|(name, meta, bytes)| SaveTensor {
+        name,
+        meta,
+        data: bytes,
+    }));
 
     let bar = if !json && std::io::stderr().is_terminal() {
         ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr())

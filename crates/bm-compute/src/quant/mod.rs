@@ -23,12 +23,11 @@
 //!   operands. A CUDA kernel needs the same parts as device buffers: add a
 //!   device variant next to the host parts and dispatch on the input's
 //!   backend in `linear_quantized`.
-//! * Planning and streaming: [`QuantFormat::byte_len`] sizes a weight
-//!   before it is quantized and equals [`QuantizedTensor::byte_len`] after;
-//!   [`QuantizedTensor::to_entries`] / [`QuantizedTensor::from_entries`]
-//!   give the packed parts as named byte buffers, which a dispatcher can
-//!   hold, offload and stream like any tensor (bm-plan cannot depend on this
-//!   crate: size modules from these numbers, or move `byte_len` down).
+//! * Planning and streaming: [`QuantizedTensor::to_packed`] /
+//!   [`QuantizedTensor::from_packed`] give a weight as one byte buffer of
+//!   [`QuantFormat::byte_len`] bytes, which a dispatcher holds, offloads and
+//!   streams like any tensor; bm-plan sizes it by the same length
+//!   (`bm_plan::quant`, checked equal in bm-models).
 
 pub mod format;
 mod matmul;

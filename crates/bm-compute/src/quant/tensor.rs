@@ -4,6 +4,7 @@
 
 use std::borrow::Cow;
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use bm_tensor::{DType, HostBuffer, TensorMeta};
 use half::f16;
@@ -50,7 +51,8 @@ impl QuantFormat {
             } => {
                 let blocks = n.div_ceil(blocksize);
                 let scales = if double_quant {
-                    blocks + 4 * blocks.div_ceil(NESTED_BLOCK_SIZE) + 4 * 256
+                    // Code per block, nested absmax, nested map, offset.
+                    blocks + 4 * blocks.div_ceil(NESTED_BLOCK_SIZE) + 4 * 256 + 4
                 } else {
                     4 * blocks
                 };
@@ -312,7 +314,7 @@ impl QuantizedTensor {
                         Scales::Plain(a) => a.bytes().len(),
                         Scales::Nested {
                             codes, absmax, map, ..
-                        } => codes.as_bytes().len() + absmax.bytes().len() + map.bytes().len(),
+                        } => codes.as_bytes().len() + absmax.bytes().len() + map.bytes().len() + 4,
                     }
             }
             Data::Int8(i) => i.codes.as_bytes().len() + i.scb.bytes().len(),
@@ -396,6 +398,34 @@ impl QuantizedTensor {
         keys.extend([FourBitType::Nf4, FourBitType::Fp4].map(|k| quant_state_key(weight, k)));
         keys.extend([format!("{module}.SCB"), format!("{module}.weight_format")]);
         keys
+    }
+
+    /// The weight a quant-state entry of a transformers checkpoint belongs
+    /// to (`<w>.absmax`, `<w>.quant_map`, `<w>.nested_absmax`,
+    /// `<w>.nested_quant_map`, `<w>.quant_state.bitsandbytes__*`,
+    /// `<module>.SCB`, `<module>.weight_format`), with the field's name;
+    /// `None` for any other name (the weight itself included).
+    pub fn state_owner(entry: &str) -> Option<(String, &'static str)> {
+        const WEIGHT_PARTS: [(&str, &str); 5] = [
+            (".quant_state.bitsandbytes__", "quant_state"),
+            (".nested_absmax", "nested_absmax"),
+            (".nested_quant_map", "nested_quant_map"),
+            (".absmax", "absmax"),
+            (".quant_map", "quant_map"),
+        ];
+        for (part, field) in WEIGHT_PARTS {
+            if let Some((weight, rest)) = entry.split_once(part) {
+                if rest.is_empty() || part.ends_with("__") {
+                    return Some((weight.to_string(), field));
+                }
+            }
+        }
+        for (suffix, field) in [(".SCB", "SCB"), (".weight_format", "weight_format")] {
+            if let Some(module) = entry.strip_suffix(suffix) {
+                return Some((format!("{module}.weight"), field));
+            }
+        }
+        None
     }
 
     /// The entries transformers writes for this weight (`save_pretrained`
@@ -502,8 +532,137 @@ impl QuantizedTensor {
         }
     }
 
+    /// The weight as one byte buffer of [`QuantizedTensor::byte_len`]
+    /// bytes, the form a dispatcher holds, offloads and streams: the f32
+    /// parts first (so they stay aligned), then the byte parts. 4-bit:
+    /// `absmax` then the codes; with double quantization the offset, the
+    /// nested absmax, the nested map, the absmax codes, then the codes.
+    /// 8-bit: `SCB`, then the int8 values.
+    /// [`QuantizedTensor::from_packed`] reads it back without a copy.
+    pub fn to_packed(&self) -> Result<HostBuffer, Error> {
+        let mut out = Vec::with_capacity(self.byte_len());
+        match &self.data {
+            Data::FourBit(fb) => {
+                match &fb.scales {
+                    Scales::Plain(absmax) => out.extend_from_slice(absmax.bytes()),
+                    Scales::Nested {
+                        codes,
+                        absmax,
+                        map,
+                        offset,
+                    } => {
+                        out.extend_from_slice(&offset.to_le_bytes());
+                        out.extend_from_slice(absmax.bytes());
+                        out.extend_from_slice(map.bytes());
+                        out.extend_from_slice(codes.as_bytes());
+                    }
+                }
+                out.extend_from_slice(fb.packed.as_bytes());
+            }
+            Data::Int8(i) => {
+                out.extend_from_slice(i.scb.bytes());
+                out.extend_from_slice(i.codes.as_bytes());
+            }
+        }
+        debug_assert_eq!(out.len(), self.byte_len());
+        Ok(HostBuffer::from_bytes(&out)?)
+    }
+
+    /// Reads the form [`QuantizedTensor::to_packed`] writes: a `[rows,
+    /// cols]` weight quantized from `dtype` in `format`. Its parts are
+    /// windows of `bytes` (f32 parts are copied once if `bytes` is not
+    /// 4-byte aligned). `name` names the weight in errors.
+    pub fn from_packed(
+        name: &str,
+        format: QuantFormat,
+        shape: [usize; 2],
+        dtype: DType,
+        bytes: HostBytes,
+    ) -> Result<QuantizedTensor, Error> {
+        let [rows, cols] = shape;
+        let want = format.byte_len(rows, cols);
+        if rows == 0 || cols == 0 || bytes.as_bytes().len() != want {
+            return Err(state_error(
+                name,
+                "packed",
+                format!(
+                    "{} bytes for a {shape:?} {format:?} weight, expected {want}",
+                    bytes.as_bytes().len()
+                ),
+            ));
+        }
+        let whole = Arc::new(bytes);
+        let mut at = 0;
+        let mut next = |len: usize| {
+            let part = HostBytes::Shared(Arc::new(Window {
+                whole: whole.clone(),
+                range: at..at + len,
+            }));
+            at += len;
+            part
+        };
+        let n = rows * cols;
+        let data = match format {
+            QuantFormat::FourBit {
+                kind,
+                blocksize,
+                double_quant,
+            } => {
+                format::check_four_bit_block_size(blocksize)
+                    .map_err(|e| state_error(name, "blocksize", e.to_string()))?;
+                let blocks = n.div_ceil(blocksize);
+                let scales = if double_quant {
+                    let offset = F32s::new(next(4))?.get()[0];
+                    let absmax = F32s::new(next(4 * blocks.div_ceil(NESTED_BLOCK_SIZE)))?;
+                    let map = F32s::new(next(4 * 256))?;
+                    Scales::Nested {
+                        offset,
+                        absmax,
+                        map,
+                        codes: next(blocks),
+                    }
+                } else {
+                    Scales::Plain(F32s::new(next(4 * blocks))?)
+                };
+                Data::FourBit(FourBit {
+                    kind,
+                    blocksize,
+                    packed: next(n.div_ceil(2)),
+                    scales,
+                })
+            }
+            QuantFormat::Int8 { threshold } => Data::Int8(Int8 {
+                scb: F32s::new(next(4 * rows))?,
+                codes: next(n),
+                threshold,
+            }),
+        };
+        Ok(QuantizedTensor {
+            shape,
+            dtype: if matches!(format, QuantFormat::Int8 { .. }) {
+                DType::F16
+            } else {
+                dtype
+            },
+            compute_dtype: None,
+            data,
+        })
+    }
+
     pub(crate) fn numel(&self) -> usize {
         self.shape[0] * self.shape[1]
+    }
+}
+
+/// A window of bytes another part of the weight shares.
+struct Window {
+    whole: Arc<HostBytes>,
+    range: std::ops::Range<usize>,
+}
+
+impl AsRef<[u8]> for Window {
+    fn as_ref(&self) -> &[u8] {
+        &self.whole.as_bytes()[self.range.clone()]
     }
 }
 
@@ -907,8 +1066,8 @@ mod tests {
             double_quant: true,
         };
         // 4097 values: 2049 packed bytes, 65 blocks (65 code bytes, one
-        // nested absmax), the 256-entry nested map.
-        assert_eq!(nf4.byte_len(1, 4097), 2049 + 65 + 4 + 1024);
+        // nested absmax), the 256-entry nested map, the offset.
+        assert_eq!(nf4.byte_len(1, 4097), 2049 + 65 + 4 + 1024 + 4);
         assert_eq!(QuantFormat::Int8 { threshold: 6.0 }.byte_len(3, 5), 15 + 12);
     }
 }

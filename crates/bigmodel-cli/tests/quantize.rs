@@ -1,0 +1,309 @@
+//! `--quantize` on `run`, `plan`, `embed` and `shard`, on the tiny Llama of
+//! tools/make_bnb_fixtures.py: logits against transformers + bitsandbytes',
+//! packed bytes streamed and planned, the folder `shard --quantize` writes
+//! against the one transformers saved, and bad input.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::{Value, json};
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../bm-models/tests/fixtures")
+        .join(name)
+}
+
+fn base() -> PathBuf {
+    fixture("tiny-llama-bnb/base")
+}
+
+fn bigmodel(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_bigmodel"))
+        .args(args)
+        .output()
+        .expect("run bigmodel")
+}
+
+fn json_of(out: &Output) -> Value {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("one JSON document on stdout")
+}
+
+fn failure(out: &Output) -> String {
+    assert!(!out.status.success(), "succeeded");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// Tensors of a safetensors file: name -> (dtype, shape, bytes).
+fn read_safetensors(path: &Path) -> BTreeMap<String, (String, Vec<u64>, Vec<u8>)> {
+    let bytes = std::fs::read(path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let data = &bytes[8 + n..];
+    header
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(k, _)| *k != "__metadata__")
+        .map(|(k, v)| {
+            let shape = v["shape"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|d| d.as_u64().unwrap())
+                .collect();
+            let (a, b) = (
+                v["data_offsets"][0].as_u64().unwrap() as usize,
+                v["data_offsets"][1].as_u64().unwrap() as usize,
+            );
+            let dtype = v["dtype"].as_str().unwrap().to_string();
+            (k.clone(), (dtype, shape, data[a..b].to_vec()))
+        })
+        .collect()
+}
+
+fn floats(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+/// A device map file putting the decoder layer on disk.
+fn disk_map(dir: &Path) -> PathBuf {
+    let path = dir.join("map.json");
+    let map = json!({
+        "model.embed_tokens": "cpu", "model.layers.0": "disk", "model.norm": "cpu",
+        "model.rotary_emb": "cpu", "lm_head": "cpu",
+    });
+    std::fs::write(&path, map.to_string()).unwrap();
+    path
+}
+
+// `--quantize fp4` is the format of the committed fp4 folder (no double
+// quantization, compute in f32), so its logits are transformers'.
+#[test]
+fn run_quantized_offloaded_matches_bitsandbytes_and_streams_packed_bytes() {
+    let reference = read_safetensors(&fixture("tiny-llama-bnb/reference.safetensors"));
+    let ids: Vec<String> = reference["prompt.0"]
+        .2
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap()).to_string())
+        .collect();
+    let dir = tempfile::tempdir().unwrap();
+    let map = disk_map(dir.path());
+    let run = |quantize: Option<&str>, dump: &Path| {
+        let mut args = vec![
+            "run".to_string(),
+            base().display().to_string(),
+            "--prompt-ids".into(),
+            ids.join(","),
+            "--device-map".into(),
+            map.display().to_string(),
+            "--offload-folder".into(),
+            dir.path().join("offload").display().to_string(),
+            "--dtype".into(),
+            "f32".into(),
+            "--max-new-tokens".into(),
+            "2".into(),
+            "--dump-logits".into(),
+            dump.display().to_string(),
+            "--json".into(),
+        ];
+        if let Some(q) = quantize {
+            args.extend(["--quantize".into(), q.into()]);
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        json_of(&bigmodel(&args))
+    };
+    let dump = dir.path().join("fp4.safetensors");
+    let fp4 = run(Some("fp4"), &dump);
+    let ours = floats(&read_safetensors(&dump)["logits"].2);
+    let want = floats(&reference["logits_fp4.0"].2);
+    let diff = ours
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert_eq!(ours.len(), want.len());
+    assert!(diff <= 1e-3, "max |diff| {diff}");
+    let dense = run(None, &dir.path().join("dense.safetensors"));
+    let streamed = |v: &Value| v["bytes_streamed_per_token"].as_u64().unwrap();
+    // The layer's seven projections at 4.5 bits a value instead of 32.
+    assert!(
+        streamed(&fp4) > 0 && streamed(&fp4) * 4 < streamed(&dense),
+        "fp4 {} dense {}",
+        streamed(&fp4),
+        streamed(&dense)
+    );
+}
+
+#[test]
+fn plan_sizes_quantized_layers_packed() {
+    let config = base().join("config.json");
+    let plan = |quantize: Option<&str>| {
+        let mut args = vec![
+            "plan",
+            config.to_str().unwrap(),
+            "--max-memory",
+            "cpu=1GiB",
+            "--json",
+        ];
+        if let Some(q) = quantize {
+            args.extend(["--quantize", q]);
+        }
+        let v = json_of(&bigmodel(&args));
+        v["device_bytes"]["cpu"].as_u64().unwrap()
+    };
+    let (dense, nf4, int8) = (plan(None), plan(Some("nf4")), plan(Some("int8")));
+    assert!(nf4 < int8 && int8 < dense, "{nf4} {int8} {dense}");
+    let err = failure(&bigmodel(&[
+        "plan",
+        config.to_str().unwrap(),
+        "--quantize",
+        "int4",
+    ]));
+    assert!(
+        err.contains("--quantize: ") && err.contains("\"int4\" (use nf4, fp4 or int8)"),
+        "{err}"
+    );
+}
+
+// transformers saved fp4/ and int8/ after loading base/ in float32 with
+// that BitsAndBytesConfig: `shard --quantize --dtype f32` writes the same
+// tensors, bit for bit, and a config transformers reads back.
+#[test]
+fn shard_quantize_writes_what_transformers_saves() {
+    let dir = tempfile::tempdir().unwrap();
+    for format in ["fp4", "int8"] {
+        let out = dir.path().join(format);
+        let v = json_of(&bigmodel(&[
+            "shard",
+            base().to_str().unwrap(),
+            out.to_str().unwrap(),
+            "--max-shard-size",
+            "1GB",
+            "--dtype",
+            "f32",
+            "--quantize",
+            format,
+            "--json",
+        ]));
+        assert_eq!(v["files"].as_array().unwrap().len(), 1, "{v}");
+        let ours = read_safetensors(&out.join("model.safetensors"));
+        let saved = read_safetensors(&fixture(&format!(
+            "tiny-llama-bnb/{format}/model.safetensors"
+        )));
+        assert_eq!(
+            ours.keys().collect::<Vec<_>>(),
+            saved.keys().collect::<Vec<_>>(),
+            "{format}"
+        );
+        for (name, tensor) in &saved {
+            assert!(&ours[name] == tensor, "{format}: {name} differs");
+        }
+        let config: Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap())
+                .unwrap();
+        let q = &config["quantization_config"];
+        assert_eq!(q["quant_method"], "bitsandbytes");
+        assert_eq!(q["load_in_4bit"], format == "fp4");
+        assert_eq!(q["load_in_8bit"], format == "int8");
+        assert_eq!(config["dtype"], "float32");
+        // And bigmodel runs what it wrote without being told.
+        json_of(&bigmodel(&[
+            "run",
+            out.to_str().unwrap(),
+            "--prompt-ids",
+            "1,2,3",
+            "--max-new-tokens",
+            "1",
+            "--json",
+        ]));
+    }
+    let again = failure(&bigmodel(&[
+        "shard",
+        dir.path().join("fp4").to_str().unwrap(),
+        dir.path().join("twice").to_str().unwrap(),
+        "--max-shard-size",
+        "1GB",
+        "--quantize",
+        "nf4",
+    ]));
+    assert!(again.contains("already quantized"), "{again}");
+}
+
+/// Writes `tensors` as a safetensors file.
+fn write_safetensors(path: &Path, tensors: &BTreeMap<String, (String, Vec<u64>, Vec<u8>)>) {
+    let mut header = serde_json::Map::new();
+    let mut data = Vec::new();
+    for (name, (dtype, shape, bytes)) in tensors {
+        header.insert(
+            name.clone(),
+            json!({"dtype": dtype, "shape": shape, "data_offsets": [data.len(), data.len() + bytes.len()]}),
+        );
+        data.extend_from_slice(bytes);
+    }
+    let header = Value::Object(header).to_string();
+    let mut file = (header.len() as u64).to_le_bytes().to_vec();
+    file.extend_from_slice(header.as_bytes());
+    file.extend_from_slice(&data);
+    std::fs::write(path, file).unwrap();
+}
+
+// tiny-bert is a task model (`bert.` names), whose tree comes from the
+// checkpoint (no class names, nothing to quantize); saved as a bare
+// BertModel its tree comes from config.json.
+#[test]
+fn embed_quantized_stays_close_to_dense() {
+    let dir = tempfile::tempdir().unwrap();
+    let bert = dir.path().join("bert");
+    std::fs::create_dir(&bert).unwrap();
+    std::fs::copy(
+        fixture("tiny-bert").join("tokenizer.json"),
+        bert.join("tokenizer.json"),
+    )
+    .unwrap();
+    let config = std::fs::read_to_string(fixture("tiny-bert").join("config.json")).unwrap();
+    let mut config: Value = serde_json::from_str(&config).unwrap();
+    config["architectures"] = json!(["BertModel"]);
+    std::fs::write(bert.join("config.json"), config.to_string()).unwrap();
+    let bare = read_safetensors(&fixture("tiny-bert").join("model.safetensors"))
+        .into_iter()
+        .filter_map(|(name, t)| name.strip_prefix("bert.").map(|n| (n.to_string(), t)))
+        .collect();
+    write_safetensors(&bert.join("model.safetensors"), &bare);
+    let err = failure(&bigmodel(&[
+        "embed",
+        fixture("tiny-bert").to_str().unwrap(),
+        "text",
+        "--quantize",
+        "nf4",
+    ]));
+    assert!(err.contains("no Linear or Conv1D module"), "{err}");
+    let embed = |quantize: Option<&str>| {
+        let mut args = vec![bert.to_str().unwrap(), "a quantized sentence", "--json"];
+        args.insert(0, "embed");
+        if let Some(q) = quantize {
+            args.extend(["--quantize", q]);
+        }
+        let v = json_of(&bigmodel(&args));
+        v["embeddings"][0]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect::<Vec<_>>()
+    };
+    let dense = embed(None);
+    let int8 = embed(Some("int8"));
+    // Unit vectors: cosine similarity is the dot product.
+    let cosine: f64 = dense.iter().zip(&int8).map(|(a, b)| a * b).sum();
+    assert!(cosine > 0.99 && cosine < 1.0 + 1e-9, "cosine {cosine}");
+}

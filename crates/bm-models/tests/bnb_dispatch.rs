@@ -1,0 +1,249 @@
+//! Quantized models under a device map: the tiny Llama of
+//! tools/make_bnb_fixtures.py quantized while loading (nf4, fp4, int8) and
+//! transformers' pre-quantized folders, with the decoder layer offloaded to
+//! disk. The planner sizes the layer at its packed bytes, the layer streams
+//! exactly those bytes, and the logits equal the in-memory quantized
+//! model's bit for bit and transformers + bitsandbytes' within 1e-3.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use bigmodel::device::DeviceSet;
+use bigmodel::plan::{DeviceMap, ModuleSizes, SizeOptions};
+use bigmodel::{DeviceMapSpec, Options};
+use bm_compute::quant::{FourBitType, QuantFormat};
+use bm_models::{
+    CausalLm, Dispatched, FolderWeights, Logits, QuantizeOptions, WeightSource, open_causal_lm,
+    open_causal_lm_quantized, quantized_tree,
+};
+use bm_tensor::DType;
+use safetensors::SafeTensors;
+use serde_json::json;
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/tiny-llama-bnb")
+        .join(name)
+}
+
+/// The options transformers quantized each saved folder with.
+fn options(format: &str) -> QuantizeOptions {
+    let mut o = QuantizeOptions::named(format).unwrap();
+    o.format = match o.format {
+        QuantFormat::FourBit {
+            kind: FourBitType::Nf4,
+            blocksize,
+            ..
+        } => QuantFormat::FourBit {
+            kind: FourBitType::Nf4,
+            blocksize,
+            double_quant: true,
+        },
+        QuantFormat::Int8 { .. } => QuantFormat::Int8 { threshold: 2.5 },
+        other => other,
+    };
+    o
+}
+
+/// The decoder layer on disk, the rest on the CPU.
+fn disk_options(offload: &Path) -> Options {
+    let map = json!({
+        "model.embed_tokens": "cpu", "model.layers.0": "disk", "model.norm": "cpu",
+        "model.rotary_emb": "cpu", "lm_head": "cpu",
+    });
+    Options {
+        device_map: Some(DeviceMapSpec::Map(DeviceMap::from_json(&map).unwrap())),
+        offload_folder: Some(offload.to_path_buf()),
+        force_hooks: true,
+        dtype: Some(DType::F32),
+        ..Options::default()
+    }
+}
+
+fn reference() -> Vec<u8> {
+    std::fs::read(fixture("reference.safetensors")).unwrap()
+}
+
+fn prompt(reference: &[u8], i: usize) -> Vec<u32> {
+    SafeTensors::deserialize(reference)
+        .unwrap()
+        .tensor(&format!("prompt.{i}"))
+        .unwrap()
+        .data()
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
+        .collect()
+}
+
+fn want(reference: &[u8], format: &str, i: usize) -> Vec<f32> {
+    SafeTensors::deserialize(reference)
+        .unwrap()
+        .tensor(&format!("logits_{format}.{i}"))
+        .unwrap()
+        .data()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+fn logits(lm: &CausalLm, weights: &dyn WeightSource, ids: &[u32]) -> Vec<f32> {
+    let mut cache = lm.decoder().new_cache();
+    lm.decoder()
+        .forward(weights, ids, &mut cache, Logits::All)
+        .unwrap()
+        .to_f32_vec()
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+/// Bytes the model's tree holds under `model.layers.0`, loaded in F32.
+fn layer_bytes(d: &Dispatched<CausalLm>) -> u64 {
+    let tree = d.weights.model().tree();
+    let options = SizeOptions {
+        dtype: Some(DType::F32),
+        ..SizeOptions::default()
+    };
+    let sizes = ModuleSizes::compute(tree, &options);
+    match tree.find("model.layers.0") {
+        Some(bigmodel::plan::Node::Module(m)) => sizes.module[m],
+        other => panic!("no layer module: {other:?}"),
+    }
+}
+
+#[test]
+fn quantized_on_load_and_offloaded_streams_packed_and_matches_bitsandbytes() {
+    let reference = reference();
+    let offload = tempfile::tempdir().unwrap();
+    let dense = open_causal_lm(
+        fixture("base"),
+        Arc::new(DeviceSet::cpu_only()),
+        &disk_options(&offload.path().join("dense")),
+    )
+    .unwrap();
+    for format in ["nf4", "fp4", "int8"] {
+        let o = options(format);
+        let in_memory = CausalLm::open_quantized(fixture("base"), DType::F32, o.clone()).unwrap();
+        let folder =
+            FolderWeights::open_quantized(fixture("base"), Some(DType::F32), o.clone()).unwrap();
+        let d = open_causal_lm_quantized(
+            fixture("base"),
+            Arc::new(DeviceSet::cpu_only()),
+            &disk_options(&offload.path().join(format)),
+            &o,
+        )
+        .unwrap();
+        // The layer is sized packed: its seven linear weights quantized,
+        // its two norms dense.
+        let packed = layer_bytes(&d);
+        let norms = 2 * 48 * 4;
+        let linears: u64 = [
+            [48, 48],
+            [24, 48],
+            [24, 48],
+            [48, 48],
+            [71, 48],
+            [71, 48],
+            [48, 71],
+        ]
+        .iter()
+        .map(|&[r, c]| o.format.byte_len(r, c) as u64)
+        .sum();
+        assert_eq!(packed, linears + norms, "{format}");
+        assert!(packed < layer_bytes(&dense) / 2, "{format}");
+        for i in 0..3 {
+            let ids = prompt(&reference, i);
+            let before = d.weights.streamed_bytes();
+            let ours = logits(&d.model, &d.weights, &ids);
+            // One forward streams the offloaded layer once, packed.
+            assert_eq!(d.weights.streamed_bytes() - before, packed, "{format}");
+            let expected = logits(&in_memory, &folder, &ids);
+            assert_eq!(
+                ours.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                expected.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "{format} prompt {i}: offloaded differs from in memory"
+            );
+            let diff = max_diff(&ours, &want(&reference, format, i));
+            println!("{format} prompt {i}: max |diff| vs transformers + bitsandbytes {diff:e}");
+            assert!(diff <= 1e-3, "{format} prompt {i}: {diff}");
+        }
+    }
+}
+
+#[test]
+fn pre_quantized_folders_load_under_a_device_map_without_options() {
+    let reference = reference();
+    let offload = tempfile::tempdir().unwrap();
+    for format in ["nf4", "fp4", "int8"] {
+        let d = open_causal_lm(
+            fixture(format),
+            Arc::new(DeviceSet::cpu_only()),
+            &disk_options(&offload.path().join(format)),
+        )
+        .unwrap();
+        let layer = layer_bytes(&d);
+        let ids = prompt(&reference, 0);
+        let before = d.weights.streamed_bytes();
+        let ours = logits(&d.model, &d.weights, &ids);
+        assert_eq!(d.weights.streamed_bytes() - before, layer, "{format}");
+        let diff = max_diff(&ours, &want(&reference, format, 0));
+        assert!(diff <= 1e-3, "{format}: {diff}");
+        // Quantizing a folder that is already quantized is refused.
+        let err = open_causal_lm_quantized(
+            fixture(format),
+            Arc::new(DeviceSet::cpu_only()),
+            &disk_options(&offload.path().join("again")),
+            &options("nf4"),
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("already quantized"), "{err}");
+    }
+}
+
+#[test]
+fn planning_quantized_sizes_linear_weights_packed_and_names_what_cannot_be() {
+    let config = bigmodel::plan::config::HfConfig::from_value(
+        serde_json::from_str(
+            &std::fs::read_to_string(fixture("base").join("config.json")).unwrap(),
+        )
+        .unwrap(),
+        fixture("base").join("config.json"),
+    )
+    .unwrap();
+    let tree = bigmodel::plan::hf::tree_from_config(&config).unwrap().tree;
+    let total = |t: &bigmodel::plan::ModuleTree| {
+        ModuleSizes::compute(
+            t,
+            &SizeOptions {
+                dtype: Some(DType::BF16),
+                ..SizeOptions::default()
+            },
+        )
+        .total()
+    };
+    let nf4 = quantized_tree(Some(&fixture("base")), &tree, &options("nf4")).unwrap();
+    let int8 = quantized_tree(Some(&fixture("base")), &tree, &options("int8")).unwrap();
+    assert!(total(&nf4) < total(&int8) && total(&int8) < total(&tree));
+    // The head stays dense by default; naming no skip quantizes it too.
+    let head = |t: &bigmodel::plan::ModuleTree| match t.find("lm_head.weight") {
+        Some(bigmodel::plan::Node::Tensor(id)) => t.tensor(id).meta.dtype,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(head(&nf4), head(&tree));
+    let mut all = options("nf4");
+    all.skip_modules = Some(Vec::new());
+    assert_eq!(head(&quantized_tree(None, &tree, &all).unwrap()), DType::U8);
+    let mut none = options("nf4");
+    none.skip_modules = Some(vec!["model".into(), "lm_head".into()]);
+    let err = quantized_tree(None, &tree, &none).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("all 8 Linear/Conv1D weights are kept unquantized"),
+        "{err}"
+    );
+}
