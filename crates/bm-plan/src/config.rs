@@ -48,6 +48,14 @@ pub enum Family {
     Gpt2,
     /// `BertModel`.
     Bert,
+    /// `MixtralForCausalLM` (mixture of experts).
+    Mixtral,
+    /// `Qwen2MoeForCausalLM` (mixture of experts with a shared expert).
+    Qwen2Moe,
+    /// `Qwen3MoeForCausalLM` (mixture of experts, q/k norms).
+    Qwen3Moe,
+    /// `T5ForConditionalGeneration` (encoder–decoder).
+    T5,
 }
 
 impl Family {
@@ -55,12 +63,13 @@ impl Family {
     pub fn layers_key(self) -> &'static str {
         match self {
             Family::Gpt2 => "n_layer",
+            Family::T5 => "num_layers",
             _ => "num_hidden_layers",
         }
     }
 
     /// Every family, with its `model_type`.
-    pub const ALL: [(Family, &'static str); 8] = [
+    pub const ALL: [(Family, &'static str); 12] = [
         (Family::Llama, "llama"),
         (Family::Mistral, "mistral"),
         (Family::Qwen2, "qwen2"),
@@ -69,6 +78,10 @@ impl Family {
         (Family::Phi3, "phi3"),
         (Family::Gpt2, "gpt2"),
         (Family::Bert, "bert"),
+        (Family::Mixtral, "mixtral"),
+        (Family::Qwen2Moe, "qwen2_moe"),
+        (Family::Qwen3Moe, "qwen3_moe"),
+        (Family::T5, "t5"),
     ];
 
     /// The family of a `model_type`.
@@ -90,7 +103,12 @@ impl Family {
     /// True for the families with rotary position embeddings (Llama and
     /// its descendants).
     pub fn is_rotary(self) -> bool {
-        !matches!(self, Family::Gpt2 | Family::Bert)
+        !matches!(self, Family::Gpt2 | Family::Bert | Family::T5)
+    }
+
+    /// True for the mixture-of-experts families.
+    pub fn is_moe(self) -> bool {
+        matches!(self, Family::Mixtral | Family::Qwen2Moe | Family::Qwen3Moe)
     }
 }
 
@@ -269,6 +287,29 @@ impl ConfigKeys {
         self.opt_list(key, "strings", Value::as_str)
     }
 
+    /// A list of indices, each below `bound` (e.g. layer numbers), `None`
+    /// when absent.
+    pub fn opt_indices(&self, key: &str, bound: usize) -> Result<Option<Vec<usize>>, Error> {
+        let bad = |v: &Value| {
+            self.error(
+                key,
+                format!("expected a list of integers below {bound}, found {v}"),
+            )
+        };
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|v| match v.as_u64() {
+                    Some(n) if n < bound as u64 => Ok(n as usize),
+                    _ => Err(bad(v)),
+                })
+                .collect::<Result<_, _>>()
+                .map(Some),
+            Some(v) => Err(bad(v)),
+        }
+    }
+
     /// `true` or `false`, `default` when absent.
     pub fn bool_or(&self, key: &str, default: bool) -> Result<bool, Error> {
         match self.get(key) {
@@ -338,6 +379,54 @@ pub struct HfConfig {
     pub tie_word_embeddings: bool,
     /// The MLP activation's name, and the key it was read from.
     pub activation: (String, &'static str),
+    /// The mixture-of-experts layers (Mixtral, Qwen2-MoE, Qwen3-MoE).
+    pub moe: Option<MoeConfig>,
+    /// The encoder–decoder settings (T5).
+    pub seq2seq: Option<Seq2SeqConfig>,
+}
+
+/// The experts of a mixture-of-experts family, as its config says.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MoeConfig {
+    /// Experts per sparse layer (`num_local_experts`; Qwen's `num_experts`).
+    pub experts: usize,
+    /// Experts each token is routed to (`num_experts_per_tok`), at most
+    /// `experts`.
+    pub top_k: usize,
+    /// Width of one expert's MLP (Mixtral's `intermediate_size`, Qwen's
+    /// `moe_intermediate_size`).
+    pub expert_intermediate_size: usize,
+    /// Width of Qwen2-MoE's sigmoid-gated shared expert
+    /// (`shared_expert_intermediate_size`); `None` for the other families.
+    pub shared_expert_intermediate_size: Option<usize>,
+    /// The top-k routing weights are divided by their sum (Qwen's
+    /// `norm_topk_prob`; Mixtral always does).
+    pub norm_topk_prob: bool,
+    /// Per layer: a sparse (experts) MLP, or a dense one of
+    /// `intermediate_size` (Qwen's `mlp_only_layers` and
+    /// `decoder_sparse_step`; every Mixtral layer is sparse).
+    pub sparse_layers: Vec<bool>,
+}
+
+/// T5's encoder–decoder settings.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Seq2SeqConfig {
+    /// Decoder layers (`num_decoder_layers`, default the encoder's
+    /// `num_layers`).
+    pub decoder_layers: usize,
+    /// Buckets of the relative position bias
+    /// (`relative_attention_num_buckets`).
+    pub relative_buckets: usize,
+    /// Distance from which relative positions share the last bucket
+    /// (`relative_attention_max_distance`).
+    pub relative_max_distance: usize,
+    /// The feed-forward is gated (`feed_forward_proj` is `gated-ACT`):
+    /// `wo(act(wi_0 x) · wi_1 x)`, else `wo(act(wi x))`.
+    pub gated: bool,
+    /// The decoder output is multiplied by `d_model^-0.5` before the head
+    /// (`scale_decoder_outputs`; configs older than transformers 5 say so
+    /// with `tie_word_embeddings`, absent meaning true).
+    pub scale_decoder_outputs: bool,
 }
 
 impl HfConfig {
@@ -365,6 +454,7 @@ impl HfConfig {
         };
         let (hidden_key, heads_key) = match family {
             Gpt2 => ("n_embd", "n_head"),
+            T5 => ("d_model", "num_heads"),
             _ => ("hidden_size", "num_attention_heads"),
         };
         let vocab_size = keys.count("vocab_size", MAX_VOCAB)?;
@@ -375,6 +465,7 @@ impl HfConfig {
             Gpt2 => keys
                 .opt_count("n_inner", MAX_WIDTH)?
                 .unwrap_or(4 * hidden_size),
+            T5 => keys.count("d_ff", MAX_WIDTH)?,
             _ => keys.count("intermediate_size", MAX_WIDTH)?,
         };
         let rotary = family.is_rotary();
@@ -390,9 +481,11 @@ impl HfConfig {
                 format!("{kv_heads} does not divide {heads_key} {heads}"),
             ));
         }
-        let given_head_dim = match rotary {
-            true => keys.opt_count("head_dim", MAX_WIDTH)?,
-            false => None,
+        let given_head_dim = match family {
+            // T5's heads are d_kv wide whatever d_model is.
+            T5 => Some(keys.count("d_kv", MAX_WIDTH)?),
+            _ if rotary => keys.opt_count("head_dim", MAX_WIDTH)?,
+            _ => None,
         };
         let head_dim = match given_head_dim {
             Some(d) => d,
@@ -423,13 +516,14 @@ impl HfConfig {
             // Only Phi-3's rotary embedding reads the partial factor
             // (transformers' Llama, Qwen and Gemma rotate the whole head).
             Phi3 => Some(partial_rotary_dim(&keys, head_dim)?),
-            Gpt2 | Bert => None,
+            Gpt2 | Bert | T5 => None,
             _ => Some(head_dim),
         };
         let attention_bias = keys.bool_or("attention_bias", false)?;
         let (qkv_bias, o_bias) = match family {
-            Mistral | Phi3 => (false, false),
+            Mistral | Phi3 | Mixtral | T5 => (false, false),
             Qwen2 => (true, false),
+            Qwen2Moe => (keys.bool_or("qkv_bias", true)?, false),
             Gpt2 | Bert => (true, true),
             _ => (attention_bias, attention_bias),
         };
@@ -440,10 +534,18 @@ impl HfConfig {
         };
         let tie_word_embeddings = match family {
             Bert => false,
+            // transformers 5 always ties T5's head to `shared` (a checkpoint
+            // with its own lm_head keeps it: the caller unties those).
+            T5 => true,
             _ => keys.bool_or("tie_word_embeddings", matches!(family, Gemma2 | Gpt2))?,
+        };
+        let seq2seq = match family {
+            T5 => Some(seq2seq(&keys, num_layers)?),
+            _ => None,
         };
         let (activation_key, default_activation) = match family {
             Gpt2 => ("activation_function", "gelu_new"),
+            T5 => ("feed_forward_proj", "relu"),
             // Gemma 2 names it hidden_activation; older configs hidden_act.
             Gemma2 if keys.get("hidden_activation").is_some() => {
                 ("hidden_activation", "gelu_pytorch_tanh")
@@ -456,6 +558,14 @@ impl HfConfig {
             .opt_str(activation_key)?
             .unwrap_or(default_activation)
             .to_string();
+        let activation = match family {
+            T5 => t5_activation(&keys, &activation)?,
+            _ => activation,
+        };
+        let moe = match family.is_moe() {
+            true => Some(moe(&keys, family, num_layers, intermediate_size)?),
+            false => None,
+        };
         Ok(HfConfig {
             family,
             vocab_size,
@@ -473,6 +583,8 @@ impl HfConfig {
             mlp_bias,
             tie_word_embeddings,
             activation: (activation, activation_key),
+            moe,
+            seq2seq,
             keys,
         })
     }
@@ -504,6 +616,98 @@ impl HfConfig {
     /// The `architectures` the config names.
     pub fn architectures(&self) -> Result<Vec<&str>, Error> {
         Ok(self.keys.opt_strings("architectures")?.unwrap_or_default())
+    }
+}
+
+/// The experts of a MoE family, with transformers' keys and defaults.
+fn moe(
+    keys: &ConfigKeys,
+    family: Family,
+    layers: usize,
+    intermediate_size: usize,
+) -> Result<MoeConfig, Error> {
+    let experts_key = match family {
+        Family::Mixtral => "num_local_experts",
+        // Hub configs say num_experts; transformers 5 saves Qwen3-MoE's as
+        // num_local_experts (its attribute map), Qwen2-MoE's as num_experts.
+        _ if keys.get("num_experts").is_some() => "num_experts",
+        _ if keys.get("num_local_experts").is_some() => "num_local_experts",
+        _ => "num_experts",
+    };
+    let experts = keys.count(experts_key, MAX_HEADS)?;
+    let top_k = keys.count("num_experts_per_tok", MAX_HEADS)?;
+    if top_k > experts {
+        return Err(keys.error(
+            "num_experts_per_tok",
+            format!("{top_k} is more than the {experts} experts ({experts_key})"),
+        ));
+    }
+    if family == Family::Mixtral {
+        return Ok(MoeConfig {
+            experts,
+            top_k,
+            expert_intermediate_size: intermediate_size,
+            shared_expert_intermediate_size: None,
+            norm_topk_prob: true,
+            sparse_layers: vec![true; layers],
+        });
+    }
+    let dense = keys
+        .opt_indices("mlp_only_layers", layers)?
+        .unwrap_or_default();
+    let step = keys
+        .opt_count("decoder_sparse_step", MAX_LAYERS)?
+        .unwrap_or(1);
+    let shared = match family {
+        Family::Qwen2Moe => Some(keys.count("shared_expert_intermediate_size", MAX_WIDTH)?),
+        _ => None,
+    };
+    Ok(MoeConfig {
+        experts,
+        top_k,
+        expert_intermediate_size: keys.count("moe_intermediate_size", MAX_WIDTH)?,
+        shared_expert_intermediate_size: shared,
+        norm_topk_prob: keys.bool_or("norm_topk_prob", false)?,
+        sparse_layers: (0..layers)
+            .map(|i| !dense.contains(&i) && (i + 1) % step == 0)
+            .collect(),
+    })
+}
+
+/// T5's encoder–decoder keys, with transformers' defaults.
+fn seq2seq(keys: &ConfigKeys, encoder_layers: usize) -> Result<Seq2SeqConfig, Error> {
+    let proj = keys.opt_str("feed_forward_proj")?.unwrap_or("relu");
+    let scale_decoder_outputs = match keys.get("scale_decoder_outputs") {
+        Some(_) => keys.bool_or("scale_decoder_outputs", true)?,
+        None => keys.bool_or("tie_word_embeddings", true)?,
+    };
+    Ok(Seq2SeqConfig {
+        decoder_layers: keys
+            .opt_count("num_decoder_layers", MAX_LAYERS)?
+            .unwrap_or(encoder_layers),
+        relative_buckets: keys
+            .opt_count("relative_attention_num_buckets", MAX_POSITIONS)?
+            .unwrap_or(32),
+        relative_max_distance: keys
+            .opt_count("relative_attention_max_distance", MAX_POSITIONS)?
+            .unwrap_or(128),
+        gated: proj.starts_with("gated-"),
+        scale_decoder_outputs,
+    })
+}
+
+/// The activation T5's `feed_forward_proj` (`ACT` or `gated-ACT`) names;
+/// `gated-gelu` means the tanh GELU, as transformers keeps it for
+/// compatibility.
+fn t5_activation(keys: &ConfigKeys, proj: &str) -> Result<String, Error> {
+    let parts: Vec<&str> = proj.split('-').collect();
+    match parts.as_slice() {
+        ["gated", "gelu"] => Ok("gelu_new".into()),
+        ["gated", act] | [act] if !act.is_empty() && *act != "gated" => Ok(act.to_string()),
+        _ => Err(keys.error(
+            "feed_forward_proj",
+            format!("{proj:?} is not of the form ACT or gated-ACT (e.g. relu, gated-gelu)"),
+        )),
     }
 }
 
@@ -635,10 +839,113 @@ mod tests {
     }
 
     #[test]
-    fn unknown_families_bad_json_and_bad_dtypes_name_the_file() {
-        let err = parse(json!({"model_type": "t5", "architectures": ["T5Model"]})).unwrap_err();
+    fn moe_families_read_their_experts_and_sparse_layers() {
+        let mixtral = parse(llama(json!({
+            "model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2,
+        })))
+        .unwrap();
+        let moe = mixtral.moe.unwrap();
+        assert_eq!(
+            (moe.experts, moe.top_k, moe.expert_intermediate_size),
+            (8, 2, 24)
+        );
+        assert!(moe.norm_topk_prob && moe.sparse_layers == [true, true]);
+        let qwen2 = |extra: Value| {
+            let mut c = llama(json!({
+                "model_type": "qwen2_moe", "num_experts": 4, "num_experts_per_tok": 2,
+                "moe_intermediate_size": 12, "shared_expert_intermediate_size": 20,
+                "num_hidden_layers": 4,
+            }));
+            for (k, v) in extra.as_object().unwrap() {
+                c[k] = v.clone();
+            }
+            parse(c)
+        };
+        let c = qwen2(json!({"decoder_sparse_step": 2, "mlp_only_layers": [3]})).unwrap();
+        let moe = c.moe.unwrap();
+        assert_eq!(moe.sparse_layers, [false, true, false, false]);
+        assert_eq!(moe.shared_expert_intermediate_size, Some(20));
+        assert!(!moe.norm_topk_prob && c.qkv_bias && !c.o_bias);
+        for (extra, wanted) in [
+            (
+                json!({"num_experts_per_tok": 5}),
+                "key \"num_experts_per_tok\": 5 is more than the 4 experts (num_experts)",
+            ),
+            (
+                json!({"mlp_only_layers": [4]}),
+                "key \"mlp_only_layers\": expected a list of integers below 4, found 4",
+            ),
+            (
+                json!({"shared_expert_intermediate_size": null}),
+                "key \"shared_expert_intermediate_size\": missing",
+            ),
+        ] {
+            let err = qwen2(extra).unwrap_err().to_string();
+            assert!(err.contains(wanted), "{err}");
+        }
+        // transformers 5 saves Qwen3-MoE's expert count as num_local_experts.
+        let qwen3 = parse(llama(json!({
+            "model_type": "qwen3_moe", "num_local_experts": 8, "num_experts": null,
+            "num_experts_per_tok": 8, "moe_intermediate_size": 12, "norm_topk_prob": true,
+        })))
+        .unwrap();
+        assert_eq!(
+            qwen3.moe.map(|m| (m.experts, m.norm_topk_prob)),
+            Some((8, true))
+        );
+    }
+
+    #[test]
+    fn t5_reads_its_own_keys() {
+        let t5 = |extra: Value| {
+            let mut c = json!({
+                "model_type": "t5", "vocab_size": 32, "d_model": 16, "d_kv": 6, "d_ff": 24,
+                "num_layers": 2, "num_heads": 2,
+            });
+            for (k, v) in extra.as_object().unwrap() {
+                c[k] = v.clone();
+            }
+            parse(c)
+        };
+        let c =
+            t5(json!({"feed_forward_proj": "gated-gelu", "tie_word_embeddings": false})).unwrap();
+        assert_eq!(
+            (c.hidden_size, c.head_dim, c.intermediate_size),
+            (16, 6, 24)
+        );
+        assert_eq!(c.activation, ("gelu_new".into(), "feed_forward_proj"));
+        let s = c.seq2seq.unwrap();
+        assert_eq!(
+            (
+                s.decoder_layers,
+                s.relative_buckets,
+                s.relative_max_distance
+            ),
+            (2, 32, 128)
+        );
+        assert!(s.gated && !s.scale_decoder_outputs && c.tie_word_embeddings);
+        let c = t5(
+            json!({"num_decoder_layers": 3, "scale_decoder_outputs": true,
+                          "tie_word_embeddings": false}),
+        )
+        .unwrap();
+        assert_eq!(c.activation.0, "relu");
+        let s = c.seq2seq.unwrap();
+        assert!(!s.gated && s.scale_decoder_outputs && s.decoder_layers == 3);
+        let err = t5(json!({"feed_forward_proj": "gated-gelu-x"})).unwrap_err();
         assert!(
-            matches!(&err, Error::UnsupportedModel { model_type: Some(t), .. } if t == "t5"),
+            err.to_string().contains("not of the form ACT or gated-ACT"),
+            "{err}"
+        );
+        let err = t5(json!({"d_kv": 0})).unwrap_err();
+        assert!(err.to_string().contains("key \"d_kv\""), "{err}");
+    }
+
+    #[test]
+    fn unknown_families_bad_json_and_bad_dtypes_name_the_file() {
+        let err = parse(json!({"model_type": "bart", "architectures": ["BartModel"]})).unwrap_err();
+        assert!(
+            matches!(&err, Error::UnsupportedModel { model_type: Some(t), .. } if t == "bart"),
             "{err}"
         );
         assert!(err.to_string().starts_with("m/config.json: "), "{err}");

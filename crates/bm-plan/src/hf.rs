@@ -1,7 +1,19 @@
 //! Module trees from Hugging Face `config.json` files, with transformers'
 //! module names, class names, parameter shapes and registration order (as
 //! of transformers 5.x): the Llama, Mistral, Qwen2, Qwen3, Gemma 2 and
-//! Phi-3 causal LMs, GPT-2's `GPT2LMHeadModel` and BERT's `BertModel`.
+//! Phi-3 causal LMs, GPT-2's `GPT2LMHeadModel`, BERT's `BertModel`, T5's
+//! `T5ForConditionalGeneration` and the Mixtral, Qwen2-MoE and Qwen3-MoE
+//! causal LMs.
+//!
+//! The mixture-of-experts layers follow the checkpoint layout, one module
+//! per expert (`block_sparse_moe.experts.3.w1`, `mlp.experts.3.gate_proj`)
+//! with the classes of transformers 4 that defined it: transformers 5
+//! fuses each layer's experts into two 3-D parameters when it loads, and
+//! writes them back out per expert when it saves. A tree in the
+//! checkpoint's names is what loads from the checkpoint, and one module
+//! per expert is what lets experts be placed on their own (`--experts-on`).
+//! The layers are `_no_split_modules` either way, so Accelerate's maps,
+//! which never go below a layer, are the same.
 
 use bm_tensor::{DType, TensorMeta};
 
@@ -19,8 +31,12 @@ pub struct HfModel {
     pub tree: ModuleTree,
     /// The family's `_no_split_modules`.
     pub no_split: Vec<String>,
-    /// The repeated blocks (decoder or encoder layers), in order.
+    /// The repeated blocks that hold a KV cache (decoder layers; BERT's
+    /// encoder layers; T5's decoder blocks), in order.
     pub layers: Vec<ModuleId>,
+    /// The experts list of each sparse layer (`model.layers.N.mlp.experts`),
+    /// in order: the units `--experts-on` places; empty without experts.
+    pub experts: Vec<ModuleId>,
     /// KV-cache elements per token per layer (keys and values), for decoders.
     pub kv_elements_per_token: Option<u64>,
     /// The dtype the weights are stored in (`dtype`/`torch_dtype`, default F32).
@@ -72,6 +88,10 @@ fn planned_class(family: Family) -> &'static str {
         Family::Phi3 => "Phi3ForCausalLM",
         Family::Gpt2 => "GPT2LMHeadModel",
         Family::Bert => "BertModel",
+        Family::Mixtral => "MixtralForCausalLM",
+        Family::Qwen2Moe => "Qwen2MoeForCausalLM",
+        Family::Qwen3Moe => "Qwen3MoeForCausalLM",
+        Family::T5 => "T5ForConditionalGeneration",
     }
 }
 
@@ -89,6 +109,7 @@ pub fn tree_from_config(config: &HfConfig) -> Result<HfModel, Error> {
     match config.family {
         Family::Gpt2 => gpt2(config, dtype),
         Family::Bert => bert(config, dtype),
+        Family::T5 => t5(config, dtype),
         family => decoder(config, family, dtype),
     }
 }
@@ -150,6 +171,35 @@ impl B {
         Ok(m)
     }
 
+    /// `gate_proj`, `up_proj`, `down_proj` and the activation of a gated MLP.
+    fn gated_mlp(
+        &mut self,
+        mlp: ModuleId,
+        hidden: usize,
+        inter: usize,
+        bias: bool,
+        act: &str,
+    ) -> Result<(), Error> {
+        self.linear(mlp, "gate_proj", hidden, inter, bias)?;
+        self.linear(mlp, "up_proj", hidden, inter, bias)?;
+        self.linear(mlp, "down_proj", inter, hidden, bias)?;
+        self.module(mlp, "act_fn", act)?;
+        Ok(())
+    }
+
+    /// A norm module with only a weight (RMSNorm, T5's LayerNorm).
+    fn weight_norm(
+        &mut self,
+        parent: ModuleId,
+        name: &str,
+        class: &str,
+        dim: usize,
+    ) -> Result<ModuleId, Error> {
+        let m = self.module(parent, name, class)?;
+        self.param(m, "weight", &[dim])?;
+        Ok(m)
+    }
+
     fn layer_norm(&mut self, parent: ModuleId, name: &str, dim: usize) -> Result<ModuleId, Error> {
         let m = self.module(parent, name, "LayerNorm")?;
         self.param(m, "weight", &[dim])?;
@@ -168,6 +218,9 @@ fn decoder(cfg: &HfConfig, family: Family, dtype: DType) -> Result<HfModel, Erro
         Family::Qwen2 => "Qwen2",
         Family::Qwen3 => "Qwen3",
         Family::Gemma2 => "Gemma2",
+        Family::Mixtral => "Mixtral",
+        Family::Qwen2Moe => "Qwen2Moe",
+        Family::Qwen3Moe => "Qwen3Moe",
         _ => "Phi3",
     };
     let (vocab, hidden, inter) = (cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size);
@@ -195,6 +248,7 @@ fn decoder(cfg: &HfConfig, family: Family, dtype: DType) -> Result<HfModel, Erro
     let list = b.module(model, "layers", "ModuleList")?;
     let norm_class = format!("{prefix}RMSNorm");
     let mut layer_ids = Vec::with_capacity(layers);
+    let mut experts = Vec::new();
     for i in 0..layers {
         let layer = b.module(list, &i.to_string(), &format!("{prefix}DecoderLayer"))?;
         layer_ids.push(layer);
@@ -214,22 +268,22 @@ fn decoder(cfg: &HfConfig, family: Family, dtype: DType) -> Result<HfModel, Erro
             b.linear(attn, "v_proj", hidden, kv_heads * head_dim, qkv_bias)?;
             b.linear(attn, "o_proj", heads * head_dim, hidden, o_bias)?;
         }
-        if family == Family::Qwen3 {
+        if matches!(family, Family::Qwen3 | Family::Qwen3Moe) {
             for norm in ["q_norm", "k_norm"] {
                 let n = b.module(attn, norm, &norm_class)?;
                 b.param(n, "weight", &[head_dim])?;
             }
         }
-        let mlp = b.module(layer, "mlp", &format!("{prefix}MLP"))?;
-        if family == Family::Phi3 {
+        if let Some(moe) = cfg.moe.as_ref().filter(|m| m.sparse_layers[i]) {
+            experts.push(sparse_moe(&mut b, layer, cfg, family, prefix, moe, act)?);
+        } else if family == Family::Phi3 {
+            let mlp = b.module(layer, "mlp", &format!("{prefix}MLP"))?;
             b.linear(mlp, "gate_up_proj", hidden, 2 * inter, false)?;
             b.linear(mlp, "down_proj", inter, hidden, false)?;
             b.module(mlp, "activation_fn", act)?;
         } else {
-            b.linear(mlp, "gate_proj", hidden, inter, mlp_bias)?;
-            b.linear(mlp, "up_proj", hidden, inter, mlp_bias)?;
-            b.linear(mlp, "down_proj", inter, hidden, mlp_bias)?;
-            b.module(mlp, "act_fn", act)?;
+            let mlp = b.module(layer, "mlp", &format!("{prefix}MLP"))?;
+            b.gated_mlp(mlp, hidden, inter, mlp_bias, act)?;
         }
         let norms: &[&str] = if gemma {
             &[
@@ -271,7 +325,148 @@ fn decoder(cfg: &HfConfig, family: Family, dtype: DType) -> Result<HfModel, Erro
         tree: b.b.finish()?,
         no_split: vec![format!("{prefix}DecoderLayer")],
         layers: layer_ids,
+        experts,
         kv_elements_per_token: Some(2 * (kv_heads * head_dim) as u64),
+        dtype,
+    })
+}
+
+/// A sparse MoE block of layer `layer` in the checkpoint layout (see the
+/// module docs): Mixtral's `block_sparse_moe` (router `gate`, experts with
+/// `w1`, `w2`, `w3`), Qwen's `mlp` (router `gate`, experts with
+/// `gate_proj`, `up_proj`, `down_proj`, and Qwen2-MoE's shared expert with
+/// its one-output `shared_expert_gate`). Returns the experts list.
+fn sparse_moe(
+    b: &mut B,
+    layer: ModuleId,
+    cfg: &HfConfig,
+    family: Family,
+    prefix: &str,
+    moe: &crate::config::MoeConfig,
+    act: &str,
+) -> Result<ModuleId, Error> {
+    let hidden = cfg.hidden_size;
+    let inter = moe.expert_intermediate_size;
+    let mixtral = family == Family::Mixtral;
+    let name = if mixtral { "block_sparse_moe" } else { "mlp" };
+    let block = b.module(layer, name, &format!("{prefix}SparseMoeBlock"))?;
+    b.linear(block, "gate", hidden, moe.experts, false)?;
+    let list = b.module(block, "experts", "ModuleList")?;
+    for e in 0..moe.experts {
+        if mixtral {
+            let expert = b.module(list, &e.to_string(), "MixtralBlockSparseTop2MLP")?;
+            b.linear(expert, "w1", hidden, inter, false)?;
+            b.linear(expert, "w2", inter, hidden, false)?;
+            b.linear(expert, "w3", hidden, inter, false)?;
+            b.module(expert, "act_fn", act)?;
+        } else {
+            let expert = b.module(list, &e.to_string(), &format!("{prefix}MLP"))?;
+            b.gated_mlp(expert, hidden, inter, false, act)?;
+        }
+    }
+    if let Some(shared) = moe.shared_expert_intermediate_size {
+        let expert = b.module(block, "shared_expert", &format!("{prefix}MLP"))?;
+        b.gated_mlp(expert, hidden, shared, false, act)?;
+        b.linear(block, "shared_expert_gate", hidden, 1, false)?;
+    }
+    Ok(list)
+}
+
+/// `T5ForConditionalGeneration`: the shared embedding, an encoder and a
+/// decoder `T5Stack` (each block's first layer self-attention, the
+/// decoder's second cross-attention, the last the feed-forward; block 0
+/// holds the relative position bias), the head tied to `shared`.
+fn t5(cfg: &HfConfig, dtype: DType) -> Result<HfModel, Error> {
+    let s2s = cfg
+        .seq2seq
+        .as_ref()
+        .ok_or_else(|| cfg.error("model_type", "not an encoder-decoder config"))?;
+    let (vocab, d_model, d_ff) = (cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size);
+    let inner = cfg.heads * cfg.head_dim;
+    let act = activation_class(cfg)?;
+    let mut b = B {
+        b: ModuleTreeBuilder::new("T5ForConditionalGeneration"),
+        dtype,
+    };
+    b.embedding(0, "shared", vocab, d_model)?;
+    let mut decoder_blocks = Vec::with_capacity(s2s.decoder_layers);
+    for (stack, layers) in [("encoder", cfg.num_layers), ("decoder", s2s.decoder_layers)] {
+        let decoder = stack == "decoder";
+        let st = b.module(0, stack, "T5Stack")?;
+        b.embedding(st, "embed_tokens", vocab, d_model)?;
+        let list = b.module(st, "block", "ModuleList")?;
+        for i in 0..layers {
+            let block = b.module(list, &i.to_string(), "T5Block")?;
+            if decoder {
+                decoder_blocks.push(block);
+            }
+            let sub = b.module(block, "layer", "ModuleList")?;
+            let attention = |b: &mut B, index: &str, class: &str, name: &str, bias: bool| {
+                let layer = b.module(sub, index, class)?;
+                let attn = b.module(layer, name, "T5Attention")?;
+                for proj in ["q", "k", "v"] {
+                    b.linear(attn, proj, d_model, inner, false)?;
+                }
+                b.linear(attn, "o", inner, d_model, false)?;
+                if bias {
+                    b.embedding(
+                        attn,
+                        "relative_attention_bias",
+                        s2s.relative_buckets,
+                        cfg.heads,
+                    )?;
+                }
+                b.weight_norm(layer, "layer_norm", "T5LayerNorm", d_model)?;
+                b.module(layer, "dropout", "Dropout")
+            };
+            attention(&mut b, "0", "T5LayerSelfAttention", "SelfAttention", i == 0)?;
+            if decoder {
+                attention(
+                    &mut b,
+                    "1",
+                    "T5LayerCrossAttention",
+                    "EncDecAttention",
+                    false,
+                )?;
+            }
+            let ff = b.module(sub, if decoder { "2" } else { "1" }, "T5LayerFF")?;
+            if s2s.gated {
+                let dense = b.module(ff, "DenseReluDense", "T5DenseGatedActDense")?;
+                b.linear(dense, "wi_0", d_model, d_ff, false)?;
+                b.linear(dense, "wi_1", d_model, d_ff, false)?;
+                b.linear(dense, "wo", d_ff, d_model, false)?;
+                b.module(dense, "dropout", "Dropout")?;
+                b.module(dense, "act", act)?;
+            } else {
+                let dense = b.module(ff, "DenseReluDense", "T5DenseActDense")?;
+                b.linear(dense, "wi", d_model, d_ff, false)?;
+                b.linear(dense, "wo", d_ff, d_model, false)?;
+                b.module(dense, "dropout", "Dropout")?;
+                b.module(dense, "act", act)?;
+            }
+            b.weight_norm(ff, "layer_norm", "T5LayerNorm", d_model)?;
+            b.module(ff, "dropout", "Dropout")?;
+        }
+        b.weight_norm(st, "final_layer_norm", "T5LayerNorm", d_model)?;
+        b.module(st, "dropout", "Dropout")?;
+    }
+    b.linear(0, "lm_head", d_model, vocab, false)?;
+    let mut tied = vec![
+        "decoder.embed_tokens.weight",
+        "encoder.embed_tokens.weight",
+        "shared.weight",
+    ];
+    if cfg.tie_word_embeddings {
+        tied.push("lm_head.weight");
+    }
+    b.b.tie(&tied);
+    Ok(HfModel {
+        family: Family::T5,
+        tree: b.b.finish()?,
+        no_split: vec!["T5Block".into()],
+        layers: decoder_blocks,
+        experts: Vec::new(),
+        kv_elements_per_token: Some(2 * inner as u64),
         dtype,
     })
 }
@@ -321,6 +516,7 @@ fn gpt2(cfg: &HfConfig, dtype: DType) -> Result<HfModel, Error> {
         tree: b.b.finish()?,
         no_split: vec!["GPT2Block".into()],
         layers: layer_ids,
+        experts: Vec::new(),
         kv_elements_per_token: Some(2 * embd as u64),
         dtype,
     })
@@ -387,6 +583,7 @@ fn bert(cfg: &HfConfig, dtype: DType) -> Result<HfModel, Error> {
         tree: b.b.finish()?,
         no_split: vec!["BertEmbeddings".into(), "BertLayer".into()],
         layers: layer_ids,
+        experts: Vec::new(),
         kv_elements_per_token: None,
         dtype,
     })

@@ -38,6 +38,7 @@ fn builders_match_trees_exported_from_transformers() {
         "tiny-qwen3",
         "tiny-gemma2",
         "tiny-phi3",
+        "tiny-t5",
     ] {
         let built = model(&fixture(&format!("configs/{name}.json"))).tree;
         let exported =
@@ -45,6 +46,54 @@ fn builders_match_trees_exported_from_transformers() {
                 .unwrap();
         // Same names, classes, shapes, dtypes, order, persistence and ties.
         assert_eq!(built.to_json(), exported.to_json(), "{name}");
+    }
+}
+
+/// transformers 5 fuses each MoE layer's experts into two 3-D parameters
+/// (`mlp.experts.gate_up_proj`); the builders keep the checkpoint's one
+/// module per expert. Everything outside the sparse blocks is the same
+/// module for module, and every layer (what Accelerate places) the same
+/// size, so the maps are too.
+#[test]
+fn moe_builders_match_transformers_outside_the_experts_and_in_layer_sizes() {
+    use bm_plan::{ModuleSizes, Node, SizeOptions};
+    for name in ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe"] {
+        let built = model(&fixture(&format!("configs/{name}.json")));
+        let exported =
+            ModuleTree::from_json(&read_json(&fixture(&format!("trees/{name}.tree.json"))))
+                .unwrap();
+        let tree = &built.tree;
+        assert_eq!(tree.parameter_count(), exported.parameter_count(), "{name}");
+        let sizes = ModuleSizes::compute(tree, &SizeOptions::default());
+        let want = ModuleSizes::compute(&exported, &SizeOptions::default());
+        let sparse = |n: &str| n.contains(".mlp") || n.contains(".block_sparse_moe");
+        let mut compared = 0;
+        for (id, m) in exported.modules().iter().enumerate() {
+            if sparse(&m.name) {
+                continue;
+            }
+            let Some(Node::Module(b)) = tree.find(&m.name) else {
+                panic!("{name}: no module {}", m.name);
+            };
+            assert_eq!(tree.module(b).class, m.class, "{name} {}", m.name);
+            let got = sizes.of(Node::Module(b));
+            assert_eq!(got, want.of(Node::Module(id)), "{name} {}", m.name);
+            compared += 1;
+        }
+        let layers = built.layers.len();
+        assert!(compared > 4 * layers, "{name}: {compared} modules");
+        // One experts list per sparse layer, one module per expert.
+        let config = HfConfig::parse(
+            &std::fs::read_to_string(fixture(&format!("configs/{name}.json"))).unwrap(),
+            "config.json",
+        )
+        .unwrap();
+        let moe = config.moe.unwrap();
+        let sparse_layers = moe.sparse_layers.iter().filter(|&&s| s).count();
+        assert_eq!(built.experts.len(), sparse_layers, "{name}");
+        for &list in &built.experts {
+            assert_eq!(tree.module(list).children.len(), moe.experts, "{name}");
+        }
     }
 }
 
@@ -74,6 +123,22 @@ fn family_defaults() {
         ("gemma-2-2b", 2_614_341_888, "Gemma2DecoderLayer", true),
         ("gemma-2-9b", 9_241_705_984, "Gemma2DecoderLayer", true),
         ("phi-3-mini-4k", 3_821_079_552, "Phi3DecoderLayer", false),
+        ("mixtral-8x7b", 46_702_792_704, "MixtralDecoderLayer", false),
+        (
+            "qwen1.5-moe-a2.7b",
+            14_315_784_192,
+            "Qwen2MoeDecoderLayer",
+            false,
+        ),
+        (
+            "qwen3-30b-a3b",
+            30_532_122_624,
+            "Qwen3MoeDecoderLayer",
+            false,
+        ),
+        // T5's embeddings are always shared by both stacks.
+        ("t5-small", 60_506_624, "T5Block", true),
+        ("t0pp", 11_003_736_064, "T5Block", true),
     ] {
         let model = model(&fixture(&format!("configs/{config}.json")));
         assert_eq!(model.tree.parameter_count(), params, "{config}");
@@ -105,7 +170,7 @@ fn bad_configs_are_clear_errors() {
         }
         config
     };
-    assert!(err(serde_json::json!({"model_type": "t5"})).contains("not supported"));
+    assert!(err(serde_json::json!({"model_type": "bart"})).contains("not supported"));
     assert!(
         err(with(
             serde_json::json!({"model_type": "gemma2", "architectures": ["Gemma2Model"]})
