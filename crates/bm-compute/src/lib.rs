@@ -24,7 +24,8 @@
 //!   sliding-window mask, grouped-query heads, a score scale and
 //!   soft-capping, and a KV cache that can forget what a window no longer
 //!   sees; softmax, SiLU, GELU (exact and tanh), soft-capping, scale, add,
-//!   mul and column splits. Half-precision values are widened to f32,
+//!   mul and column splits; mixture-of-experts routing (softmax top-k)
+//!   and the weighted sum of the experts' rows. Half-precision values are widened to f32,
 //!   computed, and rounded once per op, as PyTorch's CPU kernels accumulate
 //!   in f32. The few ops without a CUDA side yet (`linear_t`, tanh GELU,
 //!   soft-capping, non-default rotary or scores) return
@@ -41,6 +42,7 @@
 mod cpu;
 mod cuda;
 mod error;
+mod moe;
 pub mod ops;
 pub mod quant;
 mod tensor;

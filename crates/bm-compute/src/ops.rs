@@ -12,6 +12,7 @@ use half::{bf16, f16};
 use crate::tensor::is_compute_dtype;
 use crate::{Backend, Error, Tensor, cpu, cuda};
 
+pub use crate::moe::{ExpertSum, Routing, gather_rows, sigmoid_values};
 pub use crate::quant::linear_quantized;
 
 /// Attention geometry: query heads, key/value heads (fewer under
