@@ -19,10 +19,17 @@ loading) into crates/bm-models/tests/fixtures/<name>/ and writes
 * `generated.N`  I64 [new]          greedy continuation (KV cache, no EOS stop)
 
 Models are kept to tens of KB: a vocabulary of 128 and widths of 16.
-To add a family (e.g. a mixture of experts), add an entry to FAMILIES: a
-builder returning the model, an optional shard size, and the spread of the
-random weight matrices (wide enough that the activation's nonlinearity
-shows in the logits).
+To add a family, add an entry to FAMILIES: a builder returning the model,
+an optional shard size, and the spread of the random weight matrices (wide
+enough that the activation's nonlinearity shows in the logits).
+
+The mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE) have 8
+experts of which each token takes 2, run with transformers' eager experts
+loop (`experts_implementation="eager"`, the reference semantics); the
+script checks that the prompts' tokens spread over most experts of every
+sparse layer, so a wrong router shows. Their references also hold
+`experts.N` (I64 [layers, len, top_k]): the experts each prompt token
+picked in each layer (-1 rows for dense layers), in the router's order.
 
 Usage: /work/pyenv/bin/python tools/make_family_fixtures.py [OUT_DIR] [NAME...]
 (default crates/bm-models/tests/fixtures, every family). Deterministic:
@@ -110,6 +117,43 @@ def phi3():
         tie_word_embeddings=False, attn_implementation="eager", **COMMON))
 
 
+def mixtral():
+    # Every layer sparse; routing weights always renormalised; a sliding
+    # window shorter than the longest prompt, as Mixtral's Mistral layers.
+    from transformers import MixtralConfig, MixtralForCausalLM
+    return MixtralForCausalLM(MixtralConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=12, num_hidden_layers=3,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+        num_local_experts=8, num_experts_per_tok=2, sliding_window=6, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, attn_implementation="eager", experts_implementation="eager",
+        **COMMON))
+
+
+def qwen2_moe():
+    # Layer 1 dense (mlp_only_layers); a sigmoid-gated shared expert beside
+    # the routed ones; top-k weights not renormalised; q/k/v biases.
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+    return Qwen2MoeForCausalLM(Qwen2MoeConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=24, moe_intermediate_size=12,
+        shared_expert_intermediate_size=20, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=64, num_experts=8, num_experts_per_tok=2,
+        decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=False, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, attn_implementation="eager", experts_implementation="eager",
+        **COMMON))
+
+
+def qwen3_moe():
+    # Every other layer sparse (decoder_sparse_step 2: layers 1 and 3);
+    # top-k weights renormalised; q/k norms; an explicit head_dim.
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=24, moe_intermediate_size=12,
+        num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=12,
+        max_position_embeddings=64, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=2,
+        norm_topk_prob=True, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        attn_implementation="eager", experts_implementation="eager", **COMMON))
+
+
 # name -> (builder, max_shard_size or None, std of the weight matrices)
 FAMILIES = {
     "tiny-gpt2": (gpt2, None, 0.3),
@@ -117,7 +161,51 @@ FAMILIES = {
     "tiny-qwen2-swa": (qwen2_sliding, None, 0.08),
     "tiny-gemma2": (gemma2, None, 0.2),
     "tiny-phi3": (phi3, None, 0.08),
+    "tiny-mixtral": (mixtral, None, 0.3),
+    "tiny-qwen2-moe": (qwen2_moe, "24KB", 0.2),
+    "tiny-qwen3-moe": (qwen3_moe, None, 0.3),
 }
+
+
+def routed_experts(model, ids):
+    """The experts each token of `ids` picks in each layer ([layers, len,
+    top_k], -1 for dense layers), read from the routers' outputs."""
+    layers = model.model.layers
+    picks = []
+    hooks = []
+    for layer in layers:
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is None or not hasattr(gate, "top_k"):
+            picks.append(None)
+            continue
+        index = len(picks)
+        picks.append(None)
+
+        def hook(module, args, out, index=index):
+            picks[index] = out[2].detach().clone()
+        hooks.append(gate.register_forward_hook(hook))
+    with torch.no_grad():
+        model(torch.tensor([ids]))
+    for h in hooks:
+        h.remove()
+    top_k = model.config.num_experts_per_tok
+    rows = [p if p is not None else torch.full((len(ids), top_k), -1) for p in picks]
+    return torch.stack(rows).to(torch.int64)
+
+
+def check_spread(name, model, experts):
+    """More than half of every sparse layer's experts serve the prompts' tokens."""
+    n = model.config.num_local_experts if hasattr(model.config, "num_local_experts") else None
+    n = n or model.config.num_experts
+    for layer in range(experts[0].shape[0]):
+        used = set()
+        for e in experts:
+            used |= {int(v) for v in e[layer].flatten() if v >= 0}
+        if used and len(used) <= n // 2:
+            raise SystemExit(f"{name}: layer {layer} uses only experts {sorted(used)} of {n}")
+
+
+MOE = {"tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe"}
 
 
 def randomise(model, std):
@@ -152,6 +240,10 @@ def write(out, name, build, shard, std):
             for tag, half_model in halves.items():
                 ref[f"logits_{tag}.{i}"] = half_model(x).logits[0].float().contiguous()
         ref[f"generated.{i}"] = greedy(model, x)
+        if name in MOE:
+            ref[f"experts.{i}"] = routed_experts(model, ids)
+    if name in MOE:
+        check_spread(name, model, [ref[f"experts.{i}"] for i in range(len(PROMPTS))])
     save_file(ref, folder / "reference.safetensors")
     size = sum(f.stat().st_size for f in folder.iterdir())
     print(f"wrote {folder} ({size // 1024} KiB)")

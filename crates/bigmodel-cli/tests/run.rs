@@ -327,7 +327,7 @@ fn bad_input_is_a_clear_error() {
             "--prompt-ids",
             "1",
         ],
-        "supported are llama, mistral, qwen2, qwen3, gemma2, phi3, gpt2",
+        "supported are llama, mistral, qwen2, qwen3, gemma2, phi3, gpt2, mixtral, qwen2_moe, qwen3_moe",
     );
     config["model_type"] = json!("llama");
     config["hidden_size"] = json!(96);

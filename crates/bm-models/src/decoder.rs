@@ -7,7 +7,7 @@ use std::sync::Arc;
 use bigmodel::device::{DeviceBuffer, Gpu, GpuKind};
 use bm_tensor::DType;
 
-use crate::family::{Activation, DecoderConfig, Mlp, Norm, Positions, Projections, RopeConfig};
+use crate::family::{DecoderConfig, Mlp, Norm, Positions, Projections, RopeConfig};
 use crate::ops::{self, LayerCache, Mask, Rope};
 use crate::quant_config::QuantizeOptions;
 use crate::text::TextTokenizer;
@@ -465,13 +465,7 @@ impl Decoder {
         let c = &self.config;
         let (h, i) = (c.hidden_size, c.intermediate_size);
         let mlp = format!("{block}.mlp");
-        let act = |t: &Tensor| -> Result<Tensor, Error> {
-            Ok(match c.activation {
-                Activation::Silu => ops::silu(t)?,
-                Activation::Gelu => ops::gelu(t)?,
-                Activation::GeluTanh => ops::gelu_tanh(t)?,
-            })
-        };
+        let act = |t: &Tensor| c.activation.apply(t);
         Ok(match c.mlp {
             Mlp::Gated { bias } => {
                 let gate = Linear::load(src, &format!("{mlp}.gate_proj"), i, h, bias)?;
@@ -550,7 +544,14 @@ impl Decoder {
             let x = ops::add(x, &out)?;
 
             let normed = self.norm(src, &format!("{block}.{}", n.pre_mlp), &x)?;
-            let mut out = self.mlp(src, &block, &normed)?;
+            let sparse = c
+                .moe
+                .as_ref()
+                .filter(|m| m.sparse_layers.get(index) == Some(&true));
+            let mut out = match sparse {
+                Some(moe) => self.sparse_mlp(src, &block, &normed, moe)?,
+                None => self.mlp(src, &block, &normed)?,
+            };
             if let Some(post) = n.post_mlp {
                 out = self.norm(src, &format!("{block}.{post}"), &out)?;
             }

@@ -7,14 +7,15 @@ use std::path::{Path, PathBuf};
 
 use bigmodel::plan::config::{ConfigKeys, Family, HfConfig, MAX_LAYERS, MAX_POSITIONS};
 
-use crate::Error;
 use crate::config::{found, read_config, unsupported};
-use crate::ops::{Heads, Scores};
+use crate::ops::{self, Heads, Scores};
+use crate::{Error, Tensor};
 
 /// The decoder architectures this crate runs.
-pub const SUPPORTED_DECODERS: &str = "llama, mistral, qwen2, qwen3, gemma2, phi3, gpt2 \
-     (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, \
-     Gemma2ForCausalLM, Phi3ForCausalLM, GPT2LMHeadModel)";
+pub const SUPPORTED_DECODERS: &str = "llama, mistral, qwen2, qwen3, gemma2, phi3, gpt2, \
+     mixtral, qwen2_moe, qwen3_moe (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, \
+     Qwen3ForCausalLM, Gemma2ForCausalLM, Phi3ForCausalLM, GPT2LMHeadModel, MixtralForCausalLM, \
+     Qwen2MoeForCausalLM, Qwen3MoeForCausalLM)";
 
 /// Which decoder family a config describes (its `model_type`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -35,6 +36,13 @@ pub enum DecoderArch {
     Phi3,
     /// `GPT2LMHeadModel` (`Conv1D` weights, learned positions, LayerNorm).
     Gpt2,
+    /// `MixtralForCausalLM` (Mistral layers whose MLP is a mixture of
+    /// experts).
+    Mixtral,
+    /// `Qwen2MoeForCausalLM` (Qwen2 layers with experts and a shared expert).
+    Qwen2Moe,
+    /// `Qwen3MoeForCausalLM` (Qwen3 layers with experts).
+    Qwen3Moe,
 }
 
 impl DecoderArch {
@@ -48,7 +56,10 @@ impl DecoderArch {
             Family::Gemma2 => DecoderArch::Gemma2,
             Family::Phi3 => DecoderArch::Phi3,
             Family::Gpt2 => DecoderArch::Gpt2,
-            Family::Bert => return None,
+            Family::Mixtral => DecoderArch::Mixtral,
+            Family::Qwen2Moe => DecoderArch::Qwen2Moe,
+            Family::Qwen3Moe => DecoderArch::Qwen3Moe,
+            Family::Bert | Family::T5 => return None,
         })
     }
 
@@ -144,6 +155,15 @@ pub enum Activation {
 }
 
 impl Activation {
+    /// The activation applied elementwise to `t`.
+    pub(crate) fn apply(self, t: &Tensor) -> Result<Tensor, Error> {
+        Ok(match self {
+            Activation::Silu => ops::silu(t)?,
+            Activation::Gelu => ops::gelu(t)?,
+            Activation::GeluTanh => ops::gelu_tanh(t)?,
+        })
+    }
+
     fn of(c: &HfConfig) -> Result<Activation, Error> {
         let (name, key) = &c.activation;
         match name.as_str() {
@@ -191,6 +211,59 @@ pub enum Mlp {
     FusedGated,
     /// GPT-2's `c_proj(act(c_fc(x)))`, `Conv1D` with biases.
     Conv1D,
+}
+
+/// A mixture-of-experts MLP: a router (`gate`) sends each token to
+/// `top_k` of `experts` small gated MLPs and sums their outputs, weighted.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Moe {
+    /// Experts per sparse layer.
+    pub experts: usize,
+    /// Experts per token.
+    pub top_k: usize,
+    /// Width of one expert's MLP.
+    pub expert_intermediate_size: usize,
+    /// The top-k routing weights are divided by their sum.
+    pub renormalize: bool,
+    /// The routing weights are rounded to the compute dtype before they
+    /// scale the experts' outputs (Qwen's routers return them in the
+    /// model's dtype, Mixtral's in f32).
+    pub round_weights: bool,
+    /// Width of the shared expert that every token also goes through,
+    /// scaled by `sigmoid(shared_expert_gate(x))` (Qwen2-MoE).
+    pub shared_expert_intermediate_size: Option<usize>,
+    /// Per layer: sparse (experts) or dense (the family's gated MLP).
+    pub sparse_layers: Vec<bool>,
+    /// Module names of the block.
+    pub layout: ExpertLayout,
+}
+
+/// How a family names its experts (the checkpoint layout).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpertLayout {
+    /// `block_sparse_moe.{gate, experts.N.{w1, w3, w2}}` (gate, up, down).
+    Mixtral,
+    /// `mlp.{gate, experts.N.{gate_proj, up_proj, down_proj}}`, and the
+    /// shared expert `mlp.shared_expert` with `mlp.shared_expert_gate`.
+    Qwen,
+}
+
+impl ExpertLayout {
+    /// The sparse block's name inside a layer.
+    pub fn block(self) -> &'static str {
+        match self {
+            ExpertLayout::Mixtral => "block_sparse_moe",
+            ExpertLayout::Qwen => "mlp",
+        }
+    }
+
+    /// An expert's gate, up and down projections.
+    pub fn projections(self) -> [&'static str; 3] {
+        match self {
+            ExpertLayout::Mixtral => ["w1", "w3", "w2"],
+            ExpertLayout::Qwen => ["gate_proj", "up_proj", "down_proj"],
+        }
+    }
 }
 
 /// Where positions enter the model.
@@ -259,8 +332,10 @@ pub struct DecoderConfig {
     pub scores: Scores,
     /// The attention window of each layer (`None`: full causal attention).
     pub windows: Vec<Option<usize>>,
-    /// The MLP.
+    /// The MLP (of the dense layers, when some layers are sparse).
     pub mlp: Mlp,
+    /// The experts of the sparse layers (MoE families).
+    pub moe: Option<Moe>,
     /// The MLP's activation.
     pub activation: Activation,
     /// Factor on the token embedding (Gemma's `√hidden_size`), rounded to
@@ -377,13 +452,26 @@ fn rotary_decoder(c: &HfConfig, arch: DecoderArch) -> Result<DecoderConfig, Erro
                 o_bias: c.o_bias,
             },
         },
-        qk_norm: arch == Qwen3,
+        qk_norm: matches!(arch, Qwen3 | Qwen3Moe),
         scores,
         windows: windows(k, arch, c.num_layers)?,
         mlp: match arch {
             Phi3 => Mlp::FusedGated,
             _ => Mlp::Gated { bias: c.mlp_bias },
         },
+        moe: c.moe.as_ref().map(|m| Moe {
+            experts: m.experts,
+            top_k: m.top_k,
+            expert_intermediate_size: m.expert_intermediate_size,
+            renormalize: m.norm_topk_prob,
+            round_weights: arch != Mixtral,
+            shared_expert_intermediate_size: m.shared_expert_intermediate_size,
+            sparse_layers: m.sparse_layers.clone(),
+            layout: match arch {
+                Mixtral => ExpertLayout::Mixtral,
+                _ => ExpertLayout::Qwen,
+            },
+        }),
         activation: Activation::of(c)?,
         embed_scale: gemma.then(|| (c.hidden_size as f64).sqrt() as f32),
         final_softcap: if gemma {
@@ -435,6 +523,7 @@ fn gpt2(c: &HfConfig) -> Result<DecoderConfig, Error> {
         scores: Scores::standard(c.head_dim),
         windows: vec![None; c.num_layers],
         mlp: Mlp::Conv1D,
+        moe: None,
         activation: Activation::of(c)?,
         embed_scale: None,
         final_softcap: None,
@@ -561,6 +650,10 @@ fn long_rope(k: &ConfigKeys, params: &ConfigKeys, rotary_dim: usize) -> Result<L
 ///   from `max_window_layers` on);
 /// * Gemma 2: `sliding_window` on the `sliding_attention` layers (by
 ///   default every other one, starting with the first);
+/// * Mixtral: `sliding_window` for every layer when set (no default);
+/// * Qwen2-MoE: as Qwen2, but by default the even layers below
+///   `max_window_layers` slide;
+/// * Qwen3-MoE: `sliding_window` for every layer with `use_sliding_window`;
 /// * Llama: none.
 fn windows(k: &ConfigKeys, arch: DecoderArch, layers: usize) -> Result<Vec<Option<usize>>, Error> {
     use DecoderArch::*;
@@ -581,6 +674,22 @@ fn windows(k: &ConfigKeys, arch: DecoderArch, layers: usize) -> Result<Vec<Optio
             })
         }
         Gemma2 => layer_windows(k, window(Some(4096))?, layers, |i| i % 2 == 0),
+        Mixtral => Ok(vec![window(None)?; layers]),
+        Qwen2Moe => {
+            let window = if k.bool_or("use_sliding_window", false)? {
+                window(Some(4096))?
+            } else {
+                None
+            };
+            let below = k.opt_count("max_window_layers", MAX_LAYERS)?.unwrap_or(28);
+            layer_windows(k, window, layers, |i| {
+                window.is_some() && i % 2 == 0 && i < below
+            })
+        }
+        Qwen3Moe => match k.bool_or("use_sliding_window", false)? {
+            true => Ok(vec![window(Some(4096))?; layers]),
+            false => Ok(vec![None; layers]),
+        },
         Llama | Gpt2 => Ok(vec![None; layers]),
     }
 }

@@ -33,7 +33,9 @@
 //!   Accelerate's `load_checkpoint_and_dispatch` does.
 //!
 //! The decoder families (`llama`, `mistral`, `qwen2`, `qwen3`, `gemma2`,
-//! `phi3`, `gpt2`) differ only in a [`DecoderConfig`]: `family.rs` turns
+//! `phi3`, `gpt2`, and the mixtures of experts `mixtral`, `qwen2_moe`,
+//! `qwen3_moe`, whose sparse MLPs fetch only the experts their router
+//! picked) differ only in a [`DecoderConfig`]: `family.rs` turns
 //! each family's config.json (read by the planner's reader,
 //! `bigmodel::plan::config`, so both agree on every key) into what the
 //! blocks compute, the way transformers does, and names its modules; one
@@ -53,6 +55,7 @@ mod error;
 mod family;
 mod generate;
 mod generation_config;
+mod moe;
 mod packed;
 mod quant_config;
 mod quantized;
@@ -71,8 +74,8 @@ pub use dispatched::{
 pub use encoder::{Encoder, EncoderConfig, SUPPORTED_ENCODERS, SentenceEmbedder};
 pub use error::Error;
 pub use family::{
-    Activation, DecoderArch, DecoderConfig, LongRope, Mlp, Norm, Positions, Projections,
-    RopeConfig, SUPPORTED_DECODERS,
+    Activation, DecoderArch, DecoderConfig, ExpertLayout, LongRope, Mlp, Moe, Norm, Positions,
+    Projections, RopeConfig, SUPPORTED_DECODERS,
 };
 pub use generate::{BatchSize, Batched, GenerateOptions, Generation};
 pub use generation_config::GenerationConfig;

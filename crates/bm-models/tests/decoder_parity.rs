@@ -3,8 +3,11 @@
 //! Llama, Qwen2 (sharded, tied, q/k/v biases) and Mistral (sliding window
 //! 6) come from tools/make_tiny_llama.py; GPT-2, Qwen3 (sharded, sliding
 //! layers), Qwen2 with sliding layers, Gemma 2 and Phi-3 (LongRoPE,
-//! partial rotary) from tools/make_family_fixtures.py. Every fixture has a
-//! prompt longer than its sliding window.
+//! partial rotary) and the mixtures of experts Mixtral (sliding window),
+//! Qwen2-MoE (shared expert, a dense layer, sharded) and Qwen3-MoE (every
+//! other layer sparse, renormalised weights) from
+//! tools/make_family_fixtures.py. Every fixture has a prompt longer than
+//! its sliding window.
 
 use std::path::{Path, PathBuf};
 
@@ -100,7 +103,7 @@ fn check_logits(model: &str, dtype: DType, key: &str, tolerance: f32) {
 }
 
 /// Every decoder fixture.
-const DECODERS: [&str; 8] = [
+const DECODERS: [&str; 11] = [
     "tiny-llama",
     "tiny-qwen2",
     "tiny-mistral",
@@ -109,6 +112,9 @@ const DECODERS: [&str; 8] = [
     "tiny-qwen2-swa",
     "tiny-gemma2",
     "tiny-phi3",
+    "tiny-mixtral",
+    "tiny-qwen2-moe",
+    "tiny-qwen3-moe",
 ];
 
 #[test]
@@ -134,6 +140,21 @@ fn tiny_gemma2_softcaps_sandwich_norms_f32_logits_match() {
 #[test]
 fn tiny_phi3_fused_longrope_f32_logits_match() {
     check_logits("tiny-phi3", DType::F32, "logits", 1e-4);
+}
+
+#[test]
+fn tiny_mixtral_experts_f32_logits_match() {
+    check_logits("tiny-mixtral", DType::F32, "logits", 1e-4);
+}
+
+#[test]
+fn tiny_qwen2_moe_shared_expert_dense_layer_f32_logits_match() {
+    check_logits("tiny-qwen2-moe", DType::F32, "logits", 1e-4);
+}
+
+#[test]
+fn tiny_qwen3_moe_sparse_step_renormalised_f32_logits_match() {
+    check_logits("tiny-qwen3-moe", DType::F32, "logits", 1e-4);
 }
 
 #[test]
@@ -257,6 +278,13 @@ fn generation_stops_at_a_stop_token() {
 }
 
 /// Copies a fixture folder so a test can break it.
+fn one_token() -> GenerateOptions {
+    GenerateOptions {
+        max_new_tokens: 1,
+        ..Default::default()
+    }
+}
+
 fn broken_copy(model: &str, edit: impl FnOnce(&Path)) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
     for entry in std::fs::read_dir(fixture(model)).unwrap() {
@@ -289,11 +317,14 @@ fn bad_folders_and_inputs_give_clear_errors() {
     let err = CausalLm::open(no_weights.path(), None).err().unwrap();
     assert!(matches!(err, Error::MissingWeights { .. }), "{err}");
 
-    let t5 = broken_copy("tiny-llama", |d| edit_config(d, "model_type", "t5".into()));
-    let err = CausalLm::open(t5.path(), None).err().unwrap();
+    let bart = broken_copy("tiny-llama", |d| {
+        edit_config(d, "model_type", "bart".into())
+    });
+    let err = CausalLm::open(bart.path(), None).err().unwrap();
     assert!(
-        err.to_string()
-            .contains("supported are llama, mistral, qwen2, qwen3, gemma2, phi3, gpt2"),
+        err.to_string().contains(
+            "supported are llama, mistral, qwen2, qwen3, gemma2, phi3, gpt2, mixtral, qwen2_moe, qwen3_moe"
+        ),
         "{err}"
     );
 
@@ -330,6 +361,36 @@ fn bad_folders_and_inputs_give_clear_errors() {
     assert_eq!(
         err.to_string(),
         "tensor transformer.h.0.mlp.c_fc.weight has shape [16, 64] but the config implies [16, 48]"
+    );
+
+    // An expert count or expert width the router and experts disagree with.
+    for (model, key, value, wanted) in [
+        (
+            "tiny-mixtral",
+            "num_local_experts",
+            4,
+            "tensor model.layers.0.block_sparse_moe.gate.weight has shape [8, 16] but the config implies [4, 16]",
+        ),
+        (
+            "tiny-qwen3-moe",
+            "moe_intermediate_size",
+            10,
+            "tensor model.layers.1.mlp.experts.",
+        ),
+    ] {
+        let broken = broken_copy(model, |d| edit_config(d, key, value.into()));
+        let lm = CausalLm::open(broken.path(), None).unwrap();
+        let err = lm.generate_ids(&[1, 2], &one_token()).unwrap_err();
+        assert!(err.to_string().starts_with(wanted), "{model}: {err}");
+    }
+    let greedy = broken_copy("tiny-qwen2-moe", |d| {
+        edit_config(d, "num_experts_per_tok", 9.into())
+    });
+    let err = CausalLm::open(greedy.path(), None).err().unwrap();
+    assert!(
+        err.to_string()
+            .contains("key \"num_experts_per_tok\": 9 is more than the 8 experts (num_experts)"),
+        "{err}"
     );
 
     let scaled = broken_copy("tiny-llama", |d| {

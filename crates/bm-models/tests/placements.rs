@@ -228,6 +228,9 @@ fn every_family_matches_transformers_and_is_bit_identical_under_every_placement(
         "tiny-gemma2",
         "tiny-phi3",
         "tiny-mistral",
+        "tiny-mixtral",
+        "tiny-qwen2-moe",
+        "tiny-qwen3-moe",
     ] {
         let dir = fixture(model);
         let reference = std::fs::read(dir.join("reference.safetensors")).unwrap();
@@ -372,7 +375,7 @@ fn bad_folders_and_maps_are_clear_errors() {
     );
 
     config["intermediate_size"] = json!(128);
-    config["model_type"] = json!("t5");
+    config["model_type"] = json!("bart");
     std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
     let err = open_causal_lm(dir.path(), Arc::clone(&devices), &none).unwrap_err();
     assert!(
