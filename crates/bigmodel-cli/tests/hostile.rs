@@ -476,6 +476,11 @@ fn hostile_inputs_across_every_command_are_clear_errors() {
             expect: err(&["for 0"]),
         },
         Case {
+            name: "--max-memory with an empty device key",
+            args: os(&[&"plan", &llama_config, &"--max-memory", &"=1GB"]),
+            expect: err(&["--max-memory \"=1GB\"", "not recognized"]),
+        },
+        Case {
             name: "--max-memory of an Apple GPU",
             args: os(&[&"plan", &llama_config, &"--max-memory", &"mps=1GB"]),
             expect: err(&["mps (Apple Metal) is not supported"]),

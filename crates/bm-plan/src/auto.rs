@@ -535,7 +535,7 @@ pub fn plan(tree: &ModuleTree, options: &PlanOptions) -> Result<Plan, Error> {
         .collect();
     if reserve > caps[exec] {
         return Err(Error::DoesNotFit(format!(
-            "the streaming reserve on {} (the running offloaded unit and {depth} prefetched, plus their runtime bytes such as the KV cache for --max-seq-len) needs {}, more than its {}: offloaded layers could not run there",
+            "the streaming reserve on {} (the offloaded unit running and {depth} prefetched, with the runtime bytes, such as KV cache, of every offloaded unit) needs {}, more than its {}: offloaded layers could not run there",
             devices[exec],
             reserve_bytes(reserve),
             human_bytes(caps[exec])

@@ -216,7 +216,10 @@ pub fn run(args: Args) -> CmdResult {
     }
 
     let (max_memory, from_user) = match &args.max_memory {
-        Some(spec) => (MaxMemory::parse(spec)?, true),
+        Some(spec) => (
+            MaxMemory::parse(spec).map_err(|e| format!("--max-memory {spec:?}: {e}"))?,
+            true,
+        ),
         None => (default_max_memory(compat)?, false),
     };
     let no_split = if args.no_split.is_empty() {
@@ -260,7 +263,7 @@ pub fn run(args: Args) -> CmdResult {
         offload_buffers: args.offload_buffers,
         fallback_allocation: args.fallback_allocation,
         reserve: match &args.reserve {
-            Some(spec) => MaxMemory::parse(spec)?,
+            Some(spec) => MaxMemory::parse(spec).map_err(|e| format!("--reserve {spec:?}: {e}"))?,
             None => MaxMemory::default(),
         },
         explain: args.explain,
