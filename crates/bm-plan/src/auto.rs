@@ -33,9 +33,18 @@ use crate::tree::{ModuleTree, Node};
 
 /// A group of units placed together (a unit plus its tied partners).
 struct Item {
-    units: Vec<Node>,
+    first: Node,
+    /// The tied partners, if any: most items have none, and a `Vec` per
+    /// item would cost an allocation per module of a large tree.
+    partners: Vec<Node>,
     bytes: u64,
     runtime: u64,
+}
+
+impl Item {
+    fn units(&self) -> impl Iterator<Item = Node> + '_ {
+        std::iter::once(self.first).chain(self.partners.iter().copied())
+    }
 }
 
 fn items_of(tree: &ModuleTree, sizes: &ModuleSizes, options: &PlanOptions) -> Vec<Item> {
@@ -130,13 +139,15 @@ fn items_of(tree: &ModuleTree, sizes: &ModuleSizes, options: &PlanOptions) -> Ve
         if item_of_root[r] == usize::MAX {
             item_of_root[r] = items.len();
             items.push(Item {
-                units: Vec::new(),
+                first: *unit,
+                partners: Vec::new(),
                 bytes: 0,
                 runtime: 0,
             });
+        } else {
+            items[item_of_root[r]].partners.push(*unit);
         }
         let item = &mut items[item_of_root[r]];
-        item.units.push(*unit);
         item.bytes = item.bytes.saturating_add(sizes.of(*unit));
         item.runtime = item.runtime.saturating_add(runtime[i]);
     }
@@ -286,10 +297,9 @@ fn reserve_bytes(bytes: u64) -> String {
 
 fn item_name(tree: &ModuleTree, item: &Item) -> String {
     let names: Vec<&str> = item
-        .units
-        .iter()
+        .units()
         .map(|u| {
-            let n = tree.node_name(*u);
+            let n = tree.node_name(u);
             if n.is_empty() { "(root)" } else { n }
         })
         .collect();
@@ -426,7 +436,7 @@ pub fn plan(tree: &ModuleTree, options: &PlanOptions) -> Result<Plan, Error> {
     if options.explain {
         trace.push(format!(
             "{} units in {} placement groups; offloaded layers execute on {}",
-            items.iter().map(|i| i.units.len()).sum::<usize>(),
+            items.iter().map(|i| i.units().count()).sum::<usize>(),
             items.len(),
             devices[exec]
         ));
@@ -506,8 +516,8 @@ pub fn plan(tree: &ModuleTree, options: &PlanOptions) -> Result<Plan, Error> {
     let mut tensor_unit = vec![None; tree.tensors().len()];
     for (i, item) in items.iter().enumerate() {
         let device = devices[filled.device_of_item[i]];
-        for unit in &item.units {
-            match *unit {
+        for unit in item.units() {
+            match unit {
                 Node::Module(m) => module_unit[m] = Some(device),
                 Node::Tensor(t) => tensor_unit[t] = Some(device),
             }

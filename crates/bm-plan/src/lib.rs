@@ -37,6 +37,7 @@
 //! `bigmodel::default_max_memory`).
 
 mod error;
+mod json;
 mod size;
 #[cfg(test)]
 mod testing;

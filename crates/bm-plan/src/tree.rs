@@ -1,11 +1,14 @@
 //! The module tree: modules with class names, their parameters and buffers
-//! in registration order, and the groups of tied parameters.
+//! in registration order, and the groups of tied parameters. Its JSON
+//! document, `bigmodel-module-tree/1`, is read and written in `document.rs`.
 
-use std::collections::HashMap;
+use std::hash::BuildHasher;
 
-use bm_tensor::{DType, TensorMeta};
+use bm_tensor::TensorMeta;
 
 use crate::Error;
+
+mod document;
 
 /// Index of a module in [`ModuleTree::modules`]; the root is 0.
 pub type ModuleId = usize;
@@ -75,7 +78,7 @@ pub struct ModuleTree {
     subtree_end: Vec<usize>,
     /// Modules in pre-order.
     preorder: Vec<ModuleId>,
-    by_name: HashMap<String, Node>,
+    by_name: NameIndex,
 }
 
 /// A named node of the tree: a module or a tensor.
@@ -93,8 +96,107 @@ pub enum Node {
 pub struct ModuleTreeBuilder {
     modules: Vec<Module>,
     tensors: Vec<Tensor>,
-    by_name: HashMap<String, Node>,
+    by_name: NameIndex,
     tied_names: Vec<Vec<String>>,
+}
+
+/// Full names to nodes, for [`ModuleTree::find`] and the builder's checks.
+///
+/// An open-addressing table of node ids only: the names stay where they
+/// are, in the modules and tensors (a `HashMap<String, Node>` held a second
+/// copy of every name). Names are hashed with the standard library's keyed
+/// SipHash, so a crafted document cannot make lookups quadratic.
+#[derive(Clone, Debug, Default)]
+struct NameIndex {
+    /// `hash tag << 32 | (node code + 1)`, 0 for a free slot; the slot of a
+    /// name is found from its tag, so growing needs no names. The length is
+    /// 0 or a power of two, at least twice the number of entries.
+    slots: Vec<u64>,
+    len: usize,
+    hasher: std::hash::RandomState,
+}
+
+/// Node codes fit in 32 bits with one left for the free slot.
+const MAX_NODE_CODE: usize = u32::MAX as usize - 1;
+
+impl NameIndex {
+    fn code(node: Node) -> usize {
+        match node {
+            Node::Module(m) => 2 * m,
+            Node::Tensor(t) => 2 * t + 1,
+        }
+    }
+
+    fn node(code: u64) -> Node {
+        let code = (code & u64::from(u32::MAX)) as usize - 1;
+        if code % 2 == 0 {
+            Node::Module(code / 2)
+        } else {
+            Node::Tensor(code / 2)
+        }
+    }
+
+    fn tag(&self, name: &str) -> u64 {
+        self.hasher.hash_one(name) >> 32
+    }
+
+    /// The slot holding `name`, or the free slot where it would go.
+    fn slot<'n>(&self, name: &str, tag: u64, name_of: impl Fn(Node) -> &'n str) -> usize {
+        let mask = self.slots.len() - 1;
+        let mut i = tag as usize & mask;
+        loop {
+            let slot = self.slots[i];
+            if slot == 0 || (slot >> 32 == tag && name_of(Self::node(slot)) == name) {
+                return i;
+            }
+            i = (i + 1) & mask;
+        }
+    }
+
+    fn get<'n>(&self, name: &str, name_of: impl Fn(Node) -> &'n str) -> Option<Node> {
+        if self.len == 0 {
+            return None;
+        }
+        let slot = self.slots[self.slot(name, self.tag(name), name_of)];
+        (slot != 0).then(|| Self::node(slot))
+    }
+
+    /// Makes room for `more` entries without growing again.
+    fn reserve(&mut self, more: usize) {
+        let want = ((self.len + more) * 2).next_power_of_two().max(16);
+        if want <= self.slots.len() {
+            return;
+        }
+        let old = std::mem::replace(&mut self.slots, vec![0; want]);
+        let mask = want - 1;
+        for slot in old.into_iter().filter(|s| *s != 0) {
+            let mut i = (slot >> 32) as usize & mask;
+            while self.slots[i] != 0 {
+                i = (i + 1) & mask;
+            }
+            self.slots[i] = slot;
+        }
+    }
+
+    /// Adds `name` → `node`; false (and nothing added) when the name is taken.
+    fn insert<'n>(&mut self, name: &str, node: Node, name_of: impl Fn(Node) -> &'n str) -> bool {
+        self.reserve(1);
+        let tag = self.tag(name);
+        let i = self.slot(name, tag, name_of);
+        if self.slots[i] != 0 {
+            return false;
+        }
+        self.slots[i] = tag << 32 | (Self::code(node) + 1) as u64;
+        self.len += 1;
+        true
+    }
+}
+
+fn node_name<'t>(modules: &'t [Module], tensors: &'t [Tensor], node: Node) -> &'t str {
+    match node {
+        Node::Module(m) => &modules[m].name,
+        Node::Tensor(t) => &tensors[t].name,
+    }
 }
 
 fn join(prefix: &str, local: &str) -> String {
@@ -122,7 +224,7 @@ impl ModuleTreeBuilder {
                 buffers: Vec::new(),
             }],
             tensors: Vec::new(),
-            by_name: HashMap::new(),
+            by_name: NameIndex::default(),
             tied_names: Vec::new(),
         }
     }
@@ -139,11 +241,27 @@ impl ModuleTreeBuilder {
             ));
         }
         let full = join(parent_name, local);
-        if self.by_name.contains_key(&full) {
+        if NameIndex::code(node) > MAX_NODE_CODE {
+            return Err(Error::tree(
+                full,
+                "the tree has more than 2^31 modules or tensors",
+            ));
+        }
+        let (modules, tensors) = (&self.modules, &self.tensors);
+        if !self
+            .by_name
+            .insert(&full, node, |n| node_name(modules, tensors, n))
+        {
             return Err(Error::tree(full, "duplicate name among siblings"));
         }
-        self.by_name.insert(full.clone(), node);
         Ok(full)
+    }
+
+    /// Makes room for this many more modules and tensors.
+    fn reserve(&mut self, modules: usize, tensors: usize) {
+        self.modules.reserve(modules);
+        self.tensors.reserve(tensors);
+        self.by_name.reserve(modules + tensors);
     }
 
     /// Adds a child module (after the existing children of `parent`).
@@ -229,10 +347,15 @@ impl ModuleTreeBuilder {
         if name.is_empty() {
             return Some(0);
         }
-        match self.by_name.get(name) {
-            Some(Node::Module(id)) => Some(*id),
+        match self.find(name) {
+            Some(Node::Module(id)) => Some(id),
             _ => None,
         }
+    }
+
+    fn find(&self, name: &str) -> Option<Node> {
+        self.by_name
+            .get(name, |n| node_name(&self.modules, &self.tensors, n))
     }
 
     /// Validates ties and computes traversal orders.
@@ -268,8 +391,8 @@ impl ModuleTreeBuilder {
             }
             let mut group = Vec::with_capacity(names.len());
             for name in names {
-                let id = match self.by_name.get(name) {
-                    Some(Node::Tensor(t)) => *t,
+                let id = match self.find(name) {
+                    Some(Node::Tensor(t)) => t,
                     _ => {
                         return Err(Error::tree(
                             format!("tied[{g}]"),
@@ -377,7 +500,8 @@ impl ModuleTree {
         if name.is_empty() {
             return Some(Node::Module(0));
         }
-        self.by_name.get(name).copied()
+        self.by_name
+            .get(name, |n| node_name(&self.modules, &self.tensors, n))
     }
 
     /// Modules in pre-order (`named_modules()` order).
@@ -393,10 +517,7 @@ impl ModuleTree {
 
     /// The name of a node.
     pub fn node_name(&self, node: Node) -> &str {
-        match node {
-            Node::Module(m) => &self.modules[m].name,
-            Node::Tensor(t) => &self.tensors[t].name,
-        }
+        node_name(&self.modules, &self.tensors, node)
     }
 
     /// Accelerate's `named_module_tensors(model, recurse=True)`: parameters
@@ -467,373 +588,42 @@ impl ModuleTree {
             .map(|t| t.meta.numel() as u64)
             .sum()
     }
-
-    /// Parses a `bigmodel-module-tree/1` document. Errors name the offending
-    /// module or tensor path.
-    pub fn from_json_str(text: &str) -> Result<ModuleTree, Error> {
-        let doc: serde_json::Value = serde_json::from_str(text)
-            .map_err(|e| Error::tree("", format!("not valid JSON: {e}")))?;
-        ModuleTree::from_json(&doc)
-    }
-
-    /// Builds from a parsed `bigmodel-module-tree/1` document.
-    pub fn from_json(doc: &serde_json::Value) -> Result<ModuleTree, Error> {
-        let obj = doc
-            .as_object()
-            .ok_or_else(|| Error::tree("", "the document must be a JSON object"))?;
-        match obj.get("format").and_then(|f| f.as_str()) {
-            Some(FORMAT) => {}
-            Some(other) => {
-                return Err(Error::tree(
-                    "format",
-                    format!("unknown format {other:?}, expected {FORMAT:?}"),
-                ));
-            }
-            None => {
-                return Err(Error::tree(
-                    "format",
-                    format!("missing \"format\": {FORMAT:?}"),
-                ));
-            }
-        }
-        let root = obj
-            .get("root")
-            .ok_or_else(|| Error::tree("root", "missing"))?;
-        let root_obj = root
-            .as_object()
-            .ok_or_else(|| Error::tree("root", "must be an object"))?;
-        if root_obj.contains_key("name") {
-            return Err(Error::tree("root", "the root module has no \"name\""));
-        }
-        let class = class_of(root_obj, "root")?;
-        let mut builder = ModuleTreeBuilder::new(class);
-        // Iterative walk: (json object, module id).
-        let mut stack: Vec<(&serde_json::Map<String, serde_json::Value>, ModuleId)> =
-            vec![(root_obj, 0)];
-        while let Some((node, id)) = stack.pop() {
-            let path = display_path(&builder.modules[id].name);
-            for (key, kind) in [("params", None), ("buffers", Some(()))] {
-                let Some(list) = node.get(key) else { continue };
-                let list = list.as_array().ok_or_else(|| {
-                    Error::tree(path.clone(), format!("\"{key}\" must be a list"))
-                })?;
-                for t in list {
-                    let (local, meta, persistent) = tensor_of(t, &path, key)?;
-                    if kind.is_none() {
-                        if persistent.is_some() {
-                            return Err(Error::tree(
-                                join(&builder.modules[id].name, &local),
-                                "\"persistent\" applies to buffers only",
-                            ));
-                        }
-                        builder.add_param(id, &local, meta)?;
-                    } else {
-                        builder.add_buffer(id, &local, meta, persistent.unwrap_or(true))?;
-                    }
-                }
-            }
-            if let Some(children) = node.get("children") {
-                let children = children
-                    .as_array()
-                    .ok_or_else(|| Error::tree(path.clone(), "\"children\" must be a list"))?;
-                let mut created = Vec::with_capacity(children.len());
-                for child in children {
-                    let child = child
-                        .as_object()
-                        .ok_or_else(|| Error::tree(path.clone(), "each child must be an object"))?;
-                    let local = child.get("name").and_then(|n| n.as_str()).ok_or_else(|| {
-                        Error::tree(path.clone(), "a child module has no \"name\" string")
-                    })?;
-                    let child_path = join(&builder.modules[id].name, local);
-                    let class = class_of(child, &child_path)?;
-                    let cid = builder.add_module(id, local, class)?;
-                    created.push((child, cid));
-                }
-                for item in created.into_iter().rev() {
-                    stack.push(item);
-                }
-            }
-        }
-        if let Some(tied) = obj.get("tied") {
-            let groups = tied
-                .as_array()
-                .ok_or_else(|| Error::tree("tied", "must be a list of lists"))?;
-            for (g, group) in groups.iter().enumerate() {
-                let names = group
-                    .as_array()
-                    .ok_or_else(|| Error::tree(format!("tied[{g}]"), "must be a list of names"))?;
-                let names: Vec<&str> = names
-                    .iter()
-                    .map(|n| {
-                        n.as_str().ok_or_else(|| {
-                            Error::tree(format!("tied[{g}]"), "names must be strings")
-                        })
-                    })
-                    .collect::<Result<_, _>>()?;
-                builder.tie(&names);
-            }
-        }
-        builder.finish()
-    }
-
-    /// Writes the tree as a `bigmodel-module-tree/1` document.
-    pub fn to_json(&self) -> serde_json::Value {
-        fn module_json(tree: &ModuleTree, id: ModuleId) -> serde_json::Value {
-            let m = &tree.modules[id];
-            let mut obj = serde_json::Map::new();
-            if id != 0 {
-                let local = m.name.rsplit('.').next().unwrap_or(&m.name);
-                obj.insert("name".into(), local.into());
-            }
-            obj.insert("class".into(), m.class.clone().into());
-            let tensor_json = |t: TensorId| {
-                let t = &tree.tensors[t];
-                let mut o = serde_json::Map::new();
-                o.insert(
-                    "name".into(),
-                    t.name.rsplit('.').next().unwrap_or(&t.name).into(),
-                );
-                o.insert("shape".into(), t.meta.shape.clone().into());
-                o.insert("dtype".into(), t.meta.dtype.as_safetensors_str().into());
-                if let TensorKind::Buffer { persistent: false } = t.kind {
-                    o.insert("persistent".into(), false.into());
-                }
-                serde_json::Value::Object(o)
-            };
-            if !m.params.is_empty() {
-                obj.insert(
-                    "params".into(),
-                    m.params.iter().map(|t| tensor_json(*t)).collect(),
-                );
-            }
-            if !m.buffers.is_empty() {
-                obj.insert(
-                    "buffers".into(),
-                    m.buffers.iter().map(|t| tensor_json(*t)).collect(),
-                );
-            }
-            if !m.children.is_empty() {
-                obj.insert(
-                    "children".into(),
-                    m.children.iter().map(|c| module_json(tree, *c)).collect(),
-                );
-            }
-            serde_json::Value::Object(obj)
-        }
-        serde_json::json!({
-            "format": FORMAT,
-            "root": module_json(self, 0),
-            "tied": self.tied_names(),
-        })
-    }
-}
-
-fn display_path(name: &str) -> String {
-    if name.is_empty() {
-        "root".to_string()
-    } else {
-        name.to_string()
-    }
-}
-
-fn class_of(
-    node: &serde_json::Map<String, serde_json::Value>,
-    path: &str,
-) -> Result<String, Error> {
-    node.get("class")
-        .and_then(|c| c.as_str())
-        .map(str::to_string)
-        .ok_or_else(|| Error::tree(path, "missing \"class\" string"))
-}
-
-fn tensor_of(
-    value: &serde_json::Value,
-    module_path: &str,
-    list: &str,
-) -> Result<(String, TensorMeta, Option<bool>), Error> {
-    let obj = value.as_object().ok_or_else(|| {
-        Error::tree(
-            module_path,
-            format!("each entry of \"{list}\" must be an object"),
-        )
-    })?;
-    let local = obj.get("name").and_then(|n| n.as_str()).ok_or_else(|| {
-        Error::tree(
-            module_path,
-            format!("an entry of \"{list}\" has no \"name\" string"),
-        )
-    })?;
-    let path = if module_path == "root" {
-        local.to_string()
-    } else {
-        join(module_path, local)
-    };
-    let dtype_text = obj
-        .get("dtype")
-        .and_then(|d| d.as_str())
-        .ok_or_else(|| Error::tree(&path, "missing \"dtype\" string"))?;
-    let dtype = DType::ALL
-        .iter()
-        .copied()
-        .find(|d| d.as_safetensors_str() == dtype_text)
-        .ok_or_else(|| {
-            Error::tree(
-                &path,
-                format!("unknown dtype {dtype_text:?} (expected F64 F32 F16 BF16 I64 I32 I16 I8 U8 BOOL F8_E4M3 F8_E5M2)"),
-            )
-        })?;
-    let shape = obj
-        .get("shape")
-        .and_then(|s| s.as_array())
-        .ok_or_else(|| Error::tree(&path, "missing \"shape\" list"))?;
-    let shape: Vec<usize> = shape
-        .iter()
-        .map(|d| {
-            d.as_u64()
-                .and_then(|v| usize::try_from(v).ok())
-                .ok_or_else(|| {
-                    Error::tree(
-                        &path,
-                        format!("shape dimension {d} is not a non-negative integer"),
-                    )
-                })
-        })
-        .collect::<Result<_, _>>()?;
-    let persistent = match obj.get("persistent") {
-        None => None,
-        Some(serde_json::Value::Bool(b)) => Some(*b),
-        Some(other) => {
-            return Err(Error::tree(
-                &path,
-                format!("\"persistent\" must be true or false, found {other}"),
-            ));
-        }
-    };
-    Ok((local.to_string(), TensorMeta::new(dtype, shape), persistent))
 }
 
 #[cfg(test)]
 mod tests {
+    use bm_tensor::DType;
+
     use super::*;
 
-    const SPEC_EXAMPLE: &str = r#"{
-      "format": "bigmodel-module-tree/1",
-      "root": {
-        "class": "LlamaForCausalLM",
-        "children": [
-          {"name": "model", "class": "LlamaModel", "children": [
-            {"name": "embed_tokens", "class": "Embedding",
-             "params": [{"name": "weight", "shape": [32000, 4096], "dtype": "F16"}]},
-            {"name": "rotary_emb", "class": "LlamaRotaryEmbedding",
-             "buffers": [{"name": "inv_freq", "shape": [64], "dtype": "F32", "persistent": false}]}
-          ]},
-          {"name": "lm_head", "class": "Linear",
-           "params": [{"name": "weight", "shape": [32000, 4096], "dtype": "F16"}]}
-        ]
-      },
-      "tied": [["lm_head.weight", "model.embed_tokens.weight"]],
-      "extra": "ignored"
-    }"#;
-
     #[test]
-    fn the_spec_example_parses_and_round_trips() {
-        let tree = ModuleTree::from_json_str(SPEC_EXAMPLE).unwrap();
-        let names: Vec<_> = tree
-            .preorder()
-            .iter()
-            .map(|m| tree.module(*m).name.as_str())
-            .collect();
-        assert_eq!(
-            names,
-            [
-                "",
-                "model",
-                "model.embed_tokens",
-                "model.rotary_emb",
-                "lm_head"
-            ]
-        );
-        let emb = match tree.find("model.embed_tokens.weight") {
-            Some(Node::Tensor(t)) => t,
-            other => panic!("{other:?}"),
-        };
-        let head = match tree.find("lm_head.weight") {
-            Some(Node::Tensor(t)) => t,
-            other => panic!("{other:?}"),
-        };
-        assert!(
-            tree.tensor(emb).counted,
-            "first in named_parameters order is counted"
-        );
-        assert!(!tree.tensor(head).counted);
-        assert_eq!(
-            tree.tied_names(),
-            vec![vec!["lm_head.weight", "model.embed_tokens.weight"]]
-        );
-        let again = ModuleTree::from_json(&tree.to_json()).unwrap();
-        assert_eq!(again.to_json(), tree.to_json());
-        // Non-persistent buffers are not in the state dict.
-        let sd: Vec<_> = tree
-            .state_dict()
-            .iter()
-            .map(|t| tree.tensor(*t).name.clone())
-            .collect();
-        assert_eq!(sd, ["model.embed_tokens.weight", "lm_head.weight"]);
-    }
-
-    fn err(doc: &str) -> String {
-        ModuleTree::from_json_str(doc).unwrap_err().to_string()
-    }
-
-    #[test]
-    fn malformed_documents_give_errors_naming_the_path() {
-        assert!(
-            err(r#"{"format":"bigmodel-module-tree/2","root":{"class":"M"}}"#)
-                .contains("unknown format")
-        );
-        assert!(err(r#"{"root":{"class":"M"}}"#).contains("format"));
-        assert!(err("[1]").contains("JSON object"));
-        assert!(err("{").contains("not valid JSON"));
-        let dup = r#"{"format":"bigmodel-module-tree/1","root":{"class":"M","children":[
-            {"name":"a","class":"L"},{"name":"a","class":"L"}]}}"#;
-        assert!(err(dup).contains("at a: duplicate name"), "{}", err(dup));
-        let dtype = r#"{"format":"bigmodel-module-tree/1","root":{"class":"M","children":[
-            {"name":"a","class":"L","params":[{"name":"w","shape":[2],"dtype":"F17"}]}]}}"#;
-        assert!(
-            err(dtype).contains("at a.w: unknown dtype \"F17\""),
-            "{}",
-            err(dtype)
-        );
-        let neg = r#"{"format":"bigmodel-module-tree/1","root":{"class":"M","children":[
-            {"name":"a","class":"L","params":[{"name":"w","shape":[2,-1],"dtype":"F32"}]}]}}"#;
-        assert!(
-            err(neg).contains("at a.w: shape dimension -1"),
-            "{}",
-            err(neg)
-        );
-        let tie = r#"{"format":"bigmodel-module-tree/1","root":{"class":"M","children":[
-            {"name":"a","class":"L","params":[{"name":"w","shape":[2],"dtype":"F32"}]}]},
-            "tied":[["a.w","b.w"]]}"#;
-        assert!(
-            err(tie).contains("\"b.w\" is not a parameter"),
-            "{}",
-            err(tie)
-        );
-        let shape = r#"{"format":"bigmodel-module-tree/1","root":{"class":"M","children":[
-            {"name":"a","class":"L","params":[{"name":"w","shape":[2],"dtype":"F32"}]},
-            {"name":"b","class":"L","params":[{"name":"w","shape":[3],"dtype":"F32"}]}]},
-            "tied":[["a.w","b.w"]]}"#;
-        assert!(
-            err(shape).contains("cannot share storage"),
-            "{}",
-            err(shape)
-        );
-        let named_root = r#"{"format":"bigmodel-module-tree/1","root":{"name":"x","class":"M"}}"#;
-        assert!(err(named_root).contains("root"));
-        let dotted = r#"{"format":"bigmodel-module-tree/1","root":{"class":"M","children":[{"name":"a.b","class":"L"}]}}"#;
-        assert!(err(dotted).contains("no '.'"));
-        let no_class =
-            r#"{"format":"bigmodel-module-tree/1","root":{"class":"M","children":[{"name":"a"}]}}"#;
-        assert!(err(no_class).contains("at a: missing \"class\""));
+    fn the_name_index_finds_every_node_and_refuses_duplicates() {
+        let mut b = ModuleTreeBuilder::new("Root");
+        assert_eq!(b.module_id(""), Some(0));
+        assert_eq!(b.module_id("missing"), None);
+        // Enough nodes to grow the table several times.
+        for i in 0..300 {
+            let m = b.add_module(0, &i.to_string(), "Block").unwrap();
+            b.add_param(m, "w", TensorMeta::new(DType::F32, [2]))
+                .unwrap();
+        }
+        let e = b.add_module(0, "7", "Block").unwrap_err().to_string();
+        assert!(e.contains("at 7: duplicate name among siblings"), "{e}");
+        let e = b
+            // Module 8 is "7".
+            .add_buffer(8, "w", TensorMeta::new(DType::F32, [2]), true)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("at 7.w: duplicate name"), "{e}");
+        b.tie(&["5.w", "299.w"]);
+        let tree = b.finish().unwrap();
+        for i in 0..300 {
+            let module = tree.find(&i.to_string());
+            assert_eq!(module, Some(Node::Module(i + 1)));
+            assert_eq!(tree.find(&format!("{i}.w")), Some(Node::Tensor(i)));
+        }
+        assert_eq!(tree.find("300"), None);
+        assert_eq!(tree.find("5.w.x"), None);
+        assert_eq!(tree.tied_names(), [["299.w", "5.w"]]);
     }
 }

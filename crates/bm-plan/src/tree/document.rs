@@ -1,0 +1,1149 @@
+//! The `bigmodel-module-tree/1` document (shared/spec/module-tree-v1.md):
+//! read straight from its text into a [`ModuleTree`], and written.
+//!
+//! Reading takes two passes and no `serde_json::Value`. The first reads the
+//! text once with the pull reader of `crate::json` into flat tables of
+//! modules and tensors with borrowed names, and checks each object's keys
+//! when the object ends (a module's name may come after its children, so
+//! only then is its path known); the first thing wrong stops it. The second
+//! feeds those tables to [`ModuleTreeBuilder`] in the order the tree has
+//! always been built in, which checks names and ties. Every error names the
+//! dotted path of the module or tensor and the line and column of the
+//! offending value. Nothing recurses, so a tree of any depth reads in
+//! constant stack, and memory stays a small multiple of the document: what
+//! is stored is only what was found valid, and the full dotted names, which
+//! grow with depth, have a budget.
+
+use std::borrow::Cow;
+use std::fmt::Write as _;
+use std::ops::Range;
+
+use bm_tensor::{DType, TensorMeta};
+
+use super::{FORMAT, ModuleId, ModuleTree, ModuleTreeBuilder, TensorId, TensorKind, join};
+use crate::Error;
+use crate::json::{Kind, Reader, SyntaxError, line_column};
+
+/// The bytes of full names a document may make per byte of its text. A
+/// name repeats its ancestors' names, so a deep chain of short names would
+/// otherwise make names quadratic in the document's size; real trees make
+/// fewer bytes of names than they have of text.
+const NAME_BYTES_PER_BYTE: usize = 32;
+
+/// Why the first pass stopped.
+enum Stop {
+    Syntax(SyntaxError),
+    Invalid(Error),
+}
+
+impl From<SyntaxError> for Stop {
+    fn from(e: SyntaxError) -> Self {
+        Stop::Syntax(e)
+    }
+}
+
+type Pass<T> = Result<T, Stop>;
+
+/// A module-tree error at byte offset `pos` of `text`.
+fn error_at(text: &str, path: impl Into<String>, reason: &str, pos: usize) -> Error {
+    Error::tree(path, format!("{reason} at {}", line_column(text, pos)))
+}
+
+fn invalid(text: &str, path: impl Into<String>, reason: &str, pos: usize) -> Stop {
+    Stop::Invalid(error_at(text, path, reason, pos))
+}
+
+/// Adds the position `pos` to a module-tree error of the builder.
+fn locate(text: &str, error: Error, pos: usize) -> Error {
+    match error {
+        Error::Tree { path, reason } => error_at(text, path, &reason, pos),
+        other => other,
+    }
+}
+
+/// `root` for the root module's empty name.
+fn display_path(name: &str) -> &str {
+    if name.is_empty() { "root" } else { name }
+}
+
+/// A module object, read and found complete.
+struct RawModule<'a> {
+    pos: usize,
+    parent: Option<usize>,
+    name: Cow<'a, str>,
+    class: Cow<'a, str>,
+    /// Its tensors in `RawDocument::tensors`.
+    params: Option<Range<usize>>,
+    buffers: Option<Range<usize>>,
+    /// The modules read inside its (last) `children` list.
+    children: Option<Range<usize>>,
+}
+
+/// A tensor object, read and found complete.
+struct RawTensor<'a> {
+    pos: usize,
+    name: Cow<'a, str>,
+    dtype: DType,
+    shape: Vec<usize>,
+    persistent: Option<bool>,
+}
+
+/// A group of `tied`.
+struct RawTie<'a> {
+    pos: usize,
+    names: Vec<Cow<'a, str>>,
+}
+
+/// The document as the first pass read it.
+struct RawDocument<'a> {
+    /// `None` when absent or not a string.
+    format: Option<Cow<'a, str>>,
+    /// Index of the root in `modules`.
+    root: Option<usize>,
+    tied: Vec<RawTie<'a>>,
+    /// Every module object read, each after its parent.
+    modules: Vec<RawModule<'a>>,
+    tensors: Vec<RawTensor<'a>>,
+}
+
+/// Something wrong inside a module object, reported when the object ends
+/// and its path is known.
+struct Problem<'a> {
+    pos: usize,
+    reason: String,
+    /// The tensor it is about, by its name in the module.
+    tensor: Option<Cow<'a, str>>,
+}
+
+impl ModuleTree {
+    /// Parses a `bigmodel-module-tree/1` document. Errors name the offending
+    /// module or tensor path and the line and column in `text`.
+    pub fn from_json_str(text: &str) -> Result<ModuleTree, Error> {
+        match read(text) {
+            Ok(doc) => build(text, doc),
+            Err(Stop::Invalid(e)) => Err(e),
+            Err(Stop::Syntax(e)) => Err(Error::tree(
+                "",
+                format!("not valid JSON: {} at {}", e.what, line_column(text, e.pos)),
+            )),
+        }
+    }
+
+    /// Builds from a parsed `bigmodel-module-tree/1` document (positions in
+    /// errors are those of its compact text).
+    pub fn from_json(doc: &serde_json::Value) -> Result<ModuleTree, Error> {
+        ModuleTree::from_json_str(&doc.to_string())
+    }
+
+    /// Whether `text` is a JSON object with both `format` and `root` keys,
+    /// the sign of a module-tree document (other documents, such as a
+    /// `config.json`, have neither). Reads only as far as needed: in a
+    /// document written with `format` first, a few bytes.
+    pub fn is_document(text: &str) -> bool {
+        let mut r = Reader::new(text);
+        let (mut format, mut root, mut first) = (false, false, true);
+        if r.begin_object().is_err() {
+            return false;
+        }
+        while let Ok(Some(key)) = r.next_key(&mut first) {
+            format |= key == "format";
+            root |= key == "root";
+            if format && root {
+                return true;
+            }
+            if r.skip().is_err() {
+                return false;
+            }
+        }
+        false
+    }
+}
+
+/// The first pass: the whole document's syntax, and the keys the format
+/// knows, checked object by object.
+fn read(text: &str) -> Pass<RawDocument<'_>> {
+    let mut r = Reader::new(text);
+    if r.peek() != Some(Kind::Object) {
+        r.skip()?;
+        r.end()?;
+        return Err(Stop::Invalid(Error::tree(
+            "",
+            "the document must be a JSON object",
+        )));
+    }
+    let mut doc = RawDocument {
+        format: None,
+        root: None,
+        tied: Vec::new(),
+        modules: Vec::new(),
+        tensors: Vec::new(),
+    };
+    r.begin_object()?;
+    let mut first = true;
+    while let Some(key) = r.next_key(&mut first)? {
+        match &*key {
+            "format" => doc.format = string(&mut r)?,
+            "root" if r.peek() == Some(Kind::Object) => {
+                doc.root = Some(read_modules(&mut r, text, &mut doc)?);
+            }
+            "root" => return Err(invalid(text, "root", "must be an object", r.pos())),
+            "tied" => doc.tied = read_tied(&mut r, text)?,
+            _ => r.skip()?,
+        }
+    }
+    r.end()?;
+    Ok(doc)
+}
+
+/// A string, or `None` (after skipping it) for a value of another type.
+fn string<'a>(r: &mut Reader<'a>) -> Pass<Option<Cow<'a, str>>> {
+    if r.peek() == Some(Kind::String) {
+        Ok(Some(r.string()?))
+    } else {
+        r.skip()?;
+        Ok(None)
+    }
+}
+
+/// A module object being read.
+struct Open<'a> {
+    module: usize,
+    /// Its place in its parent's `children`, for paths while its name is
+    /// not known yet.
+    index: usize,
+    first_key: bool,
+    /// Inside its `children` list: whether no item came yet.
+    first_child: Option<bool>,
+    /// Items of its `children` list so far.
+    children: usize,
+    has_name: bool,
+    name: Option<Cow<'a, str>>,
+    class: Option<Cow<'a, str>>,
+    problem: Option<Problem<'a>>,
+}
+
+impl<'a> Open<'a> {
+    fn new(module: usize, index: usize) -> Self {
+        Open {
+            module,
+            index,
+            first_key: true,
+            first_child: None,
+            children: 0,
+            has_name: false,
+            name: None,
+            class: None,
+            problem: None,
+        }
+    }
+
+    /// Keeps the first problem.
+    fn spoil(&mut self, problem: Problem<'a>) {
+        self.problem.get_or_insert(problem);
+    }
+}
+
+/// The full name of the innermost open module (`""` for the root); a name
+/// not read yet is written as the module's place in its parent's list.
+fn full_name(open: &[Open<'_>]) -> String {
+    let mut path = String::new();
+    for module in open.iter().skip(1) {
+        if !path.is_empty() {
+            path.push('.');
+        }
+        match &module.name {
+            Some(name) => path.push_str(name),
+            None => {
+                let _ = write!(path, "children[{}]", module.index);
+            }
+        }
+    }
+    path
+}
+
+/// Reads the module object at the reader and all modules below it, without
+/// recursion: `open` holds the modules whose objects are being read.
+fn read_modules<'a>(r: &mut Reader<'a>, text: &str, doc: &mut RawDocument<'a>) -> Pass<usize> {
+    let root = doc.modules.len();
+    doc.modules.push(RawModule::new(r.pos(), None));
+    r.begin_object()?;
+    let mut open = vec![Open::new(root, 0)];
+    while let Some(top) = open.last_mut() {
+        let m = top.module;
+        if let Some(first_child) = &mut top.first_child {
+            if !r.next_item(first_child)? {
+                top.first_child = None;
+                let end = doc.modules.len();
+                if let Some(span) = &mut doc.modules[m].children {
+                    span.end = end;
+                }
+            } else if r.peek() == Some(Kind::Object) {
+                let index = top.children;
+                top.children += 1;
+                let child = doc.modules.len();
+                doc.modules.push(RawModule::new(r.pos(), Some(m)));
+                r.begin_object()?;
+                open.push(Open::new(child, index));
+            } else {
+                top.children += 1;
+                let pos = r.pos();
+                r.skip()?;
+                top.spoil(Problem {
+                    pos,
+                    reason: "each child must be an object".into(),
+                    tensor: None,
+                });
+            }
+            continue;
+        }
+        let Some(key) = r.next_key(&mut top.first_key)? else {
+            if let Some(done) = open.pop() {
+                close_module(text, doc, &open, done)?;
+            }
+            continue;
+        };
+        match &*key {
+            "name" => {
+                top.has_name = true;
+                top.name = string(r)?;
+            }
+            "class" => top.class = string(r)?,
+            "params" | "buffers" => match read_tensors(r, &mut doc.tensors, &key)? {
+                Ok(range) if key == "params" => doc.modules[m].params = Some(range),
+                Ok(range) => doc.modules[m].buffers = Some(range),
+                Err(problem) => top.spoil(problem),
+            },
+            "children" if r.peek() == Some(Kind::Array) => {
+                r.begin_array()?;
+                let start = doc.modules.len();
+                doc.modules[m].children = Some(start..start);
+                top.first_child = Some(true);
+                top.children = 0;
+            }
+            "children" => {
+                let pos = r.pos();
+                r.skip()?;
+                top.spoil(Problem {
+                    pos,
+                    reason: "\"children\" must be a list".into(),
+                    tensor: None,
+                });
+            }
+            _ => r.skip()?,
+        }
+    }
+    Ok(root)
+}
+
+impl RawModule<'_> {
+    fn new(pos: usize, parent: Option<usize>) -> Self {
+        RawModule {
+            pos,
+            parent,
+            name: Cow::Borrowed(""),
+            class: Cow::Borrowed(""),
+            params: None,
+            buffers: None,
+            children: None,
+        }
+    }
+}
+
+/// Checks a module object that ended (`open` holds its ancestors) and keeps
+/// its name and class. Paths are made only for errors: making them for
+/// every module would cost the depth of the tree each time.
+fn close_module<'a>(
+    text: &str,
+    doc: &mut RawDocument<'a>,
+    open: &[Open<'a>],
+    done: Open<'a>,
+) -> Pass<()> {
+    let pos = doc.modules[done.module].pos;
+    let name = if open.is_empty() {
+        if done.has_name {
+            return Err(invalid(
+                text,
+                "root",
+                "the root module has no \"name\"",
+                pos,
+            ));
+        }
+        Cow::Borrowed("")
+    } else {
+        match done.name {
+            Some(name) => name,
+            None => {
+                return Err(invalid(
+                    text,
+                    display_path(&full_name(open)),
+                    "a child module has no \"name\" string",
+                    pos,
+                ));
+            }
+        }
+    };
+    let path = || join(&full_name(open), &name);
+    let Some(class) = done.class else {
+        return Err(invalid(
+            text,
+            display_path(&path()),
+            "missing \"class\" string",
+            pos,
+        ));
+    };
+    if let Some(p) = done.problem {
+        let at = match &p.tensor {
+            Some(tensor) => join(&path(), tensor),
+            None => display_path(&path()).to_string(),
+        };
+        return Err(invalid(text, at, &p.reason, p.pos));
+    }
+    let module = &mut doc.modules[done.module];
+    module.name = name;
+    module.class = class;
+    Ok(())
+}
+
+/// Reads a `params` or `buffers` list into `tensors`: the range it added,
+/// or the first problem.
+fn read_tensors<'a>(
+    r: &mut Reader<'a>,
+    tensors: &mut Vec<RawTensor<'a>>,
+    key: &str,
+) -> Pass<Result<Range<usize>, Problem<'a>>> {
+    let pos = r.pos();
+    if r.peek() != Some(Kind::Array) {
+        r.skip()?;
+        return Ok(Err(Problem {
+            pos,
+            reason: format!("\"{key}\" must be a list"),
+            tensor: None,
+        }));
+    }
+    r.begin_array()?;
+    let start = tensors.len();
+    let mut problem = None;
+    let mut first = true;
+    while r.next_item(&mut first)? {
+        let pos = r.pos();
+        let read = if r.peek() == Some(Kind::Object) {
+            read_tensor(r, key)?
+        } else {
+            r.skip()?;
+            Err(Problem {
+                pos,
+                reason: format!("each entry of \"{key}\" must be an object"),
+                tensor: None,
+            })
+        };
+        match read {
+            Ok(tensor) if problem.is_none() => tensors.push(tensor),
+            Ok(_) => {}
+            Err(p) => {
+                problem.get_or_insert(p);
+            }
+        }
+    }
+    Ok(match problem {
+        None => Ok(start..tensors.len()),
+        Some(p) => Err(p),
+    })
+}
+
+/// Reads one tensor object of a `key` list.
+fn read_tensor<'a>(r: &mut Reader<'a>, key: &str) -> Pass<Result<RawTensor<'a>, Problem<'a>>> {
+    let pos = r.pos();
+    let (mut name, mut dtype, mut shape, mut persistent) = (None, None, None, None);
+    // The first wrong value; its tensor's name may come after it.
+    let mut wrong: Option<(usize, String)> = None;
+    r.begin_object()?;
+    let mut first = true;
+    while let Some(field) = r.next_key(&mut first)? {
+        let value_pos = r.pos();
+        match &*field {
+            "name" => name = string(r)?,
+            "dtype" => {
+                dtype = None;
+                if let Some(text) = string(r)? {
+                    dtype = DType::ALL
+                        .iter()
+                        .copied()
+                        .find(|d| d.as_safetensors_str() == text);
+                    if dtype.is_none() {
+                        wrong.get_or_insert((
+                            value_pos,
+                            format!(
+                                "unknown dtype {text:?} (expected F64 F32 F16 BF16 I64 I32 I16 I8 U8 BOOL F8_E4M3 F8_E5M2)"
+                            ),
+                        ));
+                    }
+                }
+            }
+            "shape" if r.peek() == Some(Kind::Array) => match read_shape(r)? {
+                Ok(dims) => shape = Some(dims),
+                Err(problem) => {
+                    wrong.get_or_insert(problem);
+                }
+            },
+            "shape" => {
+                r.skip()?;
+                shape = None;
+            }
+            "persistent" if r.peek() == Some(Kind::Bool) => persistent = Some(r.bool()?),
+            "persistent" => {
+                let found = r.skip_text()?;
+                wrong.get_or_insert((
+                    value_pos,
+                    format!("\"persistent\" must be true or false, found {found}"),
+                ));
+            }
+            _ => r.skip()?,
+        }
+    }
+    let Some(name) = name else {
+        return Ok(Err(Problem {
+            pos,
+            reason: format!("an entry of \"{key}\" has no \"name\" string"),
+            tensor: None,
+        }));
+    };
+    let problem = |pos: usize, reason: String| Problem {
+        pos,
+        reason,
+        tensor: Some(name.clone()),
+    };
+    if let Some((pos, reason)) = wrong {
+        return Ok(Err(problem(pos, reason)));
+    }
+    let Some(dtype) = dtype else {
+        return Ok(Err(problem(pos, "missing \"dtype\" string".into())));
+    };
+    let Some(shape) = shape else {
+        return Ok(Err(problem(pos, "missing \"shape\" list".into())));
+    };
+    if key == "params" && persistent.is_some() {
+        return Ok(Err(problem(
+            pos,
+            "\"persistent\" applies to buffers only".into(),
+        )));
+    }
+    Ok(Ok(RawTensor {
+        pos,
+        name,
+        dtype,
+        shape,
+        persistent,
+    }))
+}
+
+/// A `shape` list, or the position of its first bad dimension and why.
+fn read_shape(r: &mut Reader<'_>) -> Pass<Result<Vec<usize>, (usize, String)>> {
+    r.begin_array()?;
+    let mut dims = Ok(Vec::new());
+    let mut first = true;
+    while r.next_item(&mut first)? {
+        let pos = r.pos();
+        let text = if r.peek() == Some(Kind::Number) {
+            r.number()?
+        } else {
+            r.skip_text()?
+        };
+        // Digits only: no sign, fraction or exponent (JSON has no leading zeros).
+        let dim = if text.bytes().all(|b| b.is_ascii_digit()) {
+            text.parse::<usize>().ok()
+        } else {
+            None
+        };
+        match (dim, &mut dims) {
+            (Some(d), Ok(list)) => list.push(d),
+            (None, Ok(_)) => {
+                dims = Err((
+                    pos,
+                    format!("shape dimension {text} is not a non-negative integer"),
+                ));
+            }
+            (_, Err(_)) => {}
+        }
+    }
+    Ok(dims)
+}
+
+fn read_tied<'a>(r: &mut Reader<'a>, text: &str) -> Pass<Vec<RawTie<'a>>> {
+    if r.peek() != Some(Kind::Array) {
+        return Err(invalid(text, "tied", "must be a list of lists", r.pos()));
+    }
+    r.begin_array()?;
+    let mut groups = Vec::new();
+    let mut first = true;
+    while r.next_item(&mut first)? {
+        let pos = r.pos();
+        let path = || format!("tied[{}]", groups.len());
+        if r.peek() != Some(Kind::Array) {
+            return Err(invalid(text, path(), "must be a list of names", pos));
+        }
+        r.begin_array()?;
+        let mut names = Vec::new();
+        let mut first_name = true;
+        while r.next_item(&mut first_name)? {
+            let name_pos = r.pos();
+            match string(r)? {
+                Some(name) => names.push(name),
+                None => return Err(invalid(text, path(), "names must be strings", name_pos)),
+            }
+        }
+        groups.push(RawTie { pos, names });
+    }
+    Ok(groups)
+}
+
+/// The second pass: the tree, built in the order it has always been built
+/// in (a module's params, buffers, then all its children, then each child's
+/// own, depth first), so module and tensor ids do not depend on how the
+/// document was written. The builder checks names and ties.
+fn build(text: &str, mut doc: RawDocument<'_>) -> Result<ModuleTree, Error> {
+    match &doc.format {
+        Some(f) if f == FORMAT => {}
+        Some(other) => {
+            return Err(Error::tree(
+                "format",
+                format!("unknown format {other:?}, expected {FORMAT:?}"),
+            ));
+        }
+        None => {
+            return Err(Error::tree(
+                "format",
+                format!("missing \"format\": {FORMAT:?}"),
+            ));
+        }
+    }
+    let Some(root) = doc.root else {
+        return Err(Error::tree("root", "missing"));
+    };
+    let mut builder = ModuleTreeBuilder::new(doc.modules[root].class.as_ref());
+    builder.reserve(doc.modules.len(), doc.tensors.len());
+    let (starts, children) = children_lists(&doc.modules);
+    let name_budget = text.len().saturating_mul(NAME_BYTES_PER_BYTE);
+    let mut name_bytes = 0usize;
+    let mut spend = |name: &str, pos: usize| {
+        name_bytes += name.len();
+        if name_bytes > name_budget {
+            return Err(error_at(
+                text,
+                name,
+                &format!(
+                    "the full names of the modules and tensors pass {name_budget} bytes, \
+                     {NAME_BYTES_PER_BYTE} times the size of the document: the tree nests too deep"
+                ),
+                pos,
+            ));
+        }
+        Ok(())
+    };
+
+    // (raw module, its id in the builder)
+    let mut stack: Vec<(usize, ModuleId)> = vec![(root, 0)];
+    while let Some((raw, id)) = stack.pop() {
+        let module = &doc.modules[raw];
+        for (range, param) in [(&module.params, true), (&module.buffers, false)] {
+            for t in range.clone().unwrap_or_default() {
+                let t = &mut doc.tensors[t];
+                let meta = TensorMeta::new(t.dtype, std::mem::take(&mut t.shape));
+                let added = if param {
+                    builder.add_param(id, &t.name, meta)
+                } else {
+                    builder.add_buffer(id, &t.name, meta, t.persistent.unwrap_or(true))
+                };
+                let tensor = added.map_err(|e| locate(text, e, t.pos))?;
+                spend(&builder.tensors[tensor].name, t.pos)?;
+            }
+        }
+        let first_id = builder.modules.len();
+        let kids = &children[starts[raw]..starts[raw + 1]];
+        for &c in kids {
+            let child = &doc.modules[c];
+            let cid = builder
+                .add_module(id, &child.name, child.class.as_ref())
+                .map_err(|e| locate(text, e, child.pos))?;
+            spend(&builder.modules[cid].name, child.pos)?;
+        }
+        // The children got consecutive ids; the first is read first.
+        for (k, &c) in kids.iter().enumerate().rev() {
+            stack.push((c, first_id + k));
+        }
+    }
+
+    for group in &doc.tied {
+        builder.tie(&group.names);
+    }
+    builder.finish().map_err(|e| {
+        // The builder names a bad group `tied[g]`; point at it.
+        let group = match &e {
+            Error::Tree { path, .. } => path
+                .strip_prefix("tied[")
+                .and_then(|rest| rest.strip_suffix(']'))
+                .and_then(|g| g.parse::<usize>().ok())
+                .and_then(|g| doc.tied.get(g)),
+            _ => None,
+        };
+        match group {
+            Some(group) => locate(text, e, group.pos),
+            None => e,
+        }
+    })
+}
+
+/// Each module's children in document order, as one list: module `m`'s
+/// are `children[starts[m]..starts[m + 1]]`. A child belongs to its
+/// parent's last `children` list only (a repeated key replaces the list).
+fn children_lists(modules: &[RawModule<'_>]) -> (Vec<usize>, Vec<usize>) {
+    let belongs = |c: usize| -> Option<usize> {
+        let p = modules[c].parent?;
+        match &modules[p].children {
+            Some(span) if span.contains(&c) => Some(p),
+            _ => None,
+        }
+    };
+    let mut starts = vec![0usize; modules.len() + 1];
+    for c in 0..modules.len() {
+        if let Some(p) = belongs(c) {
+            starts[p + 1] += 1;
+        }
+    }
+    for m in 0..modules.len() {
+        starts[m + 1] += starts[m];
+    }
+    let mut fill = starts.clone();
+    let mut children = vec![0usize; starts[modules.len()]];
+    for c in 0..modules.len() {
+        if let Some(p) = belongs(c) {
+            children[fill[p]] = c;
+            fill[p] += 1;
+        }
+    }
+    (starts, children)
+}
+
+impl ModuleTree {
+    /// Writes the tree as a `bigmodel-module-tree/1` document.
+    pub fn to_json(&self) -> serde_json::Value {
+        fn module_json(tree: &ModuleTree, id: ModuleId) -> serde_json::Value {
+            let m = &tree.modules[id];
+            let mut obj = serde_json::Map::new();
+            if id != 0 {
+                let local = m.name.rsplit('.').next().unwrap_or(&m.name);
+                obj.insert("name".into(), local.into());
+            }
+            obj.insert("class".into(), m.class.clone().into());
+            let tensor_json = |t: TensorId| {
+                let t = &tree.tensors[t];
+                let mut o = serde_json::Map::new();
+                o.insert(
+                    "name".into(),
+                    t.name.rsplit('.').next().unwrap_or(&t.name).into(),
+                );
+                o.insert("shape".into(), t.meta.shape.clone().into());
+                o.insert("dtype".into(), t.meta.dtype.as_safetensors_str().into());
+                if let TensorKind::Buffer { persistent: false } = t.kind {
+                    o.insert("persistent".into(), false.into());
+                }
+                serde_json::Value::Object(o)
+            };
+            if !m.params.is_empty() {
+                obj.insert(
+                    "params".into(),
+                    m.params.iter().map(|t| tensor_json(*t)).collect(),
+                );
+            }
+            if !m.buffers.is_empty() {
+                obj.insert(
+                    "buffers".into(),
+                    m.buffers.iter().map(|t| tensor_json(*t)).collect(),
+                );
+            }
+            if !m.children.is_empty() {
+                obj.insert(
+                    "children".into(),
+                    m.children.iter().map(|c| module_json(tree, *c)).collect(),
+                );
+            }
+            serde_json::Value::Object(obj)
+        }
+        serde_json::json!({
+            "format": FORMAT,
+            "root": module_json(self, 0),
+            "tied": self.tied_names(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tree::Node;
+
+    const SPEC_EXAMPLE: &str = r#"{
+      "format": "bigmodel-module-tree/1",
+      "root": {
+        "class": "LlamaForCausalLM",
+        "children": [
+          {"name": "model", "class": "LlamaModel", "children": [
+            {"name": "embed_tokens", "class": "Embedding",
+             "params": [{"name": "weight", "shape": [32000, 4096], "dtype": "F16"}]},
+            {"name": "rotary_emb", "class": "LlamaRotaryEmbedding",
+             "buffers": [{"name": "inv_freq", "shape": [64], "dtype": "F32", "persistent": false}]}
+          ]},
+          {"name": "lm_head", "class": "Linear",
+           "params": [{"name": "weight", "shape": [32000, 4096], "dtype": "F16"}]}
+        ]
+      },
+      "tied": [["lm_head.weight", "model.embed_tokens.weight"]],
+      "extra": "ignored"
+    }"#;
+
+    #[test]
+    fn the_spec_example_parses_and_round_trips() {
+        let tree = ModuleTree::from_json_str(SPEC_EXAMPLE).unwrap();
+        let names: Vec<_> = tree
+            .preorder()
+            .iter()
+            .map(|m| tree.module(*m).name.as_str())
+            .collect();
+        assert_eq!(
+            names,
+            [
+                "",
+                "model",
+                "model.embed_tokens",
+                "model.rotary_emb",
+                "lm_head"
+            ]
+        );
+        let emb = match tree.find("model.embed_tokens.weight") {
+            Some(Node::Tensor(t)) => t,
+            other => panic!("{other:?}"),
+        };
+        let head = match tree.find("lm_head.weight") {
+            Some(Node::Tensor(t)) => t,
+            other => panic!("{other:?}"),
+        };
+        assert!(
+            tree.tensor(emb).counted,
+            "first in named_parameters order is counted"
+        );
+        assert!(!tree.tensor(head).counted);
+        assert_eq!(
+            tree.tied_names(),
+            vec![vec!["lm_head.weight", "model.embed_tokens.weight"]]
+        );
+        let again = ModuleTree::from_json(&tree.to_json()).unwrap();
+        assert_eq!(again.to_json(), tree.to_json());
+        // Non-persistent buffers are not in the state dict.
+        let sd: Vec<_> = tree
+            .state_dict()
+            .iter()
+            .map(|t| tree.tensor(*t).name.clone())
+            .collect();
+        assert_eq!(sd, ["model.embed_tokens.weight", "lm_head.weight"]);
+    }
+
+    fn err(doc: &str) -> String {
+        ModuleTree::from_json_str(doc).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn malformed_documents_give_errors_naming_the_path() {
+        assert!(
+            err(r#"{"format":"bigmodel-module-tree/2","root":{"class":"M"}}"#)
+                .contains("unknown format")
+        );
+        assert!(err(r#"{"root":{"class":"M"}}"#).contains("format"));
+        assert!(err("[1]").contains("JSON object"));
+        assert!(err("{").contains("not valid JSON"));
+        let dup = r#"{"format":"bigmodel-module-tree/1","root":{"class":"M","children":[
+            {"name":"a","class":"L"},{"name":"a","class":"L"}]}}"#;
+        assert!(err(dup).contains("at a: duplicate name"), "{}", err(dup));
+        let dtype = r#"{"format":"bigmodel-module-tree/1","root":{"class":"M","children":[
+            {"name":"a","class":"L","params":[{"name":"w","shape":[2],"dtype":"F17"}]}]}}"#;
+        assert!(
+            err(dtype).contains("at a.w: unknown dtype \"F17\""),
+            "{}",
+            err(dtype)
+        );
+        let neg = r#"{"format":"bigmodel-module-tree/1","root":{"class":"M","children":[
+            {"name":"a","class":"L","params":[{"name":"w","shape":[2,-1],"dtype":"F32"}]}]}}"#;
+        assert!(
+            err(neg).contains("at a.w: shape dimension -1"),
+            "{}",
+            err(neg)
+        );
+        let tie = r#"{"format":"bigmodel-module-tree/1","root":{"class":"M","children":[
+            {"name":"a","class":"L","params":[{"name":"w","shape":[2],"dtype":"F32"}]}]},
+            "tied":[["a.w","b.w"]]}"#;
+        assert!(
+            err(tie).contains("\"b.w\" is not a parameter"),
+            "{}",
+            err(tie)
+        );
+        let shape = r#"{"format":"bigmodel-module-tree/1","root":{"class":"M","children":[
+            {"name":"a","class":"L","params":[{"name":"w","shape":[2],"dtype":"F32"}]},
+            {"name":"b","class":"L","params":[{"name":"w","shape":[3],"dtype":"F32"}]}]},
+            "tied":[["a.w","b.w"]]}"#;
+        assert!(
+            err(shape).contains("cannot share storage"),
+            "{}",
+            err(shape)
+        );
+        let named_root = r#"{"format":"bigmodel-module-tree/1","root":{"name":"x","class":"M"}}"#;
+        assert!(err(named_root).contains("root"));
+        let dotted = r#"{"format":"bigmodel-module-tree/1","root":{"class":"M","children":[{"name":"a.b","class":"L"}]}}"#;
+        assert!(err(dotted).contains("no '.'"));
+        let no_class =
+            r#"{"format":"bigmodel-module-tree/1","root":{"class":"M","children":[{"name":"a"}]}}"#;
+        assert!(err(no_class).contains("at a: missing \"class\""));
+    }
+
+    /// A module-tree document around `root` (a module object's text).
+    fn doc(root: &str) -> String {
+        format!(r#"{{"format":"bigmodel-module-tree/1","root":{root}}}"#)
+    }
+
+    #[test]
+    fn errors_give_the_line_and_column_of_the_object() {
+        let text = "{\"format\":\"bigmodel-module-tree/1\",\"root\":{\"class\":\"M\",\n\"children\":[{\"name\":\"a\",\"class\":\"L\",\n  \"params\":[{\"name\":\"w\",\"shape\":[2],\"dtype\":\"F17\"}]}]}}";
+        assert_eq!(
+            err(text),
+            "invalid module tree at a.w: unknown dtype \"F17\" (expected F64 F32 F16 BF16 I64 I32 I16 I8 U8 BOOL F8_E4M3 F8_E5M2) at line 3 column 45"
+        );
+        let dup = "{\"format\":\"bigmodel-module-tree/1\",\"root\":{\"class\":\"M\",\"children\":[\n{\"name\":\"a\",\"class\":\"L\"},\n  {\"name\":\"a\",\"class\":\"L\"}]}}";
+        assert_eq!(
+            err(dup),
+            "invalid module tree at a: duplicate name among siblings at line 3 column 3"
+        );
+        let syntax = "{\"format\":\"bigmodel-module-tree/1\",\n\"root\":{\"class\":\"M\",}}";
+        assert_eq!(
+            err(syntax),
+            "invalid module tree: not valid JSON: expected a string key at line 2 column 21"
+        );
+    }
+
+    #[test]
+    fn every_kind_of_wrong_value_names_its_path() {
+        let cases = [
+            (
+                r#"{"class":"M","children":{}}"#,
+                "at root: \"children\" must be a list",
+            ),
+            (
+                r#"{"class":"M","children":[1]}"#,
+                "at root: each child must be an object",
+            ),
+            (
+                r#"{"class":"M","children":[{"name":2,"class":"L"}]}"#,
+                "at root: a child module has no \"name\" string",
+            ),
+            (
+                r#"{"class":"M","children":[{"name":"a","class":["L"]}]}"#,
+                "at a: missing \"class\" string",
+            ),
+            (
+                r#"{"class":"M","params":{"name":"w"}}"#,
+                "at root: \"params\" must be a list",
+            ),
+            (
+                r#"{"class":"M","buffers":["w"]}"#,
+                "at root: each entry of \"buffers\" must be an object",
+            ),
+            (
+                r#"{"class":"M","params":[{"shape":[1],"dtype":"F32"}]}"#,
+                "at root: an entry of \"params\" has no \"name\" string",
+            ),
+            (
+                r#"{"class":"M","params":[{"name":"w","shape":[1]}]}"#,
+                "at w: missing \"dtype\" string",
+            ),
+            (
+                r#"{"class":"M","params":[{"name":"w","shape":[1],"dtype":32}]}"#,
+                "at w: missing \"dtype\" string",
+            ),
+            (
+                r#"{"class":"M","params":[{"name":"w","dtype":"F32"}]}"#,
+                "at w: missing \"shape\" list",
+            ),
+            (
+                r#"{"class":"M","params":[{"name":"w","shape":"2","dtype":"F32"}]}"#,
+                "at w: missing \"shape\" list",
+            ),
+            (
+                r#"{"class":"M","params":[{"name":"w","shape":[1.5],"dtype":"F32"}]}"#,
+                "at w: shape dimension 1.5 is not",
+            ),
+            (
+                r#"{"class":"M","params":[{"name":"w","shape":[1e3],"dtype":"F32"}]}"#,
+                "at w: shape dimension 1e3 is not",
+            ),
+            (
+                r#"{"class":"M","params":[{"name":"w","shape":["2"],"dtype":"F32"}]}"#,
+                "at w: shape dimension \"2\" is not",
+            ),
+            (
+                r#"{"class":"M","params":[{"name":"w","shape":[99999999999999999999],"dtype":"F32"}]}"#,
+                "at w: shape dimension 99999999999999999999 is not",
+            ),
+            (
+                r#"{"class":"M","buffers":[{"name":"b","shape":[1],"dtype":"F32","persistent":0}]}"#,
+                "at b: \"persistent\" must be true or false, found 0",
+            ),
+            (
+                r#"{"class":"M","params":[{"name":"w","shape":[1],"dtype":"F32","persistent":true}]}"#,
+                "at w: \"persistent\" applies to buffers only",
+            ),
+            (
+                r#"{"class":"M","params":[{"name":"w","shape":[1],"dtype":"F32"},{"name":"w","shape":[1],"dtype":"F32"}]}"#,
+                "at w: duplicate name",
+            ),
+            (
+                r#"{"class":"M","params":[{"name":"","shape":[1],"dtype":"F32"}]}"#,
+                "must be non-empty",
+            ),
+            (r#"{"class":7}"#, "at root: missing \"class\" string"),
+            (r#"[]"#, "at root: must be an object"),
+        ];
+        for (root, want) in cases {
+            let e = err(&doc(root));
+            assert!(
+                e.contains(want) && e.contains(" at line 1 column "),
+                "{root}: {e}"
+            );
+        }
+        let tied = |tied: &str| {
+            err(&format!(
+                r#"{{"format":"bigmodel-module-tree/1","root":{{"class":"M","params":[{{"name":"w","shape":[1],"dtype":"F32"}}]}},"tied":{tied}}}"#
+            ))
+        };
+        assert!(tied(r#"{"a":1}"#).contains("at tied: must be a list of lists"));
+        assert!(tied(r#"[["w","w"],"w"]"#).contains("at tied[1]: must be a list of names"));
+        assert!(tied(r#"[["w",1]]"#).contains("at tied[0]: names must be strings"));
+        assert!(
+            tied(r#"[["w"]]"#)
+                .contains("at tied[0]: a tied group needs at least two names at line 1 column")
+        );
+        assert!(err(r#"{"format":7,"root":{"class":"M"}}"#).contains("missing \"format\""));
+        assert!(err(r#"{"format":"bigmodel-module-tree/1"}"#).contains("at root: missing"));
+        assert!(
+            err(r#"{"format":"bigmodel-module-tree/1","root":{"class":"M"},"x":[1,}"#)
+                .contains("not valid JSON")
+        );
+        assert!(
+            err(r#"{"format":"bigmodel-module-tree/1","root":{"class":"M"}} {}"#)
+                .contains("trailing characters")
+        );
+        assert!(err("\"text\"").contains("JSON object"));
+    }
+
+    #[test]
+    fn keys_may_come_in_any_order_and_a_repeated_key_keeps_its_last_value() {
+        let canonical = ModuleTree::from_json_str(SPEC_EXAMPLE).unwrap().to_json();
+        let shuffled = r#"{
+          "tied": [["lm_head.weight", "model.embed_tokens.weight"]],
+          "root": {
+            "children": [
+              {"children": [
+                {"params": [{"dtype": "F16", "shape": [32000, 4096], "name": "weight"}],
+                 "class": "Embedding", "name": "embed_tokens"},
+                {"buffers": [{"persistent": false, "dtype": "F32", "shape": [64], "name": "inv_freq"}],
+                 "name": "rotary_emb", "class": "LlamaRotaryEmbedding"}
+               ], "class": "LlamaModel", "name": "model"},
+              {"params": [{"name": "weight", "shape": [32000, 4096], "dtype": "F16"}],
+               "name": "lm_head", "class": "Linear"}
+            ],
+            "class": "LlamaForCausalLM"
+          },
+          "format": "bigmodel-module-tree/1"
+        }"#;
+        assert_eq!(
+            ModuleTree::from_json_str(shuffled).unwrap().to_json(),
+            canonical
+        );
+        // serde_json keeps the last of repeated keys; so does the reader.
+        let repeated = r#"{"format":"x","format":"bigmodel-module-tree/1","root":{"class":"M",
+            "children":[{"name":"gone","class":"L"}],
+            "children":[{"name":"kept","class":"L","children":[{"name":"x","class":"L"}],"children":[]}]}}"#;
+        let tree = ModuleTree::from_json_str(repeated).unwrap();
+        let names: Vec<_> = tree.modules().iter().map(|m| m.name.as_str()).collect();
+        assert_eq!(names, ["", "kept"]);
+        let value: serde_json::Value = serde_json::from_str(repeated).unwrap();
+        assert_eq!(
+            ModuleTree::from_json(&value).unwrap().to_json(),
+            tree.to_json()
+        );
+        // A wrong value is refused even where a later repeat replaces it.
+        let e = err(&doc(r#"{"class":"M","children":{},"children":[]}"#));
+        assert!(e.contains("at root: \"children\" must be a list"), "{e}");
+    }
+
+    #[test]
+    fn ids_follow_the_order_the_tree_was_always_built_in() {
+        // A module's children get consecutive ids before any grandchild.
+        let text = doc(r#"{"class":"M","children":[
+            {"name":"a","class":"L","children":[{"name":"x","class":"L"}]},
+            {"name":"b","class":"L","params":[{"name":"w","shape":[1],"dtype":"F32"}]}]}"#);
+        let tree = ModuleTree::from_json_str(&text).unwrap();
+        let names: Vec<_> = tree.modules().iter().map(|m| m.name.as_str()).collect();
+        assert_eq!(names, ["", "a", "b", "a.x"]);
+        assert_eq!(tree.find("b.w"), Some(Node::Tensor(0)));
+    }
+
+    /// A chain of `depth` modules named `d`.
+    fn chain(depth: usize) -> String {
+        let mut text = String::from(r#"{"format":"bigmodel-module-tree/1","root":{"class":"M""#);
+        for _ in 0..depth {
+            text.push_str(r#","children":[{"name":"d","class":"D""#);
+        }
+        text.push_str(&"}]".repeat(depth));
+        text.push_str("}}");
+        text
+    }
+
+    #[test]
+    fn deep_trees_read_in_constant_stack_and_names_have_a_budget() {
+        // Deeper than serde_json's recursion limit allowed before.
+        let tree = ModuleTree::from_json_str(&chain(1000)).unwrap();
+        assert_eq!(tree.modules().len(), 1001);
+        assert!(tree.find(&vec!["d"; 1000].join(".")).is_some());
+        // 20,000 levels would make 400 MB of dotted names from 700 kB.
+        let e = err(&chain(20_000));
+        assert!(
+            e.contains("32 times the size of the document: the tree nests too deep"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn escaped_names_are_read_as_serde_json_reads_them() {
+        let text = doc(r#"{"class":"M\u00e9","children":[{"name":"\u0061\"b","class":"L\n"}]}"#);
+        let tree = ModuleTree::from_json_str(&text).unwrap();
+        assert_eq!(tree.module(0).class, "Mé");
+        assert_eq!(tree.module(1).name, "a\"b");
+        assert_eq!(tree.module(1).class, "L\n");
+    }
+
+    #[test]
+    fn is_document_reads_only_the_top_level_keys() {
+        assert!(ModuleTree::is_document(SPEC_EXAMPLE));
+        // `root` first: its value is skipped to find `format`.
+        assert!(ModuleTree::is_document(
+            r#"{"root":{"a":[1,2]},"format":1}"#
+        ));
+        // Decided before the malformed rest is reached.
+        assert!(ModuleTree::is_document(r#"{"format":1,"root": oops"#));
+        for other in [
+            r#"{"model_type":"llama","root":1}"#,
+            r#"{"weight_map":{}}"#,
+            r#"[{"format":1,"root":2}]"#,
+            r#"{"format":1,"x":[}"#,
+            "",
+        ] {
+            assert!(!ModuleTree::is_document(other), "{other}");
+        }
+    }
+}
