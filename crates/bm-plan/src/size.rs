@@ -146,7 +146,8 @@ fn check_budget(bytes: u64, what: &str) -> Result<u64, Error> {
     Ok(bytes)
 }
 
-/// Formats a byte count for people: `1.50 GiB`, `512 B`.
+/// Formats a byte count for people: `1.50 GiB`, `512 B`. The one byte
+/// formatter of the workspace: every command of the CLI prints sizes with it.
 pub fn human_bytes(bytes: u64) -> String {
     const UNITS: [&str; 6] = ["KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
     if bytes < 1024 {
@@ -231,8 +232,27 @@ mod tests {
 
     #[test]
     fn human_bytes_picks_binary_units() {
-        assert_eq!(human_bytes(512), "512 B");
-        assert_eq!(human_bytes(1536), "1.50 KiB");
-        assert_eq!(human_bytes(10 << 30), "10.00 GiB");
+        // What `plan`, `run`, `demo`, `inspect`, `shard` and `devices` have
+        // always printed (below 1 PiB all formatters of the CLI agreed).
+        for (bytes, text) in [
+            (0, "0 B"),
+            (512, "512 B"),
+            (1023, "1023 B"),
+            (1024, "1.00 KiB"),
+            (1536, "1.50 KiB"),
+            (45_376, "44.31 KiB"),
+            ((1 << 20) - 1, "1024.00 KiB"),
+            (1 << 20, "1.00 MiB"),
+            (3 << 30, "3.00 GiB"),
+            (10 << 30, "10.00 GiB"),
+            (80 << 30, "80.00 GiB"),
+            (6_743_000_000, "6.28 GiB"),
+            (1 << 40, "1.00 TiB"),
+            ((1 << 50) - 1, "1024.00 TiB"),
+            (1 << 50, "1.00 PiB"),
+            (u64::MAX, "16.00 EiB"),
+        ] {
+            assert_eq!(human_bytes(bytes), text, "{bytes}");
+        }
     }
 }

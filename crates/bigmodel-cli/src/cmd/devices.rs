@@ -2,6 +2,7 @@
 //! is missing.
 
 use bigmodel::device::{Budgets, CudaStatus, DeviceSet, GpuMemory, HostMemory, LibraryReport};
+use bigmodel::plan::human_bytes;
 use serde_json::{Map, Value, json};
 
 use super::CmdResult;
@@ -128,46 +129,18 @@ impl Report<'_> {
                     "  {:>3}  {}  free {} of {}  (default budget {})\n",
                     g.device.to_string(),
                     g.name,
-                    human(g.free),
-                    human(g.total),
-                    human(*budget)
+                    human_bytes(g.free),
+                    human_bytes(g.total),
+                    human_bytes(*budget)
                 ));
             }
         }
         out.push_str(&format!(
             "CPU RAM available: {} ({}; default budget {})\n",
-            human(self.host.available),
+            human_bytes(self.host.available),
             self.host.source,
-            human(self.budgets.cpu)
+            human_bytes(self.budgets.cpu)
         ));
         out
-    }
-}
-
-/// Bytes in binary units with two decimals, e.g. "79.10 GiB".
-fn human(bytes: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut value = bytes as f64;
-    let mut unit = 0;
-    while value >= 1024.0 && unit + 1 < UNITS.len() {
-        value /= 1024.0;
-        unit += 1;
-    }
-    if unit == 0 {
-        format!("{bytes} B")
-    } else {
-        format!("{value:.2} {}", UNITS[unit])
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::human;
-
-    #[test]
-    fn human_sizes() {
-        assert_eq!(human(512), "512 B");
-        assert_eq!(human(1536), "1.50 KiB");
-        assert_eq!(human(80 << 30), "80.00 GiB");
     }
 }

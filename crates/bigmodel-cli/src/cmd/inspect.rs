@@ -4,6 +4,7 @@ use std::borrow::Cow;
 use std::collections::HashMap;
 use std::path::PathBuf;
 
+use bigmodel::plan::human_bytes;
 use bigmodel::shard::Checkpoint;
 use serde_json::{Map, Value, json};
 
@@ -201,22 +202,6 @@ pub(crate) fn print_stdout(text: &str) -> CmdResult {
     }
 }
 
-/// `45376 B`, `44.3 KiB`, `1.50 GiB`.
-pub(crate) fn human_bytes(n: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = n as f64;
-    let mut unit = 0;
-    while v >= 1024.0 && unit < UNITS.len() - 1 {
-        v /= 1024.0;
-        unit += 1;
-    }
-    if unit == 0 {
-        format!("{n} B")
-    } else {
-        format!("{v:.2} {}", UNITS[unit])
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -242,12 +227,5 @@ mod tests {
             shown(&long),
             format!("{exact}... ({} bytes; whole with --json)", long.len())
         );
-    }
-
-    #[test]
-    fn human_sizes() {
-        assert_eq!(human_bytes(512), "512 B");
-        assert_eq!(human_bytes(1536), "1.50 KiB");
-        assert_eq!(human_bytes(3 << 30), "3.00 GiB");
     }
 }

@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 
+use bigmodel::plan::human_bytes;
 use bigmodel::shard::{
     AtomicFile, Checkpoint, Error as ShardError, SaveTensor, ShardOptions, TensorBytes, parse_size,
     resolve_in_folder, shard_checkpoint, sync_folder,
@@ -237,7 +238,7 @@ pub fn write(
         let mut out = format!(
             "wrote {} file(s), {} of tensor data, to {}\n",
             saved.shards.len(),
-            super::inspect::human_bytes(saved.total_size),
+            human_bytes(saved.total_size),
             out_dir.display()
         );
         for s in &saved.shards {
