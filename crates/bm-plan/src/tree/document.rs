@@ -1128,6 +1128,32 @@ mod tests {
     }
 
     #[test]
+    fn damaged_documents_give_errors_not_panics() {
+        // Every truncation, and every byte replaced by a character that
+        // changes the grammar, of a document that uses every key.
+        let text = SPEC_EXAMPLE;
+        let mut damaged: Vec<String> = (0..text.len())
+            .filter(|&i| text.is_char_boundary(i))
+            .map(|i| text[..i].to_string())
+            .collect();
+        for (i, _) in text.char_indices() {
+            for with in ['"', '{', '}', '[', ']', ',', ':', '1', '-', 'x', '\\'] {
+                let mut t = text.to_string();
+                t.replace_range(
+                    i..i + text[i..].chars().next().map_or(1, char::len_utf8),
+                    &with.to_string(),
+                );
+                damaged.push(t);
+            }
+        }
+        for t in &damaged {
+            if let Err(e) = ModuleTree::from_json_str(t) {
+                assert!(e.to_string().starts_with("invalid module tree"), "{t}: {e}");
+            }
+        }
+    }
+
+    #[test]
     fn is_document_reads_only_the_top_level_keys() {
         assert!(ModuleTree::is_document(SPEC_EXAMPLE));
         // `root` first: its value is skipped to find `format`.
