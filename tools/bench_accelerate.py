@@ -3,10 +3,12 @@
 transformers and safetensors, timed in this process. Each subcommand prints one
 JSON document on stdout (and nothing else there).
 
-  bench_accelerate.py plan [--million] [--repeats N]
+  bench_accelerate.py plan [--million] [--repeats N] [--moe-tree FILE]
       Accelerate's infer_auto_device_map on the trees of benches/benches/plan.rs
-      (built by tools/bench_plan_accelerate.py, so the trees stay identical):
-      {"trees": {name: {"seconds": median, "repeats": N}}}
+      (built by tools/bench_plan_accelerate.py, so the trees stay identical; with
+      --moe-tree the MoE tree is built from that bigmodel-module-tree/1 file, the
+      one `bigmodel plan` reads, and its device map is returned too):
+      {"trees": {name: {"seconds": median, "repeats": N[, "device_map": {...}]}}}
   bench_accelerate.py inspect FILE [--repeats N]
       safetensors.safe_open listing every tensor's name, dtype and shape:
       {"seconds": median, "tensors": n, "total_bytes": b}
@@ -57,12 +59,56 @@ def median_seconds(repeats, work):
     return statistics.median(times)
 
 
+TORCH_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+    "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+}
+
+
+def module_from_tree(path):
+    """A torch module on the meta device with the structure of a
+    bigmodel-module-tree/1 file: one nn.Module subclass per class name,
+    parameters and buffers in registration order, tied names sharing one
+    Parameter."""
+    import torch
+    from torch import nn
+
+    with open(path) as f:
+        doc = json.load(f)
+    classes = {}
+
+    def tensor(entry):
+        dtype = getattr(torch, TORCH_DTYPES[entry["dtype"]])
+        return torch.empty(entry["shape"], dtype=dtype, device="meta")
+
+    def build(node):
+        cls = classes.setdefault(node["class"], type(node["class"], (nn.Module,), {}))
+        module = cls()
+        for p in node.get("params", []):
+            module.register_parameter(p["name"], nn.Parameter(tensor(p), requires_grad=False))
+        for b in node.get("buffers", []):
+            module.register_buffer(b["name"], tensor(b), persistent=b.get("persistent", True))
+        for child in node.get("children", []):
+            module.add_module(child["name"], build(child))
+        return module
+
+    model = build(doc["root"])
+    for group in doc.get("tied", []):
+        first = model.get_parameter(group[0])
+        for name in group[1:]:
+            owner, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, first)
+    return model
+
+
 def cmd_plan(args):
     sys.path.insert(0, TOOLS)
     import bench_plan_accelerate as trees_of_the_bench
     from accelerate.utils import compute_module_sizes, infer_auto_device_map
 
-    builders = [("100b_sequential", trees_of_the_bench.hundred_billion), ("moe_100k", trees_of_the_bench.moe)]
+    moe = trees_of_the_bench.moe if args.moe_tree is None else (lambda: module_from_tree(args.moe_tree))
+    builders = [("100b_sequential", trees_of_the_bench.hundred_billion), ("moe_100k", moe)]
     if args.million:
         builders.insert(0, ("million_tensors", trees_of_the_bench.million_tensors))
     result = {}
@@ -72,8 +118,15 @@ def cmd_plan(args):
         # of GPU 0, GPU 1 and the CPU.
         total = compute_module_sizes(model)[""]
         max_memory = {0: total // 5, 1: total // 5, "cpu": total // 5}
-        seconds = median_seconds(args.repeats, lambda: infer_auto_device_map(model, max_memory=dict(max_memory)))
+        maps = []
+
+        def plan():
+            maps.append(infer_auto_device_map(model, max_memory=dict(max_memory)))
+
+        seconds = median_seconds(args.repeats, plan)
         result[name] = {"seconds": seconds, "repeats": args.repeats}
+        if name == "moe_100k" and args.moe_tree is not None:
+            result[name]["device_map"] = maps[-1]
     return {"trees": result}
 
 
@@ -183,6 +236,7 @@ def main():
     plan = sub.add_parser("plan", help="Accelerate's planner on the bench trees")
     plan.add_argument("--million", action="store_true", help="also the 1M-tensor tree (takes minutes)")
     plan.add_argument("--repeats", type=int, default=3)
+    plan.add_argument("--moe-tree", help="build the MoE tree from this bigmodel-module-tree/1 file")
     inspect = sub.add_parser("inspect", help="safe_open listing every header entry")
     inspect.add_argument("file")
     inspect.add_argument("--repeats", type=int, default=5)

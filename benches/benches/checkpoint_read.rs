@@ -17,51 +17,33 @@ use std::path::Path;
 
 use bigmodel::shard::Checkpoint;
 use bigmodel::tensor::{DType, HostBuffer};
-use bigmodel_benches::{Names, write_many_tensors};
+use bigmodel_benches::many_tensors::{Names, write_many_tensors};
+use bigmodel_benches::safetensors_f32::{self, layers};
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 
 const GIB: u64 = 1 << 30;
 
-/// Writes a safetensors file of `count` F32 tensors of `bytes_each` bytes,
-/// either sparse (nothing but the header) or filled with a byte pattern.
-fn write_checkpoint(path: &Path, count: u64, bytes_each: u64, sparse: bool) {
-    let entries: Vec<String> = (0..count)
-        .map(|i| {
-            format!(
-                r#""model.layers.{i}.weight":{{"dtype":"F32","shape":[{}],"data_offsets":[{},{}]}}"#,
-                bytes_each / 4,
-                i * bytes_each,
-                (i + 1) * bytes_each
-            )
-        })
-        .collect();
-    let mut json = format!("{{{}}}", entries.join(","));
-    while json.len() % 8 != 0 {
-        json.push(' ');
-    }
+/// Writes a safetensors file of `count` F32 tensors of `bytes_each` bytes
+/// filled with a byte pattern.
+fn write_filled(path: &Path, count: usize, bytes_each: u64) {
+    let tensors = layers(count, bytes_each);
     let mut f = std::io::BufWriter::new(std::fs::File::create(path).unwrap());
-    f.write_all(&(json.len() as u64).to_le_bytes()).unwrap();
-    f.write_all(json.as_bytes()).unwrap();
-    if sparse {
-        let f = f.into_inner().unwrap();
-        f.set_len(8 + json.len() as u64 + count * bytes_each)
-            .unwrap();
-    } else {
-        let chunk: Vec<u8> = (0..1 << 20).map(|i| (i % 251) as u8).collect();
-        let mut left = count * bytes_each;
-        while left > 0 {
-            let n = left.min(chunk.len() as u64) as usize;
-            f.write_all(&chunk[..n]).unwrap();
-            left -= n as u64;
-        }
-        f.flush().unwrap();
+    f.write_all(&safetensors_f32::header(&tensors, &[]))
+        .unwrap();
+    let chunk: Vec<u8> = (0..1 << 20).map(|i| (i % 251) as u8).collect();
+    let mut left = safetensors_f32::data_len(&tensors);
+    while left > 0 {
+        let n = left.min(chunk.len() as u64) as usize;
+        f.write_all(&chunk[..n]).unwrap();
+        left -= n as u64;
     }
+    f.flush().unwrap();
 }
 
 fn inspect(c: &mut Criterion) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("sparse.safetensors");
-    write_checkpoint(&path, 2048, 32 * GIB / 1024, true);
+    safetensors_f32::write_sparse(&path, &layers(2048, 32 * GIB / 1024)).unwrap();
     c.bench_function("inspect/open_sparse_64GiB_2048_tensors", |b| {
         b.iter(|| {
             let ckpt = Checkpoint::open(&path).unwrap();
@@ -102,7 +84,7 @@ fn read_to_host(c: &mut Criterion) {
     let bytes_each = (mib << 20) / count / 4 * 4;
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("model.safetensors");
-    write_checkpoint(&path, count, bytes_each, false);
+    write_filled(&path, count as usize, bytes_each);
     let ckpt = Checkpoint::open(&path).unwrap();
     let names: Vec<String> = ckpt.tensors().map(|(n, _)| n.to_string()).collect();
     // The same bytes already in memory, for the memcpy baseline.

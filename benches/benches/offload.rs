@@ -22,6 +22,7 @@ use std::time::Instant;
 use bigmodel::device::DeviceSet;
 use bigmodel::plan::DeviceMap;
 use bigmodel::{DeviceMapSpec, Options};
+use bigmodel_benches::safetensors_f32;
 use bm_models::{CausalLm, FolderWeights, Logits, WeightSource, open_causal_lm};
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use serde_json::json;
@@ -70,24 +71,10 @@ fn write_model(dir: &Path, layers: usize) {
     tensors.push(("model.norm.weight".to_string(), vec![HIDDEN]));
     tensors.push(("lm_head.weight".to_string(), vec![VOCAB, HIDDEN]));
 
-    let mut header = serde_json::Map::new();
-    let mut offset = 0usize;
-    for (name, shape) in &tensors {
-        let len = 4 * shape.iter().product::<usize>();
-        header.insert(
-            name.clone(),
-            json!({"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + len]}),
-        );
-        offset += len;
-    }
-    let mut header = serde_json::Value::Object(header).to_string();
-    while !header.len().is_multiple_of(8) {
-        header.push(' ');
-    }
     let file = std::fs::File::create(dir.join("model.safetensors")).unwrap();
     let mut out = std::io::BufWriter::new(file);
-    out.write_all(&(header.len() as u64).to_le_bytes()).unwrap();
-    out.write_all(header.as_bytes()).unwrap();
+    out.write_all(&safetensors_f32::header(&tensors, &[]))
+        .unwrap();
     let mut state = 0x2545_f491_4f6c_dd1du64;
     for (name, shape) in &tensors {
         let numel: usize = shape.iter().product();

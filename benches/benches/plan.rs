@@ -46,30 +46,10 @@ fn hundred_billion() -> ModuleTree {
     b.finish().unwrap()
 }
 
-/// 48 layers, each attention (4 linears) plus a router and 512 experts of 3
-/// linears: about 99k modules and 74k parameters.
+/// The MoE tree `cargo xtask bench` also plans in a whole `bigmodel plan`
+/// process and with Accelerate (see `bigmodel_benches::module_trees::moe`).
 fn moe() -> ModuleTree {
-    let mut b = ModuleTreeBuilder::new("MoeForCausalLM");
-    let layers = b.add_module(0, "layers", "ModuleList").unwrap();
-    for l in 0..48 {
-        let layer = b
-            .add_module(layers, &l.to_string(), "MoeDecoderLayer")
-            .unwrap();
-        let attn = b.add_module(layer, "self_attn", "Attention").unwrap();
-        for p in ["q_proj", "k_proj", "v_proj", "o_proj"] {
-            linear(&mut b, attn, p, 64, 64, false);
-        }
-        let mlp = b.add_module(layer, "mlp", "SparseMoe").unwrap();
-        linear(&mut b, mlp, "gate", 64, 512, false);
-        let experts = b.add_module(mlp, "experts", "ModuleList").unwrap();
-        for e in 0..512 {
-            let expert = b.add_module(experts, &e.to_string(), "Expert").unwrap();
-            for p in ["gate_proj", "up_proj", "down_proj"] {
-                linear(&mut b, expert, p, 64, 32, false);
-            }
-        }
-    }
-    b.finish().unwrap()
+    ModuleTree::from_json_str(&bigmodel_benches::module_trees::moe().json).unwrap()
 }
 
 /// Budgets that hold about `fraction` of the model on two GPUs and some RAM,

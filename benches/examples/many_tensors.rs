@@ -5,7 +5,7 @@
 //!
 //! `cargo run --release -p bigmodel-benches --example many_tensors -- DIR`
 
-use bigmodel_benches::{Names, write_many_tensors};
+use bigmodel_benches::many_tensors::{Names, write_many_tensors};
 
 fn main() -> std::io::Result<()> {
     let Some(dir) = std::env::args_os().nth(1) else {

@@ -1,44 +1,12 @@
-//! Criterion benchmarks of the bigmodel workspace; see `benches/*.rs` and
-//! `cargo xtask bench`. The library holds the generators of inputs too big
-//! to commit, shared by the benches and the `many_tensors` example.
+//! Criterion benchmarks of the bigmodel workspace (see `benches/*.rs` and
+//! `cargo xtask bench`), and the inputs they and the bench report share:
+//! safetensors files of F32 tensors, files of many tiny tensors, and the
+//! module trees planned.
+//!
+//! This library depends on serde_json alone, so `xtask` can use it without
+//! building the workspace; the bench targets take the workspace's crates as
+//! dev-dependencies.
 
-use std::io::{BufWriter, Write};
-use std::path::Path;
-
-/// How the tensors of [`write_many_tensors`] are named.
-#[derive(Clone, Copy, Debug)]
-pub enum Names {
-    /// `model.layers.{i}.weight`: a module and a layer per tensor.
-    Layers,
-    /// `t{i}`: no dots, so every tensor is its own top-level module.
-    Flat,
-}
-
-/// Writes a safetensors file of `count` one-byte U8 tensors: a header of
-/// about 70 bytes per tensor, the shape that made reading and summarising
-/// quadratic before (issue 10: 1,000,000 tensors make a ~85 MB header).
-pub fn write_many_tensors(path: &Path, count: usize, names: Names) -> std::io::Result<()> {
-    let mut json = Vec::with_capacity(80 * count + 2);
-    json.push(b'{');
-    for i in 0..count {
-        if i > 0 {
-            json.push(b',');
-        }
-        match names {
-            Names::Layers => write!(json, "\"model.layers.{i}.weight\"")?,
-            Names::Flat => write!(json, "\"t{i}\"")?,
-        }
-        write!(
-            json,
-            ":{{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[{i},{}]}}",
-            i + 1
-        )?;
-    }
-    json.push(b'}');
-    json.resize(json.len().next_multiple_of(8), b' ');
-    let mut out = BufWriter::new(std::fs::File::create(path)?);
-    out.write_all(&(json.len() as u64).to_le_bytes())?;
-    out.write_all(&json)?;
-    out.write_all(&vec![1u8; count])?;
-    out.flush()
-}
+pub mod many_tensors;
+pub mod module_trees;
+pub mod safetensors_f32;

