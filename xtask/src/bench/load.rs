@@ -23,31 +23,26 @@ impl Suite {
         runs: usize,
     ) -> Result<Value, String> {
         let cli = self.cli()?;
-        let (dir, _) = self.model.as_ref().map_err(Clone::clone)?;
-        let map_file = self.data.join(format!("map-{tag}.json"));
-        write_atomic(&map_file, map.to_string().as_bytes())?;
-        let offload = self.data.join(format!("offload-bigmodel-{tag}"));
-        let mut answers = Vec::new();
-        for _ in 0..runs {
-            let _ = fs::remove_dir_all(&offload);
-            let mut cmd = Command::new(cli);
-            cmd.arg("run")
-                .arg(dir)
-                .args(["--prompt-ids", &self.shape.prompt_ids()])
-                .arg("--device-map")
-                .arg(&map_file)
-                .args(["--max-new-tokens", &new_tokens.to_string(), "--json"]);
-            if map_has(map, "disk") {
-                cmd.arg("--offload-folder").arg(&offload);
-            }
-            let out = capture(&mut cmd, COMMAND_LIMIT)?;
-            let mut answer = serde_json::from_str::<Value>(out.stdout.trim())
-                .map_err(|e| format!("not available: bigmodel run --json: {e}"))?;
-            answer["offload_folder_bytes"] = json!(dir_bytes(&offload));
-            answers.push(answer);
-        }
-        let _ = fs::remove_dir_all(&offload);
-        Ok(median_fields(&answers))
+        self.runs_with_map(
+            map,
+            &format!("bigmodel-{tag}"),
+            runs,
+            |dir, map_file, offload| {
+                let mut cmd = Command::new(cli);
+                cmd.arg("run")
+                    .arg(dir)
+                    .args(["--prompt-ids", &self.shape.prompt_ids()])
+                    .arg("--device-map")
+                    .arg(map_file)
+                    .args(["--max-new-tokens", &new_tokens.to_string(), "--json"]);
+                if let Some(offload) = offload {
+                    cmd.arg("--offload-folder").arg(offload);
+                }
+                let out = capture(&mut cmd, COMMAND_LIMIT)?;
+                serde_json::from_str::<Value>(out.stdout.trim())
+                    .map_err(|e| format!("not available: bigmodel run --json: {e}"))
+            },
+        )
     }
 
     /// `bench_accelerate.py load` with `map`, median of `runs` runs.
@@ -59,33 +54,54 @@ impl Suite {
         runs: usize,
     ) -> Result<Value, String> {
         self.python()?;
+        self.runs_with_map(
+            map,
+            &format!("accelerate-{tag}"),
+            runs,
+            |dir, map_file, offload| {
+                let dir = dir.to_string_lossy();
+                let map_file = map_file.to_string_lossy();
+                let new_tokens = new_tokens.to_string();
+                let prompt = self.shape.prompt_ids();
+                let mut args = vec![
+                    "load",
+                    &dir,
+                    "--device-map",
+                    &map_file,
+                    "--prompt-ids",
+                    &prompt,
+                    "--new-tokens",
+                    &new_tokens,
+                ];
+                let offload = offload.map(Path::to_string_lossy);
+                if let Some(offload) = &offload {
+                    args.extend(["--offload-folder", offload]);
+                }
+                self.baseline(&args)
+            },
+        )
+    }
+
+    /// Runs `run_once(model folder, map file, offload folder if the map has
+    /// disk entries)` `runs` times with `map` written to a file, each time
+    /// with an empty offload folder whose bytes it adds to the answer as
+    /// `offload_folder_bytes`; returns the median of each numeric field.
+    fn runs_with_map(
+        &self,
+        map: &Value,
+        tag: &str,
+        runs: usize,
+        mut run_once: impl FnMut(&Path, &Path, Option<&Path>) -> Result<Value, String>,
+    ) -> Result<Value, String> {
         let (dir, _) = self.model.as_ref().map_err(Clone::clone)?;
         let map_file = self.data.join(format!("map-{tag}.json"));
         write_atomic(&map_file, map.to_string().as_bytes())?;
-        let offload = self.data.join(format!("offload-accelerate-{tag}"));
+        let offload = self.data.join(format!("offload-{tag}"));
         let mut answers = Vec::new();
         for _ in 0..runs {
             let _ = fs::remove_dir_all(&offload);
-            let dir = dir.to_string_lossy();
-            let map_file = map_file.to_string_lossy();
-            let offload = offload.to_string_lossy();
-            let new_tokens = new_tokens.to_string();
-            let prompt = self.shape.prompt_ids();
-            let mut args = vec![
-                "load",
-                &dir,
-                "--device-map",
-                &map_file,
-                "--prompt-ids",
-                &prompt,
-                "--new-tokens",
-                &new_tokens,
-            ];
-            if map_has(map, "disk") {
-                args.extend(["--offload-folder", &offload]);
-            }
-            let mut answer = self.baseline(&args)?;
-            answer["offload_folder_bytes"] = json!(dir_bytes(Path::new(offload.as_ref())));
+            let mut answer = run_once(dir, &map_file, map_has(map, "disk").then_some(&*offload))?;
+            answer["offload_folder_bytes"] = json!(dir_bytes(&offload));
             answers.push(answer);
         }
         let _ = fs::remove_dir_all(&offload);
