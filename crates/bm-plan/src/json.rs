@@ -38,6 +38,7 @@ impl<'a> Reader<'a> {
         Reader { text, pos: 0 }
     }
 
+    #[inline]
     fn bytes(&self) -> &'a [u8] {
         self.text.as_bytes()
     }
@@ -49,6 +50,7 @@ impl<'a> Reader<'a> {
         })
     }
 
+    #[inline]
     fn skip_white_space(&mut self) {
         while let Some(b' ' | b'\n' | b'\r' | b'\t') = self.bytes().get(self.pos) {
             self.pos += 1;
@@ -56,6 +58,7 @@ impl<'a> Reader<'a> {
     }
 
     /// The byte offset of the next value (after white space).
+    #[inline]
     pub(crate) fn pos(&mut self) -> usize {
         self.skip_white_space();
         self.pos
@@ -63,6 +66,7 @@ impl<'a> Reader<'a> {
 
     /// The kind of the next value; `None` when the next byte starts none
     /// (reading it then gives the syntax error).
+    #[inline]
     pub(crate) fn peek(&mut self) -> Option<Kind> {
         self.skip_white_space();
         Some(match self.bytes().get(self.pos)? {
@@ -76,6 +80,7 @@ impl<'a> Reader<'a> {
         })
     }
 
+    #[inline]
     fn consume(&mut self, byte: u8, what: &'static str) -> Result<()> {
         self.skip_white_space();
         if self.bytes().get(self.pos) == Some(&byte) {
@@ -87,17 +92,20 @@ impl<'a> Reader<'a> {
     }
 
     /// Enters an object; read its members with [`Reader::next_key`].
+    #[inline]
     pub(crate) fn begin_object(&mut self) -> Result<()> {
         self.consume(b'{', "expected `{`")
     }
 
     /// Enters an array; read its items with [`Reader::next_item`].
+    #[inline]
     pub(crate) fn begin_array(&mut self) -> Result<()> {
         self.consume(b'[', "expected `[`")
     }
 
     /// The next key of the object being read (its value comes next), or
     /// `None` after its closing brace. `first` is true until the first call.
+    #[inline]
     pub(crate) fn next_key(&mut self, first: &mut bool) -> Result<Option<Cow<'a, str>>> {
         self.skip_white_space();
         match self.bytes().get(self.pos) {
@@ -122,6 +130,7 @@ impl<'a> Reader<'a> {
 
     /// Whether another item of the array being read follows (then it comes
     /// next); false after its closing bracket.
+    #[inline]
     pub(crate) fn next_item(&mut self, first: &mut bool) -> Result<bool> {
         self.skip_white_space();
         match self.bytes().get(self.pos) {
@@ -138,6 +147,7 @@ impl<'a> Reader<'a> {
     }
 
     /// A string, borrowed from the text unless it has escapes.
+    #[inline]
     pub(crate) fn string(&mut self) -> Result<Cow<'a, str>> {
         self.consume(b'"', "expected a string")?;
         let bytes = self.bytes();
@@ -236,6 +246,7 @@ impl<'a> Reader<'a> {
     }
 
     /// A number, as its text (validated: `-?int frac? exp?`, finite).
+    #[inline]
     pub(crate) fn number(&mut self) -> Result<&'a str> {
         self.skip_white_space();
         let bytes = self.bytes();
@@ -292,6 +303,7 @@ impl<'a> Reader<'a> {
     }
 
     /// `true` or `false`.
+    #[inline]
     pub(crate) fn bool(&mut self) -> Result<bool> {
         self.skip_white_space();
         let rest = &self.text[self.pos..];
@@ -391,6 +403,7 @@ impl<'a> Reader<'a> {
 /// The offset of the first `"`, `\\` or control character in `bytes` (its
 /// length when there is none), eight bytes at a time: strings are most of a
 /// module tree's text.
+#[inline]
 fn find_special(bytes: &[u8]) -> usize {
     const ONES: u64 = 0x0101_0101_0101_0101;
     const HIGHS: u64 = 0x8080_8080_8080_8080;

@@ -66,53 +66,126 @@ fn display_path(name: &str) -> &str {
     if name.is_empty() { "root" } else { name }
 }
 
-/// A module object, read and found complete.
-struct RawModule<'a> {
-    pos: usize,
-    parent: Option<usize>,
-    name: Cow<'a, str>,
-    class: Cow<'a, str>,
-    /// Its tensors in `RawDocument::tensors`.
-    params: Option<Range<usize>>,
-    buffers: Option<Range<usize>>,
-    /// The modules read inside its (last) `children` list.
-    children: Option<Range<usize>>,
+// The tables of the first pass are compact (offsets and indices in 32
+// bits), as they hold one entry per object of a document of megabytes:
+// documents of 4 GiB or more are refused.
+
+/// A string of the document: `len` bytes of its text from `start`, or, for
+/// a string with escapes (`start == OWNED`), `RawDocument::owned[len]`.
+#[derive(Clone, Copy, Debug)]
+struct Str {
+    start: u32,
+    len: u32,
 }
 
+const OWNED: u32 = u32::MAX;
+
+/// Entries `start..end` of `RawDocument::modules` or `RawDocument::tensors`.
+#[derive(Clone, Copy, Debug)]
+struct Span {
+    start: u32,
+    end: u32,
+}
+
+impl Span {
+    fn at(start: usize) -> Span {
+        Span {
+            start: start as u32,
+            end: start as u32,
+        }
+    }
+
+    fn range(self) -> Range<usize> {
+        self.start as usize..self.end as usize
+    }
+}
+
+/// A module object, read and found complete.
+struct RawModule {
+    pos: u32,
+    /// `NO_PARENT` for a root.
+    parent: u32,
+    name: Str,
+    class: Str,
+    /// Its tensors in `RawDocument::tensors`.
+    params: Option<Span>,
+    buffers: Option<Span>,
+    /// The modules read inside its (last) `children` list.
+    children: Option<Span>,
+}
+
+const NO_PARENT: u32 = u32::MAX;
+
 /// A tensor object, read and found complete.
-struct RawTensor<'a> {
-    pos: usize,
-    name: Cow<'a, str>,
+struct RawTensor {
+    pos: u32,
+    name: Str,
     dtype: DType,
-    shape: Vec<usize>,
     persistent: Option<bool>,
+    shape: Vec<usize>,
 }
 
 /// A group of `tied`.
-struct RawTie<'a> {
-    pos: usize,
-    names: Vec<Cow<'a, str>>,
+struct RawTie {
+    pos: u32,
+    names: Vec<Str>,
 }
 
 /// The document as the first pass read it.
 struct RawDocument<'a> {
+    text: &'a str,
+    /// Strings that had escapes.
+    owned: Vec<String>,
     /// `None` when absent or not a string.
-    format: Option<Cow<'a, str>>,
+    format: Option<Str>,
     /// Index of the root in `modules`.
     root: Option<usize>,
-    tied: Vec<RawTie<'a>>,
+    tied: Vec<RawTie>,
     /// Every module object read, each after its parent.
-    modules: Vec<RawModule<'a>>,
-    tensors: Vec<RawTensor<'a>>,
+    modules: Vec<RawModule>,
+    tensors: Vec<RawTensor>,
+}
+
+impl<'a> RawDocument<'a> {
+    fn str(&self, s: Str) -> &str {
+        if s.start == OWNED {
+            &self.owned[s.len as usize]
+        } else {
+            &self.text[s.start as usize..(s.start + s.len) as usize]
+        }
+    }
+
+    /// Keeps a string the reader read from `self.text`.
+    fn keep(&mut self, s: Cow<'a, str>) -> Str {
+        match s {
+            Cow::Borrowed(b) => Str {
+                start: (b.as_ptr() as usize - self.text.as_ptr() as usize) as u32,
+                len: b.len() as u32,
+            },
+            Cow::Owned(o) => {
+                self.owned.push(o);
+                Str {
+                    start: OWNED,
+                    len: (self.owned.len() - 1) as u32,
+                }
+            }
+        }
+    }
+
+    /// A string value kept, or `None` (after skipping it) for a value of
+    /// another type.
+    fn string(&mut self, r: &mut Reader<'a>) -> Pass<Option<Str>> {
+        Ok(string(r)?.map(|s| self.keep(s)))
+    }
 }
 
 /// Something wrong inside a module object, reported when the object ends
 /// and its path is known.
-struct Problem<'a> {
+struct Problem {
     pos: usize,
     reason: String,
     /// The tensor it is about, by its name in the module.
-    tensor: Option<Cow<'a, str>>,
+    tensor: Option<Str>,
 }
 
 impl ModuleTree {
@@ -162,6 +235,12 @@ impl ModuleTree {
 /// The first pass: the whole document's syntax, and the keys the format
 /// knows, checked object by object.
 fn read(text: &str) -> Pass<RawDocument<'_>> {
+    if text.len() >= u32::MAX as usize {
+        return Err(Stop::Invalid(Error::tree(
+            "",
+            "documents of 4 GiB or more are not read",
+        )));
+    }
     let mut r = Reader::new(text);
     if r.peek() != Some(Kind::Object) {
         r.skip()?;
@@ -172,6 +251,8 @@ fn read(text: &str) -> Pass<RawDocument<'_>> {
         )));
     }
     let mut doc = RawDocument {
+        text,
+        owned: Vec::new(),
         format: None,
         root: None,
         tied: Vec::new(),
@@ -182,12 +263,12 @@ fn read(text: &str) -> Pass<RawDocument<'_>> {
     let mut first = true;
     while let Some(key) = r.next_key(&mut first)? {
         match &*key {
-            "format" => doc.format = string(&mut r)?,
+            "format" => doc.format = doc.string(&mut r)?,
             "root" if r.peek() == Some(Kind::Object) => {
-                doc.root = Some(read_modules(&mut r, text, &mut doc)?);
+                doc.root = Some(read_modules(&mut r, &mut doc)?);
             }
             "root" => return Err(invalid(text, "root", "must be an object", r.pos())),
-            "tied" => doc.tied = read_tied(&mut r, text)?,
+            "tied" => doc.tied = read_tied(&mut r, &mut doc)?,
             _ => r.skip()?,
         }
     }
@@ -206,7 +287,7 @@ fn string<'a>(r: &mut Reader<'a>) -> Pass<Option<Cow<'a, str>>> {
 }
 
 /// A module object being read.
-struct Open<'a> {
+struct Open {
     module: usize,
     /// Its place in its parent's `children`, for paths while its name is
     /// not known yet.
@@ -217,12 +298,12 @@ struct Open<'a> {
     /// Items of its `children` list so far.
     children: usize,
     has_name: bool,
-    name: Option<Cow<'a, str>>,
-    class: Option<Cow<'a, str>>,
-    problem: Option<Problem<'a>>,
+    name: Option<Str>,
+    class: Option<Str>,
+    problem: Option<Box<Problem>>,
 }
 
-impl<'a> Open<'a> {
+impl Open {
     fn new(module: usize, index: usize) -> Self {
         Open {
             module,
@@ -238,21 +319,21 @@ impl<'a> Open<'a> {
     }
 
     /// Keeps the first problem.
-    fn spoil(&mut self, problem: Problem<'a>) {
-        self.problem.get_or_insert(problem);
+    fn spoil(&mut self, problem: Problem) {
+        self.problem.get_or_insert(Box::new(problem));
     }
 }
 
 /// The full name of the innermost open module (`""` for the root); a name
 /// not read yet is written as the module's place in its parent's list.
-fn full_name(open: &[Open<'_>]) -> String {
+fn full_name(doc: &RawDocument<'_>, open: &[Open]) -> String {
     let mut path = String::new();
     for module in open.iter().skip(1) {
         if !path.is_empty() {
             path.push('.');
         }
-        match &module.name {
-            Some(name) => path.push_str(name),
+        match module.name {
+            Some(name) => path.push_str(doc.str(name)),
             None => {
                 let _ = write!(path, "children[{}]", module.index);
             }
@@ -263,9 +344,9 @@ fn full_name(open: &[Open<'_>]) -> String {
 
 /// Reads the module object at the reader and all modules below it, without
 /// recursion: `open` holds the modules whose objects are being read.
-fn read_modules<'a>(r: &mut Reader<'a>, text: &str, doc: &mut RawDocument<'a>) -> Pass<usize> {
+fn read_modules<'a>(r: &mut Reader<'a>, doc: &mut RawDocument<'a>) -> Pass<usize> {
     let root = doc.modules.len();
-    doc.modules.push(RawModule::new(r.pos(), None));
+    doc.modules.push(RawModule::new(r.pos(), NO_PARENT));
     r.begin_object()?;
     let mut open = vec![Open::new(root, 0)];
     while let Some(top) = open.last_mut() {
@@ -275,13 +356,13 @@ fn read_modules<'a>(r: &mut Reader<'a>, text: &str, doc: &mut RawDocument<'a>) -
                 top.first_child = None;
                 let end = doc.modules.len();
                 if let Some(span) = &mut doc.modules[m].children {
-                    span.end = end;
+                    span.end = end as u32;
                 }
             } else if r.peek() == Some(Kind::Object) {
                 let index = top.children;
                 top.children += 1;
                 let child = doc.modules.len();
-                doc.modules.push(RawModule::new(r.pos(), Some(m)));
+                doc.modules.push(RawModule::new(r.pos(), m as u32));
                 r.begin_object()?;
                 open.push(Open::new(child, index));
             } else {
@@ -298,25 +379,24 @@ fn read_modules<'a>(r: &mut Reader<'a>, text: &str, doc: &mut RawDocument<'a>) -
         }
         let Some(key) = r.next_key(&mut top.first_key)? else {
             if let Some(done) = open.pop() {
-                close_module(text, doc, &open, done)?;
+                close_module(doc, &open, done)?;
             }
             continue;
         };
         match &*key {
             "name" => {
                 top.has_name = true;
-                top.name = string(r)?;
+                top.name = doc.string(r)?;
             }
-            "class" => top.class = string(r)?,
-            "params" | "buffers" => match read_tensors(r, &mut doc.tensors, &key)? {
+            "class" => top.class = doc.string(r)?,
+            "params" | "buffers" => match read_tensors(r, doc, &key)? {
                 Ok(range) if key == "params" => doc.modules[m].params = Some(range),
                 Ok(range) => doc.modules[m].buffers = Some(range),
                 Err(problem) => top.spoil(problem),
             },
             "children" if r.peek() == Some(Kind::Array) => {
                 r.begin_array()?;
-                let start = doc.modules.len();
-                doc.modules[m].children = Some(start..start);
+                doc.modules[m].children = Some(Span::at(doc.modules.len()));
                 top.first_child = Some(true);
                 top.children = 0;
             }
@@ -335,13 +415,14 @@ fn read_modules<'a>(r: &mut Reader<'a>, text: &str, doc: &mut RawDocument<'a>) -
     Ok(root)
 }
 
-impl RawModule<'_> {
-    fn new(pos: usize, parent: Option<usize>) -> Self {
+impl RawModule {
+    fn new(pos: usize, parent: u32) -> Self {
+        let empty = Str { start: 0, len: 0 };
         RawModule {
-            pos,
+            pos: pos as u32,
             parent,
-            name: Cow::Borrowed(""),
-            class: Cow::Borrowed(""),
+            name: empty,
+            class: empty,
             params: None,
             buffers: None,
             children: None,
@@ -352,13 +433,9 @@ impl RawModule<'_> {
 /// Checks a module object that ended (`open` holds its ancestors) and keeps
 /// its name and class. Paths are made only for errors: making them for
 /// every module would cost the depth of the tree each time.
-fn close_module<'a>(
-    text: &str,
-    doc: &mut RawDocument<'a>,
-    open: &[Open<'a>],
-    done: Open<'a>,
-) -> Pass<()> {
-    let pos = doc.modules[done.module].pos;
+fn close_module(doc: &mut RawDocument<'_>, open: &[Open], done: Open) -> Pass<()> {
+    let text = doc.text;
+    let pos = doc.modules[done.module].pos as usize;
     let name = if open.is_empty() {
         if done.has_name {
             return Err(invalid(
@@ -368,21 +445,21 @@ fn close_module<'a>(
                 pos,
             ));
         }
-        Cow::Borrowed("")
+        Str { start: 0, len: 0 }
     } else {
         match done.name {
             Some(name) => name,
             None => {
                 return Err(invalid(
                     text,
-                    display_path(&full_name(open)),
+                    display_path(&full_name(doc, open)),
                     "a child module has no \"name\" string",
                     pos,
                 ));
             }
         }
     };
-    let path = || join(&full_name(open), &name);
+    let path = || join(&full_name(doc, open), doc.str(name));
     let Some(class) = done.class else {
         return Err(invalid(
             text,
@@ -392,8 +469,8 @@ fn close_module<'a>(
         ));
     };
     if let Some(p) = done.problem {
-        let at = match &p.tensor {
-            Some(tensor) => join(&path(), tensor),
+        let at = match p.tensor {
+            Some(tensor) => join(&path(), doc.str(tensor)),
             None => display_path(&path()).to_string(),
         };
         return Err(invalid(text, at, &p.reason, p.pos));
@@ -408,9 +485,9 @@ fn close_module<'a>(
 /// or the first problem.
 fn read_tensors<'a>(
     r: &mut Reader<'a>,
-    tensors: &mut Vec<RawTensor<'a>>,
+    doc: &mut RawDocument<'a>,
     key: &str,
-) -> Pass<Result<Range<usize>, Problem<'a>>> {
+) -> Pass<Result<Span, Problem>> {
     let pos = r.pos();
     if r.peek() != Some(Kind::Array) {
         r.skip()?;
@@ -421,13 +498,13 @@ fn read_tensors<'a>(
         }));
     }
     r.begin_array()?;
-    let start = tensors.len();
+    let start = doc.tensors.len();
     let mut problem = None;
     let mut first = true;
     while r.next_item(&mut first)? {
         let pos = r.pos();
         let read = if r.peek() == Some(Kind::Object) {
-            read_tensor(r, key)?
+            read_tensor(r, doc, key)?
         } else {
             r.skip()?;
             Err(Problem {
@@ -437,7 +514,7 @@ fn read_tensors<'a>(
             })
         };
         match read {
-            Ok(tensor) if problem.is_none() => tensors.push(tensor),
+            Ok(tensor) if problem.is_none() => doc.tensors.push(tensor),
             Ok(_) => {}
             Err(p) => {
                 problem.get_or_insert(p);
@@ -445,13 +522,20 @@ fn read_tensors<'a>(
         }
     }
     Ok(match problem {
-        None => Ok(start..tensors.len()),
+        None => Ok(Span {
+            start: start as u32,
+            end: doc.tensors.len() as u32,
+        }),
         Some(p) => Err(p),
     })
 }
 
 /// Reads one tensor object of a `key` list.
-fn read_tensor<'a>(r: &mut Reader<'a>, key: &str) -> Pass<Result<RawTensor<'a>, Problem<'a>>> {
+fn read_tensor<'a>(
+    r: &mut Reader<'a>,
+    doc: &mut RawDocument<'a>,
+    key: &str,
+) -> Pass<Result<RawTensor, Problem>> {
     let pos = r.pos();
     let (mut name, mut dtype, mut shape, mut persistent) = (None, None, None, None);
     // The first wrong value; its tensor's name may come after it.
@@ -461,7 +545,7 @@ fn read_tensor<'a>(r: &mut Reader<'a>, key: &str) -> Pass<Result<RawTensor<'a>, 
     while let Some(field) = r.next_key(&mut first)? {
         let value_pos = r.pos();
         match &*field {
-            "name" => name = string(r)?,
+            "name" => name = doc.string(r)?,
             "dtype" => {
                 dtype = None;
                 if let Some(text) = string(r)? {
@@ -510,7 +594,7 @@ fn read_tensor<'a>(r: &mut Reader<'a>, key: &str) -> Pass<Result<RawTensor<'a>, 
     let problem = |pos: usize, reason: String| Problem {
         pos,
         reason,
-        tensor: Some(name.clone()),
+        tensor: Some(name),
     };
     if let Some((pos, reason)) = wrong {
         return Ok(Err(problem(pos, reason)));
@@ -528,7 +612,7 @@ fn read_tensor<'a>(r: &mut Reader<'a>, key: &str) -> Pass<Result<RawTensor<'a>, 
         )));
     }
     Ok(Ok(RawTensor {
-        pos,
+        pos: pos as u32,
         name,
         dtype,
         shape,
@@ -568,7 +652,8 @@ fn read_shape(r: &mut Reader<'_>) -> Pass<Result<Vec<usize>, (usize, String)>> {
     Ok(dims)
 }
 
-fn read_tied<'a>(r: &mut Reader<'a>, text: &str) -> Pass<Vec<RawTie<'a>>> {
+fn read_tied<'a>(r: &mut Reader<'a>, doc: &mut RawDocument<'a>) -> Pass<Vec<RawTie>> {
+    let text = doc.text;
     if r.peek() != Some(Kind::Array) {
         return Err(invalid(text, "tied", "must be a list of lists", r.pos()));
     }
@@ -586,12 +671,15 @@ fn read_tied<'a>(r: &mut Reader<'a>, text: &str) -> Pass<Vec<RawTie<'a>>> {
         let mut first_name = true;
         while r.next_item(&mut first_name)? {
             let name_pos = r.pos();
-            match string(r)? {
+            match doc.string(r)? {
                 Some(name) => names.push(name),
                 None => return Err(invalid(text, path(), "names must be strings", name_pos)),
             }
         }
-        groups.push(RawTie { pos, names });
+        groups.push(RawTie {
+            pos: pos as u32,
+            names,
+        });
     }
     Ok(groups)
 }
@@ -601,8 +689,8 @@ fn read_tied<'a>(r: &mut Reader<'a>, text: &str) -> Pass<Vec<RawTie<'a>>> {
 /// own, depth first), so module and tensor ids do not depend on how the
 /// document was written. The builder checks names and ties.
 fn build(text: &str, mut doc: RawDocument<'_>) -> Result<ModuleTree, Error> {
-    match &doc.format {
-        Some(f) if f == FORMAT => {}
+    match doc.format.map(|f| doc.str(f)) {
+        Some(FORMAT) => {}
         Some(other) => {
             return Err(Error::tree(
                 "format",
@@ -619,7 +707,7 @@ fn build(text: &str, mut doc: RawDocument<'_>) -> Result<ModuleTree, Error> {
     let Some(root) = doc.root else {
         return Err(Error::tree("root", "missing"));
     };
-    let mut builder = ModuleTreeBuilder::new(doc.modules[root].class.as_ref());
+    let mut builder = ModuleTreeBuilder::new(doc.str(doc.modules[root].class));
     builder.reserve(doc.modules.len(), doc.tensors.len());
     let (starts, children) = children_lists(&doc.modules);
     let name_budget = text.len().saturating_mul(NAME_BYTES_PER_BYTE);
@@ -644,27 +732,37 @@ fn build(text: &str, mut doc: RawDocument<'_>) -> Result<ModuleTree, Error> {
     let mut stack: Vec<(usize, ModuleId)> = vec![(root, 0)];
     while let Some((raw, id)) = stack.pop() {
         let module = &doc.modules[raw];
-        for (range, param) in [(&module.params, true), (&module.buffers, false)] {
-            for t in range.clone().unwrap_or_default() {
-                let t = &mut doc.tensors[t];
-                let meta = TensorMeta::new(t.dtype, std::mem::take(&mut t.shape));
+        for (list, param) in [(module.params, true), (module.buffers, false)] {
+            let list = list.map_or(0..0, Span::range);
+            let ids = if param {
+                &mut builder.modules[id].params
+            } else {
+                &mut builder.modules[id].buffers
+            };
+            ids.reserve_exact(list.len());
+            for t in list {
+                let shape = std::mem::take(&mut doc.tensors[t].shape);
+                let t = &doc.tensors[t];
+                let meta = TensorMeta::new(t.dtype, shape);
+                let name = doc.str(t.name);
                 let added = if param {
-                    builder.add_param(id, &t.name, meta)
+                    builder.add_param(id, name, meta)
                 } else {
-                    builder.add_buffer(id, &t.name, meta, t.persistent.unwrap_or(true))
+                    builder.add_buffer(id, name, meta, t.persistent.unwrap_or(true))
                 };
-                let tensor = added.map_err(|e| locate(text, e, t.pos))?;
-                spend(&builder.tensors[tensor].name, t.pos)?;
+                let tensor = added.map_err(|e| locate(text, e, t.pos as usize))?;
+                spend(&builder.tensors[tensor].name, t.pos as usize)?;
             }
         }
         let first_id = builder.modules.len();
         let kids = &children[starts[raw]..starts[raw + 1]];
+        builder.modules[id].children.reserve_exact(kids.len());
         for &c in kids {
             let child = &doc.modules[c];
             let cid = builder
-                .add_module(id, &child.name, child.class.as_ref())
-                .map_err(|e| locate(text, e, child.pos))?;
-            spend(&builder.modules[cid].name, child.pos)?;
+                .add_module(id, doc.str(child.name), doc.str(child.class))
+                .map_err(|e| locate(text, e, child.pos as usize))?;
+            spend(&builder.modules[cid].name, child.pos as usize)?;
         }
         // The children got consecutive ids; the first is read first.
         for (k, &c) in kids.iter().enumerate().rev() {
@@ -673,7 +771,8 @@ fn build(text: &str, mut doc: RawDocument<'_>) -> Result<ModuleTree, Error> {
     }
 
     for group in &doc.tied {
-        builder.tie(&group.names);
+        let names: Vec<&str> = group.names.iter().map(|n| doc.str(*n)).collect();
+        builder.tie(&names);
     }
     builder.finish().map_err(|e| {
         // The builder names a bad group `tied[g]`; point at it.
@@ -686,7 +785,7 @@ fn build(text: &str, mut doc: RawDocument<'_>) -> Result<ModuleTree, Error> {
             _ => None,
         };
         match group {
-            Some(group) => locate(text, e, group.pos),
+            Some(group) => locate(text, e, group.pos as usize),
             None => e,
         }
     })
@@ -695,11 +794,11 @@ fn build(text: &str, mut doc: RawDocument<'_>) -> Result<ModuleTree, Error> {
 /// Each module's children in document order, as one list: module `m`'s
 /// are `children[starts[m]..starts[m + 1]]`. A child belongs to its
 /// parent's last `children` list only (a repeated key replaces the list).
-fn children_lists(modules: &[RawModule<'_>]) -> (Vec<usize>, Vec<usize>) {
+fn children_lists(modules: &[RawModule]) -> (Vec<usize>, Vec<usize>) {
     let belongs = |c: usize| -> Option<usize> {
-        let p = modules[c].parent?;
-        match &modules[p].children {
-            Some(span) if span.contains(&c) => Some(p),
+        let p = modules[c].parent;
+        match modules.get(p as usize)?.children {
+            Some(span) if span.range().contains(&c) => Some(p as usize),
             _ => None,
         }
     };
