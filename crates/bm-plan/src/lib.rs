@@ -37,7 +37,6 @@
 //! `bigmodel::default_max_memory`).
 
 mod error;
-mod json;
 mod size;
 #[cfg(test)]
 mod testing;

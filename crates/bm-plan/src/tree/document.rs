@@ -2,15 +2,17 @@
 //! read straight from its text into a [`ModuleTree`], and written.
 //!
 //! Reading takes two passes and no `serde_json::Value`. The first reads the
-//! text once with the pull reader of `crate::json` into flat tables of
+//! text once with `bm-json`'s pull reader into flat tables of
 //! modules and tensors with borrowed names, and checks each object's keys
 //! when the object ends (a module's name may come after its children, so
 //! only then is its path known); the first thing wrong stops it. The second
 //! feeds those tables to [`ModuleTreeBuilder`] in the order the tree has
 //! always been built in, which checks names and ties. Every error names the
-//! dotted path of the module or tensor and the line and column of the
-//! offending value. Nothing recurses, so a tree of any depth reads in
-//! constant stack, and memory stays a small multiple of the document: what
+//! dotted path of the module or tensor and the byte, line and column of the
+//! offending value. The walk over modules does not recurse, so a tree of any
+//! depth reads in constant stack (a value the format does not know may nest
+//! 128 levels, serde_json's limit), and memory stays a small multiple of the
+//! document: what
 //! is stored is only what was found valid, and the full dotted names, which
 //! grow with depth, have a budget.
 
@@ -22,7 +24,10 @@ use bm_tensor::{DType, TensorMeta};
 
 use super::{FORMAT, ModuleId, ModuleTree, ModuleTreeBuilder, TensorId, TensorKind, join};
 use crate::Error;
-use crate::json::{Kind, Reader, SyntaxError, line_column};
+use bm_json::{Kind, Reader, line_column};
+
+/// How much of a wrong value an error shows.
+const SHOWN: usize = 40;
 
 /// The bytes of full names a document may make per byte of its text. A
 /// name repeats its ancestors' names, so a deep chain of short names would
@@ -32,12 +37,13 @@ const NAME_BYTES_PER_BYTE: usize = 32;
 
 /// Why the first pass stopped.
 enum Stop {
-    Syntax(SyntaxError),
+    /// The reader's message (with the byte offset).
+    Syntax(String),
     Invalid(Error),
 }
 
-impl From<SyntaxError> for Stop {
-    fn from(e: SyntaxError) -> Self {
+impl From<String> for Stop {
+    fn from(e: String) -> Self {
         Stop::Syntax(e)
     }
 }
@@ -46,7 +52,11 @@ type Pass<T> = Result<T, Stop>;
 
 /// A module-tree error at byte offset `pos` of `text`.
 fn error_at(text: &str, path: impl Into<String>, reason: &str, pos: usize) -> Error {
-    Error::tree(path, format!("{reason} at {}", line_column(text, pos)))
+    let (line, column) = line_column(text, pos);
+    Error::tree(
+        path,
+        format!("{reason} at byte {pos} (line {line}, column {column})"),
+    )
 }
 
 fn invalid(text: &str, path: impl Into<String>, reason: &str, pos: usize) -> Stop {
@@ -195,10 +205,7 @@ impl ModuleTree {
         match read(text) {
             Ok(doc) => build(text, doc),
             Err(Stop::Invalid(e)) => Err(e),
-            Err(Stop::Syntax(e)) => Err(Error::tree(
-                "",
-                format!("not valid JSON: {} at {}", e.what, line_column(text, e.pos)),
-            )),
+            Err(Stop::Syntax(e)) => Err(Error::tree("", format!("not valid JSON: {e}"))),
         }
     }
 
@@ -218,13 +225,14 @@ impl ModuleTree {
         if r.begin_object().is_err() {
             return false;
         }
-        while let Ok(Some(key)) = r.next_key(&mut first) {
+        while let Ok(Some(key)) = r.next_key(first) {
+            first = false;
             format |= key == "format";
             root |= key == "root";
             if format && root {
                 return true;
             }
-            if r.skip().is_err() {
+            if r.skip_value().is_err() {
                 return false;
             }
         }
@@ -235,15 +243,25 @@ impl ModuleTree {
 /// The first pass: the whole document's syntax, and the keys the format
 /// knows, checked object by object.
 fn read(text: &str) -> Pass<RawDocument<'_>> {
+    let mut r = Reader::new(text);
+    read_document(&mut r, text).map_err(|stop| match stop {
+        Stop::Syntax(e) => {
+            let (line, column) = line_column(text, r.offset());
+            Stop::Syntax(format!("{e} (line {line}, column {column})"))
+        }
+        invalid => invalid,
+    })
+}
+
+fn read_document<'a>(r: &mut Reader<'a>, text: &'a str) -> Pass<RawDocument<'a>> {
     if text.len() >= u32::MAX as usize {
         return Err(Stop::Invalid(Error::tree(
             "",
             "documents of 4 GiB or more are not read",
         )));
     }
-    let mut r = Reader::new(text);
-    if r.peek() != Some(Kind::Object) {
-        r.skip()?;
+    if r.peek()? != Kind::Object {
+        r.skip_value()?;
         r.end()?;
         return Err(Stop::Invalid(Error::tree(
             "",
@@ -261,15 +279,16 @@ fn read(text: &str) -> Pass<RawDocument<'_>> {
     };
     r.begin_object()?;
     let mut first = true;
-    while let Some(key) = r.next_key(&mut first)? {
+    while let Some(key) = r.next_key(first)? {
+        first = false;
         match &*key {
-            "format" => doc.format = doc.string(&mut r)?,
-            "root" if r.peek() == Some(Kind::Object) => {
-                doc.root = Some(read_modules(&mut r, &mut doc)?);
+            "format" => doc.format = doc.string(r)?,
+            "root" if r.peek()? == Kind::Object => {
+                doc.root = Some(read_modules(r, &mut doc)?);
             }
             "root" => return Err(invalid(text, "root", "must be an object", r.pos())),
-            "tied" => doc.tied = read_tied(&mut r, &mut doc)?,
-            _ => r.skip()?,
+            "tied" => doc.tied = read_tied(r, &mut doc)?,
+            _ => r.skip_value()?,
         }
     }
     r.end()?;
@@ -278,10 +297,10 @@ fn read(text: &str) -> Pass<RawDocument<'_>> {
 
 /// A string, or `None` (after skipping it) for a value of another type.
 fn string<'a>(r: &mut Reader<'a>) -> Pass<Option<Cow<'a, str>>> {
-    if r.peek() == Some(Kind::String) {
+    if r.peek()? == Kind::String {
         Ok(Some(r.string()?))
     } else {
-        r.skip()?;
+        r.skip_value()?;
         Ok(None)
     }
 }
@@ -351,14 +370,15 @@ fn read_modules<'a>(r: &mut Reader<'a>, doc: &mut RawDocument<'a>) -> Pass<usize
     let mut open = vec![Open::new(root, 0)];
     while let Some(top) = open.last_mut() {
         let m = top.module;
-        if let Some(first_child) = &mut top.first_child {
-            if !r.next_item(first_child)? {
+        if let Some(first_child) = top.first_child {
+            top.first_child = Some(false);
+            if !r.next_element(first_child)? {
                 top.first_child = None;
                 let end = doc.modules.len();
                 if let Some(span) = &mut doc.modules[m].children {
                     span.end = end as u32;
                 }
-            } else if r.peek() == Some(Kind::Object) {
+            } else if r.peek()? == Kind::Object {
                 let index = top.children;
                 top.children += 1;
                 let child = doc.modules.len();
@@ -368,7 +388,7 @@ fn read_modules<'a>(r: &mut Reader<'a>, doc: &mut RawDocument<'a>) -> Pass<usize
             } else {
                 top.children += 1;
                 let pos = r.pos();
-                r.skip()?;
+                r.skip_value()?;
                 top.spoil(Problem {
                     pos,
                     reason: "each child must be an object".into(),
@@ -377,7 +397,8 @@ fn read_modules<'a>(r: &mut Reader<'a>, doc: &mut RawDocument<'a>) -> Pass<usize
             }
             continue;
         }
-        let Some(key) = r.next_key(&mut top.first_key)? else {
+        let first_key = std::mem::replace(&mut top.first_key, false);
+        let Some(key) = r.next_key(first_key)? else {
             if let Some(done) = open.pop() {
                 close_module(doc, &open, done)?;
             }
@@ -394,7 +415,7 @@ fn read_modules<'a>(r: &mut Reader<'a>, doc: &mut RawDocument<'a>) -> Pass<usize
                 Ok(range) => doc.modules[m].buffers = Some(range),
                 Err(problem) => top.spoil(problem),
             },
-            "children" if r.peek() == Some(Kind::Array) => {
+            "children" if r.peek()? == Kind::Array => {
                 r.begin_array()?;
                 doc.modules[m].children = Some(Span::at(doc.modules.len()));
                 top.first_child = Some(true);
@@ -402,14 +423,14 @@ fn read_modules<'a>(r: &mut Reader<'a>, doc: &mut RawDocument<'a>) -> Pass<usize
             }
             "children" => {
                 let pos = r.pos();
-                r.skip()?;
+                r.skip_value()?;
                 top.spoil(Problem {
                     pos,
                     reason: "\"children\" must be a list".into(),
                     tensor: None,
                 });
             }
-            _ => r.skip()?,
+            _ => r.skip_value()?,
         }
     }
     Ok(root)
@@ -489,8 +510,8 @@ fn read_tensors<'a>(
     key: &str,
 ) -> Pass<Result<Span, Problem>> {
     let pos = r.pos();
-    if r.peek() != Some(Kind::Array) {
-        r.skip()?;
+    if r.peek()? != Kind::Array {
+        r.skip_value()?;
         return Ok(Err(Problem {
             pos,
             reason: format!("\"{key}\" must be a list"),
@@ -501,12 +522,13 @@ fn read_tensors<'a>(
     let start = doc.tensors.len();
     let mut problem = None;
     let mut first = true;
-    while r.next_item(&mut first)? {
+    while r.next_element(first)? {
+        first = false;
         let pos = r.pos();
-        let read = if r.peek() == Some(Kind::Object) {
+        let read = if r.peek()? == Kind::Object {
             read_tensor(r, doc, key)?
         } else {
-            r.skip()?;
+            r.skip_value()?;
             Err(Problem {
                 pos,
                 reason: format!("each entry of \"{key}\" must be an object"),
@@ -542,7 +564,8 @@ fn read_tensor<'a>(
     let mut wrong: Option<(usize, String)> = None;
     r.begin_object()?;
     let mut first = true;
-    while let Some(field) = r.next_key(&mut first)? {
+    while let Some(field) = r.next_key(first)? {
+        first = false;
         let value_pos = r.pos();
         match &*field {
             "name" => name = doc.string(r)?,
@@ -563,25 +586,37 @@ fn read_tensor<'a>(
                     }
                 }
             }
-            "shape" if r.peek() == Some(Kind::Array) => match read_shape(r)? {
+            "shape" if r.peek()? == Kind::Array => match read_shape(r)? {
                 Ok(dims) => shape = Some(dims),
                 Err(problem) => {
                     wrong.get_or_insert(problem);
                 }
             },
             "shape" => {
-                r.skip()?;
+                r.skip_value()?;
                 shape = None;
             }
-            "persistent" if r.peek() == Some(Kind::Bool) => persistent = Some(r.bool()?),
             "persistent" => {
-                let found = r.skip_text()?;
-                wrong.get_or_insert((
-                    value_pos,
-                    format!("\"persistent\" must be true or false, found {found}"),
-                ));
+                let saved = r.clone();
+                let value = match r.peek()? {
+                    Kind::Literal => r.bool()?,
+                    _ => {
+                        r.skip_value()?;
+                        None
+                    }
+                };
+                match value {
+                    Some(b) => persistent = Some(b),
+                    None => {
+                        let found = saved.clone().skip_and_show(SHOWN)?;
+                        wrong.get_or_insert((
+                            value_pos,
+                            format!("\"persistent\" must be true or false, found {found}"),
+                        ));
+                    }
+                }
             }
-            _ => r.skip()?,
+            _ => r.skip_value()?,
         }
     }
     let Some(name) = name else {
@@ -625,28 +660,29 @@ fn read_shape(r: &mut Reader<'_>) -> Pass<Result<Vec<usize>, (usize, String)>> {
     r.begin_array()?;
     let mut dims = Ok(Vec::new());
     let mut first = true;
-    while r.next_item(&mut first)? {
+    while r.next_element(first)? {
+        first = false;
         let pos = r.pos();
-        let text = if r.peek() == Some(Kind::Number) {
-            r.number()?
-        } else {
-            r.skip_text()?
-        };
-        // Digits only: no sign, fraction or exponent (JSON has no leading zeros).
-        let dim = if text.bytes().all(|b| b.is_ascii_digit()) {
-            text.parse::<usize>().ok()
-        } else {
-            None
-        };
-        match (dim, &mut dims) {
-            (Some(d), Ok(list)) => list.push(d),
-            (None, Ok(_)) => {
-                dims = Err((
-                    pos,
-                    format!("shape dimension {text} is not a non-negative integer"),
-                ));
+        let saved = r.clone();
+        // A plain integer: no sign, fraction or exponent.
+        let dim = match r.peek()? {
+            Kind::Number => r.number()?.and_then(|d| usize::try_from(d).ok()),
+            _ => {
+                r.skip_value()?;
+                None
             }
-            (_, Err(_)) => {}
+        };
+        if let Ok(list) = &mut dims {
+            match dim {
+                Some(d) => list.push(d),
+                None => {
+                    let text = saved.clone().skip_and_show(SHOWN)?;
+                    dims = Err((
+                        pos,
+                        format!("shape dimension {text} is not a non-negative integer"),
+                    ));
+                }
+            }
         }
     }
     Ok(dims)
@@ -654,22 +690,24 @@ fn read_shape(r: &mut Reader<'_>) -> Pass<Result<Vec<usize>, (usize, String)>> {
 
 fn read_tied<'a>(r: &mut Reader<'a>, doc: &mut RawDocument<'a>) -> Pass<Vec<RawTie>> {
     let text = doc.text;
-    if r.peek() != Some(Kind::Array) {
+    if r.peek()? != Kind::Array {
         return Err(invalid(text, "tied", "must be a list of lists", r.pos()));
     }
     r.begin_array()?;
     let mut groups = Vec::new();
     let mut first = true;
-    while r.next_item(&mut first)? {
+    while r.next_element(first)? {
+        first = false;
         let pos = r.pos();
         let path = || format!("tied[{}]", groups.len());
-        if r.peek() != Some(Kind::Array) {
+        if r.peek()? != Kind::Array {
             return Err(invalid(text, path(), "must be a list of names", pos));
         }
         r.begin_array()?;
         let mut names = Vec::new();
         let mut first_name = true;
-        while r.next_item(&mut first_name)? {
+        while r.next_element(first_name)? {
+            first_name = false;
             let name_pos = r.pos();
             match doc.string(r)? {
                 Some(name) => names.push(name),
@@ -1007,21 +1045,21 @@ mod tests {
     }
 
     #[test]
-    fn errors_give_the_line_and_column_of_the_object() {
+    fn errors_give_the_byte_line_and_column_of_the_value() {
         let text = "{\"format\":\"bigmodel-module-tree/1\",\"root\":{\"class\":\"M\",\n\"children\":[{\"name\":\"a\",\"class\":\"L\",\n  \"params\":[{\"name\":\"w\",\"shape\":[2],\"dtype\":\"F17\"}]}]}}";
         assert_eq!(
             err(text),
-            "invalid module tree at a.w: unknown dtype \"F17\" (expected F64 F32 F16 BF16 I64 I32 I16 I8 U8 BOOL F8_E4M3 F8_E5M2) at line 3 column 45"
+            "invalid module tree at a.w: unknown dtype \"F17\" (expected F64 F32 F16 BF16 I64 I32 I16 I8 U8 BOOL F8_E4M3 F8_E5M2) at byte 137 (line 3, column 45)"
         );
         let dup = "{\"format\":\"bigmodel-module-tree/1\",\"root\":{\"class\":\"M\",\"children\":[\n{\"name\":\"a\",\"class\":\"L\"},\n  {\"name\":\"a\",\"class\":\"L\"}]}}";
         assert_eq!(
             err(dup),
-            "invalid module tree at a: duplicate name among siblings at line 3 column 3"
+            "invalid module tree at a: duplicate name among siblings at byte 96 (line 3, column 3)"
         );
         let syntax = "{\"format\":\"bigmodel-module-tree/1\",\n\"root\":{\"class\":\"M\",}}";
         assert_eq!(
             err(syntax),
-            "invalid module tree: not valid JSON: expected a string key at line 2 column 21"
+            "invalid module tree: not valid JSON: expected a key at byte 56 (line 2, column 21)"
         );
     }
 
@@ -1110,7 +1148,7 @@ mod tests {
         for (root, want) in cases {
             let e = err(&doc(root));
             assert!(
-                e.contains(want) && e.contains(" at line 1 column "),
+                e.contains(want) && e.contains(" (line 1, column "),
                 "{root}: {e}"
             );
         }
@@ -1124,7 +1162,7 @@ mod tests {
         assert!(tied(r#"[["w",1]]"#).contains("at tied[0]: names must be strings"));
         assert!(
             tied(r#"[["w"]]"#)
-                .contains("at tied[0]: a tied group needs at least two names at line 1 column")
+                .contains("at tied[0]: a tied group needs at least two names at byte")
         );
         assert!(err(r#"{"format":7,"root":{"class":"M"}}"#).contains("missing \"format\""));
         assert!(err(r#"{"format":"bigmodel-module-tree/1"}"#).contains("at root: missing"));
