@@ -8,6 +8,7 @@ use std::process::Command;
 use serde_json::{Value, json};
 
 use super::Suite;
+use super::load::Loader;
 use super::process::{COMMAND_LIMIT, capture};
 use super::report::{Cell, Row, Unit};
 
@@ -64,8 +65,8 @@ impl Suite {
                 .ok_or("not available: no `load_seconds` in the answer")?;
             Ok(model_bytes.clone()? / s / 1e9)
         };
-        let our_load = load_rate(self.bigmodel_run(&resident, "gpu", 1, runs));
-        let their_load = load_rate(self.accelerate_load(&resident, "gpu", 1, runs));
+        let our_load = load_rate(self.load_runs(Loader::Bigmodel, &resident, "gpu", 1, runs));
+        let their_load = load_rate(self.load_runs(Loader::Accelerate, &resident, "gpu", 1, runs));
         let offloaded = self.shape.device_map(json!(0), json!(0), json!("cpu"));
         let stream_rate = |r: Result<Value, String>| -> Result<f64, String> {
             let v = r?;
@@ -77,8 +78,10 @@ impl Suite {
                 .ok_or("not available: no `seconds_per_token` in the answer")?;
             Ok(bytes / s / 1e9)
         };
-        let our_stream = stream_rate(self.bigmodel_run(&offloaded, "gpu-cpu", 8, runs));
-        let their_stream = stream_rate(self.accelerate_load(&offloaded, "gpu-cpu", 8, runs));
+        let our_stream =
+            stream_rate(self.load_runs(Loader::Bigmodel, &offloaded, "gpu-cpu", 8, runs));
+        let their_stream =
+            stream_rate(self.load_runs(Loader::Accelerate, &offloaded, "gpu-cpu", 8, runs));
         let share =
             |ours: &Result<f64, String>, theirs: &Result<f64, String>| match (theirs, &ceiling) {
                 (Ok(t), Ok(c)) => format!(

@@ -13,94 +13,90 @@ use super::process::{COMMAND_LIMIT, capture};
 use super::report::{Cell, Row, Unit};
 use super::stats::median_fields;
 
+/// Who loads the model in the load rows.
+#[derive(Clone, Copy)]
+pub(super) enum Loader {
+    /// `bigmodel run`.
+    Bigmodel,
+    /// Accelerate's `load_checkpoint_and_dispatch` (`bench_accelerate.py load`).
+    Accelerate,
+}
+
+impl Loader {
+    fn name(self) -> &'static str {
+        match self {
+            Loader::Bigmodel => "bigmodel",
+            Loader::Accelerate => "accelerate",
+        }
+    }
+}
+
 impl Suite {
-    /// `bigmodel run` with `map`, median of `runs` runs of each key.
-    pub(super) fn bigmodel_run(
+    /// Loads the model with `map` and generates `new_tokens` tokens `runs`
+    /// times, each time in a fresh process with an empty offload folder
+    /// (whose bytes it adds as `offload_folder_bytes`): `bigmodel run`, or
+    /// `bench_accelerate.py load`. Returns the median of each numeric field.
+    pub(super) fn load_runs(
         &self,
+        loader: Loader,
         map: &Value,
         tag: &str,
         new_tokens: usize,
         runs: usize,
     ) -> Result<Value, String> {
-        let cli = self.cli()?;
-        self.runs_with_map(
-            map,
-            &format!("bigmodel-{tag}"),
-            runs,
-            |dir, map_file, offload| {
-                let mut cmd = Command::new(cli);
-                cmd.arg("run")
-                    .arg(dir)
-                    .args(["--prompt-ids", &self.shape.prompt_ids()])
-                    .arg("--device-map")
-                    .arg(map_file)
-                    .args(["--max-new-tokens", &new_tokens.to_string(), "--json"]);
-                if let Some(offload) = offload {
-                    cmd.arg("--offload-folder").arg(offload);
-                }
-                let out = capture(&mut cmd, COMMAND_LIMIT)?;
-                serde_json::from_str::<Value>(out.stdout.trim())
-                    .map_err(|e| format!("not available: bigmodel run --json: {e}"))
-            },
-        )
-    }
-
-    /// `bench_accelerate.py load` with `map`, median of `runs` runs.
-    pub(super) fn accelerate_load(
-        &self,
-        map: &Value,
-        tag: &str,
-        new_tokens: usize,
-        runs: usize,
-    ) -> Result<Value, String> {
-        self.python()?;
-        self.runs_with_map(
-            map,
-            &format!("accelerate-{tag}"),
-            runs,
-            |dir, map_file, offload| {
-                let dir = dir.to_string_lossy();
-                let map_file = map_file.to_string_lossy();
-                let new_tokens = new_tokens.to_string();
-                let prompt = self.shape.prompt_ids();
-                let mut args = vec![
-                    "load",
-                    &dir,
-                    "--device-map",
-                    &map_file,
-                    "--prompt-ids",
-                    &prompt,
-                    "--new-tokens",
-                    &new_tokens,
-                ];
-                let offload = offload.map(Path::to_string_lossy);
-                if let Some(offload) = &offload {
-                    args.extend(["--offload-folder", offload]);
-                }
-                self.baseline(&args)
-            },
-        )
-    }
-
-    /// Runs `run_once(model folder, map file, offload folder if the map has
-    /// disk entries)` `runs` times with `map` written to a file, each time
-    /// with an empty offload folder whose bytes it adds to the answer as
-    /// `offload_folder_bytes`; returns the median of each numeric field.
-    fn runs_with_map(
-        &self,
-        map: &Value,
-        tag: &str,
-        runs: usize,
-        mut run_once: impl FnMut(&Path, &Path, Option<&Path>) -> Result<Value, String>,
-    ) -> Result<Value, String> {
+        let cli = match loader {
+            Loader::Bigmodel => Some(self.cli()?),
+            Loader::Accelerate => {
+                self.python()?;
+                None
+            }
+        };
         let (dir, _) = self.model.as_ref().map_err(Clone::clone)?;
+        let tag = format!("{}-{tag}", loader.name());
         let map_file = self.data.join(format!("map-{tag}.json"));
         write_atomic(&map_file, map.to_string().as_bytes())?;
         let offload = self.data.join(format!("offload-{tag}"));
+        let offload_arg = map_has(map, "disk").then_some(&offload);
+        let prompt = self.shape.prompt_ids();
+        let new_tokens = new_tokens.to_string();
         let mut answers = Vec::new();
         for _ in 0..runs {
             let _ = fs::remove_dir_all(&offload);
-            let mut answer = run_once(dir, &map_file, map_has(map, "disk").then_some(&*offload))?;
+            let mut answer = match cli {
+                Some(cli) => {
+                    let mut cmd = Command::new(cli);
+                    cmd.arg("run")
+                        .arg(dir)
+                        .args(["--prompt-ids", &prompt])
+                        .arg("--device-map")
+                        .arg(&map_file)
+                        .args(["--max-new-tokens", &new_tokens, "--json"]);
+                    if let Some(offload) = offload_arg {
+                        cmd.arg("--offload-folder").arg(offload);
+                    }
+                    let out = capture(&mut cmd, COMMAND_LIMIT)?;
+                    serde_json::from_str::<Value>(out.stdout.trim())
+                        .map_err(|e| format!("not available: bigmodel run --json: {e}"))?
+                }
+                None => {
+                    let (dir, map_file) = (dir.to_string_lossy(), map_file.to_string_lossy());
+                    let mut args = vec![
+                        "load",
+                        &dir,
+                        "--device-map",
+                        &map_file,
+                        "--prompt-ids",
+                        &prompt,
+                        "--new-tokens",
+                        &new_tokens,
+                    ];
+                    let offload = offload_arg.map(|o| o.to_string_lossy());
+                    if let Some(offload) = &offload {
+                        args.extend(["--offload-folder", offload]);
+                    }
+                    self.baseline(&args)?
+                }
+            };
             answer["offload_folder_bytes"] = json!(dir_bytes(&offload));
             answers.push(answer);
         }
@@ -119,8 +115,8 @@ impl Suite {
             // Warm the page cache so neither side pays for the first read.
             let _ = fs::read(dir.join("model.safetensors"));
         }
-        let ours = self.bigmodel_run(&map, "cpu-disk", new_tokens, runs);
-        let theirs = self.accelerate_load(&map, "cpu-disk", new_tokens, runs);
+        let ours = self.load_runs(Loader::Bigmodel, &map, "cpu-disk", new_tokens, runs);
+        let theirs = self.load_runs(Loader::Accelerate, &map, "cpu-disk", new_tokens, runs);
         let model = match &self.model {
             Ok((_, bytes)) => format!(
                 "{}-layer Llama, {:.0} MB F32",
