@@ -53,6 +53,7 @@ impl<'a> Reader<'a> {
     }
 
     /// The byte offset reached; after an error, where the error is.
+    #[inline]
     pub fn offset(&self) -> usize {
         self.pos
     }
@@ -61,6 +62,8 @@ impl<'a> Reader<'a> {
         self.text.as_bytes()
     }
 
+    #[cold]
+    #[inline(never)]
     fn error(&self, what: &str) -> String {
         format!("{what} at byte {}", self.pos)
     }
@@ -72,14 +75,21 @@ impl<'a> Reader<'a> {
         }
     }
 
+    #[inline]
     fn expect(&mut self, byte: u8) -> Result<(), String> {
         self.skip_ws();
         if self.bytes().get(self.pos) == Some(&byte) {
             self.pos += 1;
             Ok(())
         } else {
-            Err(self.error(&format!("expected `{}`", byte as char)))
+            Err(self.expected(byte))
         }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn expected(&self, byte: u8) -> String {
+        self.error(&format!("expected `{}`", byte as char))
     }
 
     /// The kind of the next value.
@@ -98,12 +108,14 @@ impl<'a> Reader<'a> {
     }
 
     /// Consumes the `{` of an object.
+    #[inline]
     pub fn begin_object(&mut self) -> Result<(), String> {
         self.expect(b'{')
     }
 
     /// The next key of the object being read, or `None` after its `}`.
     /// `first` is true for the first call after [`Reader::begin_object`].
+    #[inline]
     pub fn next_key(&mut self, first: bool) -> Result<Option<Cow<'a, str>>, String> {
         self.skip_ws();
         if self.bytes().get(self.pos) == Some(&b'}') {
@@ -123,12 +135,14 @@ impl<'a> Reader<'a> {
     }
 
     /// Consumes the `[` of an array.
+    #[inline]
     pub fn begin_array(&mut self) -> Result<(), String> {
         self.expect(b'[')
     }
 
     /// True when the array being read has another element (consuming the
     /// `,` before it), false after its `]`.
+    #[inline]
     pub fn next_element(&mut self, first: bool) -> Result<bool, String> {
         self.skip_ws();
         if self.bytes().get(self.pos) == Some(&b']') {
@@ -142,6 +156,7 @@ impl<'a> Reader<'a> {
     }
 
     /// Reads a string value.
+    #[inline]
     pub fn string(&mut self) -> Result<Cow<'a, str>, String> {
         self.expect(b'"')?;
         let start = self.pos;
@@ -240,6 +255,7 @@ impl<'a> Reader<'a> {
 
     /// Reads a number token; returns it as a `u64` when it is a plain
     /// non-negative integer that fits (no sign, fraction or exponent).
+    #[inline]
     pub fn number(&mut self) -> Result<Option<u64>, String> {
         self.skip_ws();
         let bytes = self.bytes();
@@ -297,6 +313,7 @@ impl<'a> Reader<'a> {
     }
 
     /// Reads `true` or `false`, or `null` as `None`.
+    #[inline]
     pub fn bool(&mut self) -> Result<Option<bool>, String> {
         self.skip_ws();
         let rest = &self.bytes()[self.pos..];
@@ -340,6 +357,7 @@ impl<'a> Reader<'a> {
     }
 
     /// Skips any value, checking its syntax.
+    #[inline]
     pub fn skip_value(&mut self) -> Result<(), String> {
         self.skip_nested(0)
     }
@@ -394,6 +412,7 @@ impl<'a> Reader<'a> {
     }
 
     /// Checks that nothing but whitespace follows.
+    #[inline]
     pub fn end(&mut self) -> Result<(), String> {
         self.skip_ws();
         if self.pos == self.text.len() {
