@@ -7,8 +7,9 @@
 //!   with their reason;
 //! * only bm-device names cudarc, only its `cuda` module does it in code,
 //!   and only its `lib.rs` looks at the `cuda` feature;
-//! * bm-tensor is a leaf, and neither bm-plan nor bm-shard reaches
-//!   bm-device, directly or through another crate, whatever the features;
+//! * bm-tensor and bm-json are leaves, and neither bm-plan nor bm-shard
+//!   reaches bm-device, directly or through another crate, whatever the
+//!   features;
 //! * the code map of docs/ARCHITECTURE.md lists every edge between the
 //!   workspace's crates;
 //! * every source file opens with a `//!` doc comment;
@@ -203,10 +204,12 @@ fn workspace_closure(members: &BTreeMap<String, String>, name: &str) -> BTreeSet
 #[test]
 fn bm_tensor_is_a_leaf_and_the_pure_crates_never_reach_a_device() {
     let members = members();
-    assert!(
-        workspace_closure(&members, "bm-tensor").is_empty(),
-        "bm-tensor must depend on no workspace crate"
-    );
+    for leaf in ["bm-tensor", "bm-json"] {
+        assert!(
+            workspace_closure(&members, leaf).is_empty(),
+            "{leaf} must depend on no workspace crate"
+        );
+    }
     for pure in ["bm-tensor", "bm-shard", "bm-plan"] {
         let closure = workspace_closure(&members, pure);
         assert!(
