@@ -121,7 +121,8 @@ pub(super) fn build_cli(root: &Path, cargo: &str) -> (Result<PathBuf, String>, O
     let cuda_failure = build(&["--features", "cuda"]).err();
     if let Some(why) = &cuda_failure {
         eprintln!("== bench: the CUDA build of the CLI failed ({why}); building without CUDA");
-        if let Err(e) = build(&[]) {
+        // `cuda` is a default feature of the CLI: leave the defaults out.
+        if let Err(e) = build(&["--no-default-features"]) {
             return (Err(e), cuda_failure);
         }
     }
