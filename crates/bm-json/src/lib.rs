@@ -11,8 +11,9 @@
 
 use std::borrow::Cow;
 
-/// Nesting deeper than this is refused (serde_json's own limit), so a
-/// hostile file cannot exhaust the stack.
+/// Nesting this deep is refused (serde_json's own limit, counted the same
+/// way from the outermost value), so a hostile file cannot exhaust the
+/// stack and what is accepted is what serde_json accepts.
 const MAX_DEPTH: usize = 128;
 
 /// A strict pull parser; every error is a message with the byte offset.
@@ -21,6 +22,8 @@ const MAX_DEPTH: usize = 128;
 pub struct Reader<'a> {
     text: &'a str,
     pos: usize,
+    /// Objects and arrays open around the position.
+    depth: usize,
 }
 
 /// What the next value is, from its first byte.
@@ -41,7 +44,11 @@ pub enum Kind {
 impl<'a> Reader<'a> {
     /// A reader at the start of `text`.
     pub fn new(text: &'a str) -> Self {
-        Reader { text, pos: 0 }
+        Reader {
+            text,
+            pos: 0,
+            depth: 0,
+        }
     }
 
     /// The byte offset of the next value (white space skipped), for
@@ -110,7 +117,17 @@ impl<'a> Reader<'a> {
     /// Consumes the `{` of an object.
     #[inline]
     pub fn begin_object(&mut self) -> Result<(), String> {
-        self.expect(b'{')
+        self.expect(b'{')?;
+        self.enter()
+    }
+
+    #[inline]
+    fn enter(&mut self) -> Result<(), String> {
+        self.depth += 1;
+        if self.depth >= MAX_DEPTH {
+            return Err(self.error("nesting 128 levels deep or more"));
+        }
+        Ok(())
     }
 
     /// The next key of the object being read, or `None` after its `}`.
@@ -120,6 +137,7 @@ impl<'a> Reader<'a> {
         self.skip_ws();
         if self.bytes().get(self.pos) == Some(&b'}') {
             self.pos += 1;
+            self.depth -= 1;
             return Ok(None);
         }
         if !first {
@@ -137,7 +155,8 @@ impl<'a> Reader<'a> {
     /// Consumes the `[` of an array.
     #[inline]
     pub fn begin_array(&mut self) -> Result<(), String> {
-        self.expect(b'[')
+        self.expect(b'[')?;
+        self.enter()
     }
 
     /// True when the array being read has another element (consuming the
@@ -147,6 +166,7 @@ impl<'a> Reader<'a> {
         self.skip_ws();
         if self.bytes().get(self.pos) == Some(&b']') {
             self.pos += 1;
+            self.depth -= 1;
             return Ok(false);
         }
         if !first {
@@ -356,23 +376,16 @@ impl<'a> Reader<'a> {
         Ok(ok.then_some(out))
     }
 
-    /// Skips any value, checking its syntax.
-    #[inline]
+    /// Skips any value, checking its syntax. Recursion is bounded by the
+    /// nesting limit.
     pub fn skip_value(&mut self) -> Result<(), String> {
-        self.skip_nested(0)
-    }
-
-    fn skip_nested(&mut self, depth: usize) -> Result<(), String> {
-        if depth >= MAX_DEPTH {
-            return Err(self.error("nesting deeper than 128 levels"));
-        }
         match self.peek()? {
             Kind::Object => {
                 self.begin_object()?;
                 let mut first = true;
                 while self.next_key(first)?.is_some() {
                     first = false;
-                    self.skip_nested(depth + 1)?;
+                    self.skip_value()?;
                 }
             }
             Kind::Array => {
@@ -380,7 +393,7 @@ impl<'a> Reader<'a> {
                 let mut first = true;
                 while self.next_element(first)? {
                     first = false;
-                    self.skip_nested(depth + 1)?;
+                    self.skip_value()?;
                 }
             }
             Kind::String => {
@@ -563,12 +576,28 @@ mod tests {
             "{} x",
             "",
             "[[[[]]]]",
+            "1e308",
+            "1e309",
+            "[-1e400]",
+            "1e-999",
+            &"9".repeat(400),
+            &"9".repeat(300),
         ] {
             let serde = serde_json::from_str::<Value>(json).is_ok();
             assert_eq!(validate(json).is_ok(), serde, "{json:?}");
         }
-        let deep = "[".repeat(200) + &"]".repeat(200);
-        assert!(validate(&deep).unwrap_err().contains("nesting"));
+        // serde_json's limit, counted the same way.
+        for n in [127, 128, 129, 200] {
+            let deep = "[".repeat(n) + &"]".repeat(n);
+            let in_object = format!("{{\"a\":{}}}", "[".repeat(n) + &"]".repeat(n));
+            for json in [deep, in_object] {
+                let serde = serde_json::from_str::<Value>(&json).is_ok();
+                assert_eq!(validate(&json).is_ok(), serde, "{n}");
+                if !serde {
+                    assert!(validate(&json).unwrap_err().contains("nesting"));
+                }
+            }
+        }
     }
 
     #[test]

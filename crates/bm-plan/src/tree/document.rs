@@ -9,12 +9,11 @@
 //! feeds those tables to [`ModuleTreeBuilder`] in the order the tree has
 //! always been built in, which checks names and ties. Every error names the
 //! dotted path of the module or tensor and the byte, line and column of the
-//! offending value. The walk over modules does not recurse, so a tree of any
-//! depth reads in constant stack (a value the format does not know may nest
-//! 128 levels, serde_json's limit), and memory stays a small multiple of the
-//! document: what
-//! is stored is only what was found valid, and the full dotted names, which
-//! grow with depth, have a budget.
+//! offending value. The walk over modules does not recurse; nesting is
+//! refused where serde_json refuses it (128 levels of objects and lists, so
+//! a tree of 62 levels of modules), and memory stays a small multiple of the
+//! document: what is stored is only what was found valid, and the full
+//! dotted names, which grow with depth, have a budget.
 
 use std::borrow::Cow;
 use std::fmt::Write as _;
@@ -1230,25 +1229,45 @@ mod tests {
         assert_eq!(tree.find("b.w"), Some(Node::Tensor(0)));
     }
 
-    /// A chain of `depth` modules named `d`.
-    fn chain(depth: usize) -> String {
+    /// A chain of `depth` modules named `name`, the last with `tensors`
+    /// parameters.
+    fn chain(depth: usize, name: &str, tensors: usize) -> String {
         let mut text = String::from(r#"{"format":"bigmodel-module-tree/1","root":{"class":"M""#);
         for _ in 0..depth {
-            text.push_str(r#","children":[{"name":"d","class":"D""#);
+            write!(text, r#","children":[{{"name":"{name}","class":"D""#).unwrap();
         }
+        let params: Vec<String> = (0..tensors)
+            .map(|t| format!(r#"{{"name":"w{t}","shape":[1],"dtype":"F32"}}"#))
+            .collect();
+        write!(text, r#","params":[{}]"#, params.join(",")).unwrap();
         text.push_str(&"}]".repeat(depth));
         text.push_str("}}");
         text
     }
 
     #[test]
-    fn deep_trees_read_in_constant_stack_and_names_have_a_budget() {
-        // Deeper than serde_json's recursion limit allowed before.
-        let tree = ModuleTree::from_json_str(&chain(1000)).unwrap();
-        assert_eq!(tree.modules().len(), 1001);
-        assert!(tree.find(&vec!["d"; 1000].join(".")).is_some());
-        // 20,000 levels would make 400 MB of dotted names from 700 kB.
-        let e = err(&chain(20_000));
+    fn nesting_stops_where_serde_json_stops_and_names_have_a_budget() {
+        // The document, the root, then a `children` list and a module
+        // object per level: 128 levels of JSON nesting is 63 modules deep.
+        for depth in [62, 63] {
+            let text = chain(depth, "d", 1);
+            let serde = serde_json::from_str::<serde_json::Value>(&text).is_ok();
+            match ModuleTree::from_json_str(&text) {
+                Ok(tree) => {
+                    assert!(serde, "{depth}");
+                    assert_eq!(tree.modules().len(), depth + 1);
+                    let path = vec!["d"; depth].join(".");
+                    assert!(tree.find(&format!("{path}.w0")).is_some());
+                }
+                Err(e) => {
+                    assert!(!serde, "{depth}");
+                    assert!(e.to_string().contains("nesting 128 levels deep"), "{e}");
+                }
+            }
+        }
+        // 60 levels of 1000-byte names and 200 short tensor entries below
+        // them: 12 MB of dotted tensor names from 68 kB of text.
+        let e = err(&chain(60, &"d".repeat(1000), 200));
         assert!(
             e.contains("32 times the size of the document: the tree nests too deep"),
             "{e}"
