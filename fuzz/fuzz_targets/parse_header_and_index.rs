@@ -1,9 +1,11 @@
 //! Any bytes, through every reader of untrusted files: as a safetensors
-//! file, a shard index and an Accelerate offload index. Each reader must
-//! return `Ok` or an `Err` naming the file, never panic; and what it accepts
-//! must be what the reference accepts: a header we accept, the safetensors
-//! crate accepts with the same tensors; an index we accept is one JSON
-//! object to serde_json, with safe shard names.
+//! file, a shard index, an Accelerate offload index and a module-tree
+//! document. Each reader must return `Ok` or an `Err` naming the file (the
+//! module tree: saying it is one), never panic; and what it accepts must be
+//! what the reference accepts: a header we accept, the safetensors crate
+//! accepts with the same tensors; an index or a module tree we accept is
+//! one JSON object to serde_json, with safe shard names, and every module
+//! and tensor of an accepted tree is found by its name.
 //!
 //! Run from the repository root (nightly and `cargo install cargo-fuzz`):
 //!
@@ -21,6 +23,7 @@
 
 use std::path::Path;
 
+use bm_plan::{ModuleTree, Node};
 use bm_shard::offload::{OffloadEntry, parse_index};
 use bm_shard::{Header, Index, check_shard_name};
 use libfuzzer_sys::fuzz_target;
@@ -29,8 +32,9 @@ fuzz_target!(|data: &[u8]| {
     header(data);
     shard_index(data);
     offload_index(data);
-    // The module-tree/1 and config.json readers (bm-plan) join here, one
-    // function each in the same form, when they are fuzzed.
+    module_tree(data);
+    // The config.json reader (bm-plan) joins here, one function in the same
+    // form, when it is fuzzed.
 });
 
 fn header(data: &[u8]) {
@@ -105,5 +109,25 @@ fn offload_index(data: &[u8]) {
             }
         }
         Err(e) => assert!(e.to_string().starts_with("index.json: "), "{e}"),
+    }
+}
+
+fn module_tree(data: &[u8]) {
+    let Ok(text) = std::str::from_utf8(data) else {
+        return;
+    };
+    match ModuleTree::from_json_str(text) {
+        Ok(tree) => {
+            let value: serde_json::Value =
+                serde_json::from_str(text).expect("an accepted module tree is JSON");
+            assert!(value.is_object());
+            for (m, module) in tree.modules().iter().enumerate() {
+                assert_eq!(tree.find(&module.name), Some(Node::Module(m)));
+            }
+            for (t, tensor) in tree.tensors().iter().enumerate() {
+                assert_eq!(tree.find(&tensor.name), Some(Node::Tensor(t)));
+            }
+        }
+        Err(e) => assert!(e.to_string().starts_with("invalid module tree"), "{e}"),
     }
 }
