@@ -1,9 +1,10 @@
 //! Any bytes, through every reader of untrusted files: as a safetensors
-//! file, a shard index, an Accelerate offload index and a module-tree
-//! document. Each reader must return `Ok` or an `Err` naming the file (the
-//! module tree: saying it is one), never panic; and what it accepts must be
-//! what the reference accepts: a header we accept, the safetensors crate
-//! accepts with the same tensors; an index or a module tree we accept is
+//! file, a shard index, an Accelerate offload index, a module-tree
+//! document and a config.json (as the planner builds a model from it).
+//! Each reader must return `Ok` or an `Err` naming the file (the module
+//! tree: saying it is one), never panic; and what it accepts must be what
+//! the reference accepts: a header we accept, the safetensors crate accepts
+//! with the same tensors; an index, a module tree or a config we accept is
 //! one JSON object to serde_json, with safe shard names, and every module
 //! and tensor of an accepted tree is found by its name.
 //!
@@ -23,6 +24,8 @@
 
 use std::path::Path;
 
+use bm_plan::config::HfConfig;
+use bm_plan::hf::tree_from_config;
 use bm_plan::{ModuleTree, Node};
 use bm_shard::offload::{OffloadEntry, parse_index};
 use bm_shard::{Header, Index, check_shard_name};
@@ -33,8 +36,7 @@ fuzz_target!(|data: &[u8]| {
     shard_index(data);
     offload_index(data);
     module_tree(data);
-    // The config.json reader (bm-plan) joins here, one function in the same
-    // form, when it is fuzzed.
+    config(data);
 });
 
 fn header(data: &[u8]) {
@@ -129,5 +131,37 @@ fn module_tree(data: &[u8]) {
             }
         }
         Err(e) => assert!(e.to_string().starts_with("invalid module tree"), "{e}"),
+    }
+}
+
+/// A config.json: accepted only if it is a JSON object to serde_json; the
+/// model built from an accepted one has the layers it says, and its KV
+/// cache size for absurd requests saturates instead of wrapping.
+fn config(data: &[u8]) {
+    let Ok(text) = std::str::from_utf8(data) else {
+        return;
+    };
+    let config = match HfConfig::parse(text, "config.json") {
+        Ok(config) => config,
+        Err(e) => {
+            assert!(e.to_string().starts_with("config.json: "), "{e}");
+            return;
+        }
+    };
+    let value: serde_json::Value = serde_json::from_str(text).expect("an accepted config is JSON");
+    assert!(value.is_object());
+    // Up to 10000 layers are valid; building that many per input would
+    // only slow the search (unit tests cover the bound).
+    if config.num_layers > 64 {
+        return;
+    }
+    match tree_from_config(&config) {
+        Ok(model) => {
+            assert_eq!(model.layers.len(), config.num_layers);
+            if let Some(per_layer) = model.kv_runtime_bytes(u64::MAX, u64::MAX, model.dtype) {
+                assert_eq!(per_layer.len(), config.num_layers);
+            }
+        }
+        Err(e) => assert!(e.to_string().starts_with("config.json: "), "{e}"),
     }
 }
