@@ -17,6 +17,8 @@
 //! | `Llama-2-7b-hf/config.json`  | `crates/bm-plan/tests/fixtures/configs/llama-2-7b.json` |
 //! | `tiny-llama/`                | `crates/bm-models/tests/fixtures/tiny-llama/`        |
 //! | `tiny-bert/`                 | `crates/bm-models/tests/fixtures/tiny-bert/`         |
+//! | `Mixtral-8x7B-v0.1/config.json` | `crates/bm-plan/tests/fixtures/configs/mixtral-8x7b.json` |
+//! | `tiny-mixtral/`              | `crates/bm-models/tests/fixtures/tiny-mixtral/`      |
 //! | `old-model/`                 | `crates/bm-shard/tests/fixtures/torch/tiny-llama/`   |
 //! | `evil/pytorch_model.bin`     | `crates/bm-shard/tests/fixtures/torch/bad/malicious_system.bin` |
 //! | `partial-map.json`           | the map the guide prints next to the command         |
@@ -167,6 +169,16 @@ fn guide_folder() -> tempfile::TempDir {
     copy_dir(
         &fixtures("bm-models").join("tiny-bert"),
         &root.join("tiny-bert"),
+    );
+    std::fs::create_dir(root.join("Mixtral-8x7B-v0.1")).unwrap();
+    std::fs::copy(
+        fixtures("bm-plan").join("configs/mixtral-8x7b.json"),
+        root.join("Mixtral-8x7B-v0.1/config.json"),
+    )
+    .unwrap();
+    copy_dir(
+        &fixtures("bm-models").join("tiny-mixtral"),
+        &root.join("tiny-mixtral"),
     );
     let torch = fixtures("bm-shard").join("torch");
     copy_dir(&torch.join("tiny-llama"), &root.join("old-model"));

@@ -11,6 +11,8 @@ use std::fmt;
 pub enum Error {
     /// A `device_map` string that is no strategy (Accelerate's message).
     UnknownStrategy(String),
+    /// `experts_on` without a `device_map` to place the rest of the model.
+    ExpertsWithoutMap,
     /// Reading the machine's memory for default budgets failed.
     Memory(bm_device::Error),
     /// Opening a checkpoint (headers, index, shards) failed.
@@ -34,6 +36,9 @@ impl fmt::Display for Error {
         match self {
             Error::UnknownStrategy(_) => f.write_str(
                 "If passing a string for `device_map`, please choose 'auto', 'balanced', 'balanced_low_0' or 'sequential'.",
+            ),
+            Error::ExpertsWithoutMap => f.write_str(
+                "`experts_on` needs a `device_map` (a strategy or a map) for the rest of the model",
             ),
             Error::Memory(e) => write!(f, "reading the machine's memory: {e}"),
             Error::Shard(e) => e.fmt(f),
@@ -59,7 +64,9 @@ impl fmt::Display for Error {
 impl std::error::Error for Error {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            Error::UnknownStrategy(_) | Error::NoExecutableBatchSize { .. } => None,
+            Error::UnknownStrategy(_)
+            | Error::ExpertsWithoutMap
+            | Error::NoExecutableBatchSize { .. } => None,
             Error::Memory(e) => Some(e),
             Error::Shard(e) => Some(e),
             Error::Plan(e) => Some(e),

@@ -149,6 +149,11 @@ pub struct Options {
     /// Produces some tensors' bytes while loading (quantize-on-load); the
     /// tree declares them in their produced form.
     pub load_transform: Option<Arc<dyn bm_dispatch::LoadTransform>>,
+    /// Mixture-of-experts models: every experts list on this device (the
+    /// CPU or disk), the rest of the model where the map or plan puts it
+    /// ([`bm_plan::place_experts`]); compute then fetches only the experts
+    /// its router picks. Needs a `device_map`.
+    pub experts_on: Option<bm_plan::Device>,
 }
 
 impl Options {
@@ -188,6 +193,11 @@ pub fn load_checkpoint_and_dispatch(
             };
             Some(bm_plan::plan_with(&tree, &plan_options, options.planner)?.device_map)
         }
+    };
+    let map = match (map, options.experts_on) {
+        (Some(map), Some(device)) => Some(bm_plan::place_experts(&tree, &map, device)?),
+        (None, Some(_)) => return Err(Error::ExpertsWithoutMap),
+        (map, None) => map,
     };
     let model = Model::empty(tree, devices)?;
     let checkpoint = bm_shard::Checkpoint::open(checkpoint)?;

@@ -475,3 +475,105 @@ fn minilm_with_half_its_layers_on_disk_matches_sentence_transformers() {
     }
     assert!(weights.streamed_bytes() > 0);
 }
+
+/// The experts each token of prompt `prompt` picked in each layer
+/// (transformers' routers, `experts.N` `[layers, len, top_k]`, -1 for
+/// dense layers): per layer, the distinct experts.
+fn picked_experts(reference: &[u8], prompt: usize) -> Vec<Vec<i64>> {
+    let st = SafeTensors::deserialize(reference).unwrap();
+    let t = st.tensor(&format!("experts.{prompt}")).unwrap();
+    let per_layer = t.shape()[1] * t.shape()[2];
+    let all: Vec<i64> = t
+        .data()
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    all.chunks(per_layer)
+        .map(|layer| {
+            let mut picked: Vec<i64> = layer.iter().copied().filter(|&e| e >= 0).collect();
+            picked.sort_unstable();
+            picked.dedup();
+            picked
+        })
+        .collect()
+}
+
+#[test]
+fn experts_on_disk_stream_only_the_experts_the_router_picks() {
+    for model in ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe"] {
+        let dir = fixture(model);
+        let reference = std::fs::read(dir.join("reference.safetensors")).unwrap();
+        let config = bm_models::DecoderConfig::from_dir(&dir).unwrap();
+        let moe = config.moe.clone().unwrap();
+        // Three matrices of [width, hidden] per expert, in F32.
+        let expert_bytes = 3 * 4 * (moe.expert_intermediate_size * config.hidden_size) as u64;
+        let units = units(&dir);
+        let offload = tempfile::tempdir().unwrap();
+        let all_cpu = units
+            .iter()
+            .map(|u| (u.clone(), json!("cpu")))
+            .collect::<serde_json::Map<_, _>>();
+        let mut experts_on_disk = options(all_cpu.clone().into(), Some(offload.path()));
+        experts_on_disk.experts_on = Some(bigmodel::plan::Device::Disk);
+        let layers_on_disk = all_cpu
+            .iter()
+            .map(|(u, d)| {
+                let layer = u.rsplit('.').next().unwrap().parse::<usize>().is_ok();
+                (u.clone(), if layer { json!("disk") } else { d.clone() })
+            })
+            .collect::<serde_json::Map<_, _>>();
+        let whole_layers = options(layers_on_disk.into(), Some(&offload.path().join("layers")));
+        let devices = Arc::new(DeviceSet::cpu_only());
+        let experts = open_causal_lm(&dir, Arc::clone(&devices), &experts_on_disk).unwrap();
+        let layers = open_causal_lm(&dir, devices, &whole_layers).unwrap();
+        let map = experts.weights.model().hf_device_map().unwrap();
+        assert!(
+            map.iter()
+                .any(|(n, d)| n.ends_with(".experts") && d == bigmodel::plan::Device::Disk),
+            "{model}: {map:?}"
+        );
+        for prompt in 0..3 {
+            let prompt_ids = ids(&reference, &format!("prompt.{prompt}"));
+            let want = floats(&reference, &format!("logits.{prompt}"));
+            let mut logits = Vec::new();
+            let mut streamed = Vec::new();
+            for Dispatched { model: lm, weights } in [&experts, &layers] {
+                let before = weights.streamed_bytes();
+                let mut cache = lm.decoder().new_cache();
+                let out = lm
+                    .decoder()
+                    .forward(weights, &prompt_ids, &mut cache, Logits::All)
+                    .unwrap()
+                    .to_f32_vec();
+                streamed.push(weights.streamed_bytes() - before);
+                logits.push(out);
+            }
+            assert_eq!(
+                bits(&logits[0]),
+                bits(&logits[1]),
+                "{model} prompt {prompt}"
+            );
+            let diff = logits[0]
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(diff <= 1e-4, "{model} prompt {prompt}: {diff}");
+            // Exactly the experts transformers' routers picked for these
+            // tokens, in every sparse layer; never more than whole layers.
+            let picked: usize = picked_experts(&reference, prompt)
+                .iter()
+                .map(Vec::len)
+                .sum();
+            assert_eq!(
+                streamed[0],
+                picked as u64 * expert_bytes,
+                "{model} prompt {prompt}"
+            );
+            assert!(
+                streamed[0] < streamed[1],
+                "{model} prompt {prompt}: {streamed:?}"
+            );
+        }
+    }
+}

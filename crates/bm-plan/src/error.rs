@@ -64,6 +64,8 @@ pub enum Error {
         /// Why.
         reason: String,
     },
+    /// Experts were to be placed on their own, but the model has none.
+    NoExperts,
 }
 
 impl fmt::Display for Error {
@@ -154,6 +156,11 @@ impl fmt::Display for Error {
                 )
             }
             Error::BadDeviceMap(msg) => write!(f, "invalid device map: {msg}"),
+            Error::NoExperts => write!(
+                f,
+                "the model has no experts to place (no module list named `experts`: not a \
+                 mixture-of-experts model)"
+            ),
             Error::DoesNotFit(msg) => write!(f, "{msg}"),
             Error::NotQuantizable { what, reason } => write!(f, "cannot quantize {what}: {reason}"),
         }

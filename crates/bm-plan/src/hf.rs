@@ -34,9 +34,6 @@ pub struct HfModel {
     /// The repeated blocks that hold a KV cache (decoder layers; BERT's
     /// encoder layers; T5's decoder blocks), in order.
     pub layers: Vec<ModuleId>,
-    /// The experts list of each sparse layer (`model.layers.N.mlp.experts`),
-    /// in order: the units `--experts-on` places; empty without experts.
-    pub experts: Vec<ModuleId>,
     /// KV-cache elements per token per layer (keys and values), for decoders.
     pub kv_elements_per_token: Option<u64>,
     /// The dtype the weights are stored in (`dtype`/`torch_dtype`, default F32).
@@ -248,7 +245,6 @@ fn decoder(cfg: &HfConfig, family: Family, dtype: DType) -> Result<HfModel, Erro
     let list = b.module(model, "layers", "ModuleList")?;
     let norm_class = format!("{prefix}RMSNorm");
     let mut layer_ids = Vec::with_capacity(layers);
-    let mut experts = Vec::new();
     for i in 0..layers {
         let layer = b.module(list, &i.to_string(), &format!("{prefix}DecoderLayer"))?;
         layer_ids.push(layer);
@@ -275,7 +271,7 @@ fn decoder(cfg: &HfConfig, family: Family, dtype: DType) -> Result<HfModel, Erro
             }
         }
         if let Some(moe) = cfg.moe.as_ref().filter(|m| m.sparse_layers[i]) {
-            experts.push(sparse_moe(&mut b, layer, cfg, family, prefix, moe, act)?);
+            sparse_moe(&mut b, layer, cfg, family, prefix, moe, act)?;
         } else if family == Family::Phi3 {
             let mlp = b.module(layer, "mlp", &format!("{prefix}MLP"))?;
             b.linear(mlp, "gate_up_proj", hidden, 2 * inter, false)?;
@@ -325,7 +321,6 @@ fn decoder(cfg: &HfConfig, family: Family, dtype: DType) -> Result<HfModel, Erro
         tree: b.b.finish()?,
         no_split: vec![format!("{prefix}DecoderLayer")],
         layers: layer_ids,
-        experts,
         kv_elements_per_token: Some(2 * (kv_heads * head_dim) as u64),
         dtype,
     })
@@ -335,7 +330,8 @@ fn decoder(cfg: &HfConfig, family: Family, dtype: DType) -> Result<HfModel, Erro
 /// module docs): Mixtral's `block_sparse_moe` (router `gate`, experts with
 /// `w1`, `w2`, `w3`), Qwen's `mlp` (router `gate`, experts with
 /// `gate_proj`, `up_proj`, `down_proj`, and Qwen2-MoE's shared expert with
-/// its one-output `shared_expert_gate`). Returns the experts list.
+/// its one-output `shared_expert_gate`). [`crate::expert_lists`] finds the
+/// experts lists by their name.
 fn sparse_moe(
     b: &mut B,
     layer: ModuleId,
@@ -344,7 +340,7 @@ fn sparse_moe(
     prefix: &str,
     moe: &crate::config::MoeConfig,
     act: &str,
-) -> Result<ModuleId, Error> {
+) -> Result<(), Error> {
     let hidden = cfg.hidden_size;
     let inter = moe.expert_intermediate_size;
     let mixtral = family == Family::Mixtral;
@@ -369,7 +365,7 @@ fn sparse_moe(
         b.gated_mlp(expert, hidden, shared, false, act)?;
         b.linear(block, "shared_expert_gate", hidden, 1, false)?;
     }
-    Ok(list)
+    Ok(())
 }
 
 /// `T5ForConditionalGeneration`: the shared embedding, an encoder and a
@@ -465,7 +461,6 @@ fn t5(cfg: &HfConfig, dtype: DType) -> Result<HfModel, Error> {
         tree: b.b.finish()?,
         no_split: vec!["T5Block".into()],
         layers: decoder_blocks,
-        experts: Vec::new(),
         kv_elements_per_token: Some(2 * inner as u64),
         dtype,
     })
@@ -516,7 +511,6 @@ fn gpt2(cfg: &HfConfig, dtype: DType) -> Result<HfModel, Error> {
         tree: b.b.finish()?,
         no_split: vec!["GPT2Block".into()],
         layers: layer_ids,
-        experts: Vec::new(),
         kv_elements_per_token: Some(2 * embd as u64),
         dtype,
     })
@@ -583,7 +577,6 @@ fn bert(cfg: &HfConfig, dtype: DType) -> Result<HfModel, Error> {
         tree: b.b.finish()?,
         no_split: vec!["BertEmbeddings".into(), "BertLayer".into()],
         layers: layer_ids,
-        experts: Vec::new(),
         kv_elements_per_token: None,
         dtype,
     })

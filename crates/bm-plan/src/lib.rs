@@ -46,6 +46,7 @@ pub mod auto;
 pub mod checkpoint;
 pub mod config;
 pub mod device;
+pub mod experts;
 pub mod hf;
 pub mod plan;
 pub mod quant;
@@ -54,6 +55,7 @@ pub mod tree;
 
 pub use device::{Device, MaxMemory};
 pub use error::Error;
+pub use experts::{expert_lists, place_experts};
 pub use plan::{Compat, DeviceMap, Mode, Plan, PlanOptions, check_device_map};
 pub use size::{
     MAX_BUDGET, convert_file_size_to_int, human_bytes, parse_size_text, parse_size_value,

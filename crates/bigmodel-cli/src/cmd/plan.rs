@@ -64,6 +64,10 @@ pub struct Args {
     /// default planner keeps room for them on the execution device.
     #[arg(long, default_value_t = 1)]
     prefetch_depth: usize,
+    /// Mixture-of-experts models: put every layer's experts on `cpu` or
+    /// `disk`, everything else as planned.
+    #[arg(long, value_name = "cpu|disk")]
+    experts_on: Option<String>,
     /// Print the planner's decisions.
     #[arg(long)]
     explain: bool,
@@ -188,6 +192,11 @@ pub fn run(args: Args) -> CmdResult {
         format!("--mode {mode_text:?}: expected auto, balanced, balanced_low_0 or sequential")
     })?;
     let dtype = args.dtype.as_deref().map(parse_dtype).transpose()?;
+    let experts_on = args
+        .experts_on
+        .as_deref()
+        .map(super::run::parse_experts_on)
+        .transpose()?;
     if compat == Compat::Accelerate && (args.reserve.is_some() || args.max_seq_len.is_some()) {
         return Err(
             "--reserve and --max-seq-len apply to bigmodel's planner, not to --compat accelerate"
@@ -222,6 +231,7 @@ pub fn run(args: Args) -> CmdResult {
             tree,
             &path,
             dtype,
+            experts_on,
             args.json,
             source.tree().parameter_count(),
         );
@@ -283,7 +293,11 @@ pub fn run(args: Args) -> CmdResult {
         prefetch_depth: args.prefetch_depth,
         ..PlanOptions::default()
     };
-    let plan = bigmodel::plan::plan_with(tree, &options, compat)?;
+    let mut plan = bigmodel::plan::plan_with(tree, &options, compat)?;
+    if let Some(device) = experts_on {
+        plan.device_map = bigmodel::plan::place_experts(tree, &plan.device_map, device)?;
+        plan.device_bytes = device_bytes(tree, &plan.device_map, dtype);
+    }
     warnings.extend(plan.warnings.iter().cloned());
     for w in &warnings {
         eprintln!("warning: {w}");
@@ -308,6 +322,7 @@ fn check_custom_map(
     tree: &ModuleTree,
     path: &Path,
     dtype: Option<DType>,
+    experts_on: Option<Device>,
     json: bool,
     parameters: u64,
 ) -> CmdResult {
@@ -317,6 +332,27 @@ fn check_custom_map(
     for w in &warnings {
         eprintln!("warning: {w}");
     }
+    let map = match experts_on {
+        Some(device) => bigmodel::plan::place_experts(tree, &map, device)?,
+        None => map,
+    };
+    let plan = Plan {
+        device_bytes: device_bytes(tree, &map, dtype),
+        device_map: map,
+        ..Plan::default()
+    };
+    if json {
+        println!("{}", serde_json::to_string_pretty(&plan.to_json())?);
+    } else {
+        print_table(tree, &plan, dtype, parameters);
+    }
+    Ok(())
+}
+
+/// The plan as a table; `parameters` is the model's count (a quantized
+/// tree holds packed bytes, not parameters).
+/// Bytes per device under `map`, in device order.
+fn device_bytes(tree: &ModuleTree, map: &DeviceMap, dtype: Option<DType>) -> Vec<(Device, u64)> {
     let sizes = ModuleSizes::compute(
         tree,
         &SizeOptions {
@@ -334,21 +370,9 @@ fn check_custom_map(
         }
     }
     bytes.sort();
-    let plan = Plan {
-        device_map: map,
-        device_bytes: bytes,
-        ..Plan::default()
-    };
-    if json {
-        println!("{}", serde_json::to_string_pretty(&plan.to_json())?);
-    } else {
-        print_table(tree, &plan, dtype, parameters);
-    }
-    Ok(())
+    bytes
 }
 
-/// The plan as a table; `parameters` is the model's count (a quantized
-/// tree holds packed bytes, not parameters).
 fn print_table(tree: &ModuleTree, plan: &Plan, dtype: Option<DType>, parameters: u64) {
     let total: u64 = plan.device_bytes.iter().map(|(_, b)| b).sum();
     let sizes = ModuleSizes::compute(

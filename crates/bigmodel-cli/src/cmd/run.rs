@@ -53,6 +53,11 @@ pub struct Args {
     batch_size: Option<String>,
     #[command(flatten)]
     placement: PlacementArgs,
+    /// Mixture-of-experts models: put every layer's experts on `cpu` or
+    /// `disk` (disk needs --offload-folder), everything else as planned;
+    /// only the experts the router picks are then read.
+    #[arg(long, value_name = "cpu|disk")]
+    experts_on: Option<String>,
     /// The dtype weights are loaded and computed in: f32, f16, bf16.
     /// Default: the stored dtype of the embedding.
     #[arg(long)]
@@ -210,6 +215,15 @@ impl PlacementArgs {
             offload_folder: self.offload_folder.clone(),
             ..Options::default()
         })
+    }
+}
+
+/// The device of `--experts-on`: `cpu` or `disk`.
+pub fn parse_experts_on(text: &str) -> Result<bigmodel::plan::Device, String> {
+    match text {
+        "cpu" => Ok(bigmodel::plan::Device::Cpu),
+        "disk" => Ok(bigmodel::plan::Device::Disk),
+        other => Err(format!("--experts-on {other:?}: expected cpu or disk")),
     }
 }
 
@@ -461,6 +475,11 @@ pub fn run(args: Args) -> CmdResult {
     let dtype = args.dtype.as_deref().map(parse_dtype).transpose()?;
     let quantize = parse_quantize(args.quantize.as_deref())?;
     let mut options = args.placement.options(dtype)?;
+    options.experts_on = args
+        .experts_on
+        .as_deref()
+        .map(parse_experts_on)
+        .transpose()?;
     let texts = text_prompts(&args)?;
     let ids: Vec<Vec<u32>> = args
         .prompt_ids
