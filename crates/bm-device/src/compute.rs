@@ -451,6 +451,50 @@ impl Gpu {
         )
     }
 
+    /// Like [`Gpu::cast`], but bit for bit what `bm_tensor::cast` does on
+    /// the host (PyTorch's CPU `Tensor.to`), NaN payloads included, so a
+    /// checkpoint cast on the GPU while loading equals one cast on the
+    /// host. [`Gpu::cast`] follows the `half` crate instead, as the CPU
+    /// kernels the compute ops are tested against do; the two differ only
+    /// in NaN bits. `src_type` and `dst_type` must differ.
+    pub fn cast_exact(
+        &self,
+        src: &DeviceBuffer,
+        src_type: DType,
+        dst: &mut DeviceBuffer,
+        dst_type: DType,
+        count: usize,
+        dst_start: usize,
+    ) -> Result<()> {
+        const OP: &str = "exact cast";
+        if src_type == dst_type {
+            return Err(bad(
+                OP,
+                format!("{src_type} to itself is a copy, not a cast"),
+            ));
+        }
+        need(OP, src, src_type, 0, count)?;
+        need(OP, dst, dst_type, dst_start, count)?;
+        let name = format!(
+            "bm_exact_cast_{}_{}",
+            suffix(OP, src_type)?,
+            suffix(OP, dst_type)?
+        );
+        let offset = dst_start * dst_type.size_in_bytes();
+        self.launch(
+            OP,
+            name,
+            grid_for(count),
+            THREADS,
+            0,
+            &[
+                Arg::Buf(src),
+                Arg::BufAt(dst, offset),
+                Arg::U64(count as u64),
+            ],
+        )
+    }
+
     fn binary(
         &self,
         op: &'static str,

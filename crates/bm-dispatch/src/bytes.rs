@@ -1,13 +1,14 @@
 //! Where a tensor's bytes are at run time (host, mapped, pinned or device
-//! memory), the tensors forward passes hand each other, and moving both
-//! between devices.
+//! memory) and the tensors forward passes hand each other. How bytes move
+//! between devices is `transfer.rs`.
 
 use std::borrow::Cow;
 use std::sync::Arc;
 
-use bm_device::{Device, DeviceBuffer, DeviceSet, PinnedBuffer, PinnedPool};
+use bm_device::{Device, DeviceBuffer, DeviceSet, PinnedBuffer};
 use bm_tensor::{HostBuffer, MmapView, TensorMeta};
 
+use crate::transfer::move_bytes;
 use crate::{Error, Result};
 
 /// The bytes of one tensor at run time, wherever they are: the one answer
@@ -138,120 +139,6 @@ impl Weight {
     pub fn device(&self) -> Device {
         self.bytes.device()
     }
-}
-
-/// Copies host `src` onto `device` (see [`upload_chunks`]).
-pub(crate) fn upload(
-    what: &str,
-    src: &[u8],
-    device: Device,
-    devices: &DeviceSet,
-    pool: Option<&PinnedPool>,
-) -> Result<Bytes> {
-    upload_chunks(what, src.len(), device, devices, pool, |sink| sink(0, src))
-}
-
-/// Where host bytes go on their way to a device: `(offset, piece)`.
-pub(crate) type Sink<'a> = dyn FnMut(usize, &[u8]) -> Result<()> + 'a;
-
-/// The one way host bytes reach a device: `len` bytes that `fill` hands,
-/// piece by piece with their offsets, to its sink, copied into a new host
-/// buffer for the CPU, or into a new allocation on a GPU through the
-/// pinned staging pool when there is one (that GPU's compute stream then
-/// waits for the copies).
-pub(crate) fn upload_chunks(
-    what: &str,
-    len: usize,
-    device: Device,
-    devices: &DeviceSet,
-    pool: Option<&PinnedPool>,
-    fill: impl FnOnce(&mut Sink<'_>) -> Result<()>,
-) -> Result<Bytes> {
-    let Device::Gpu(i) = device else {
-        let mut buf = HostBuffer::zeroed(len).map_err(|e| Error::tensor(what, e))?;
-        let dst = buf.as_mut_bytes();
-        fill(&mut |offset, piece| {
-            dst.get_mut(offset..offset + piece.len())
-                .ok_or_else(|| Error::BadOption(format!("{what}: more bytes than {len}")))?
-                .copy_from_slice(piece);
-            Ok(())
-        })?;
-        return Ok(Bytes::Host(buf));
-    };
-    let gpu = devices.gpu(i).map_err(|_| Error::NoSuchDevice {
-        what: what.to_string(),
-        device,
-    })?;
-    // Allocated on the copy stream that fills it, so the copies do not
-    // wait for the compute stream's queued work.
-    let mut buf = gpu
-        .alloc_on(len.max(1), gpu.copy_stream())
-        .map_err(|e| Error::device(format!("{what} on GPU {i}"), e))?;
-    let mut last = None;
-    fill(&mut |offset, piece| {
-        if piece.is_empty() {
-            return Ok(());
-        }
-        match pool {
-            Some(pool) => {
-                let event = buf
-                    .upload(offset, piece, pool, gpu.copy_stream())
-                    .map_err(|e| Error::device(what, e))?;
-                last = Some(event);
-            }
-            None => buf
-                .copy_from_host(offset, piece)
-                .map_err(|e| Error::device(what, e))?,
-        }
-        Ok(())
-    })?;
-    if let Some(event) = last {
-        gpu.compute_stream()
-            .wait(&event)
-            .map_err(|e| Error::device(what, e))?;
-    }
-    Ok(Bytes::Device(buf))
-}
-
-/// Copies host `src` into freshly allocated page-locked memory (pageable
-/// when the set cannot pin).
-pub(crate) fn pin(what: &str, src: &[u8], devices: &DeviceSet) -> Result<Bytes> {
-    let mut p = devices
-        .alloc_pinned(src.len().max(1))
-        .map_err(|e| Error::device(what, e))?;
-    p.as_mut_slice()
-        .map_err(|e| Error::device(what, e))?
-        .get_mut(..src.len())
-        .ok_or_else(|| Error::BadOption(format!("{what}: pinned buffer too small")))?
-        .copy_from_slice(src);
-    Ok(Bytes::Pinned(p))
-}
-
-/// Moves `bytes` to `device` (a copy; no-op when already there).
-pub(crate) fn move_bytes(
-    what: &str,
-    bytes: &Arc<Bytes>,
-    device: Device,
-    devices: &DeviceSet,
-    pool: Option<&PinnedPool>,
-) -> Result<Arc<Bytes>> {
-    if bytes.device() == device {
-        return Ok(Arc::clone(bytes));
-    }
-    if let (Bytes::Device(src), Device::Gpu(i)) = (bytes.as_ref(), device) {
-        let gpu = devices.gpu(i).map_err(|_| Error::NoSuchDevice {
-            what: what.to_string(),
-            device,
-        })?;
-        let mut dst = gpu.alloc(src.len()).map_err(|e| Error::device(what, e))?;
-        let event = dst
-            .copy_from_device(0, src, 0..src.len(), gpu.compute_stream())
-            .map_err(|e| Error::device(what, e))?;
-        event.synchronize().map_err(|e| Error::device(what, e))?;
-        return Ok(Arc::new(Bytes::Device(dst)));
-    }
-    let host = bytes.to_host()?;
-    Ok(Arc::new(upload(what, &host, device, devices, pool)?))
 }
 
 /// The inputs or outputs of a module's forward: positional tensors and

@@ -9,12 +9,13 @@ use bm_plan::DeviceMap;
 use bm_shard::offload::{OffloadEntry, OffloadFolder, save_index};
 use bm_tensor::MmapView;
 
-use crate::bytes::{Bytes, move_bytes, pin};
+use crate::bytes::Bytes;
 use crate::hooks::{AlignDevicesHook, ModelHook};
 use crate::load::write_dat;
 use crate::model::Model;
 use crate::placement::{MapPlacement, Target, disk_modules, main_device, offload_entries};
 use crate::slots::{SlotState, Tier};
+use crate::transfer::{move_bytes, pin};
 use crate::{Error, Result};
 
 /// Options of [`dispatch_model`], [`cpu_offload`] and [`disk_offload`].

@@ -11,6 +11,20 @@ pub enum Error {
     Shard(bm_shard::Error),
     /// Building a module tree, checking or planning a device map failed.
     Plan(bm_plan::Error),
+    /// A device had no room for a tensor or activation: its budget, or the
+    /// driver's free memory, ran out.
+    OutOfDeviceMemory {
+        /// The tensor or activation being placed.
+        what: String,
+        /// The device.
+        device: bm_device::Device,
+        /// Bytes asked for.
+        requested: u64,
+        /// Bytes that were free (within the budget, or as the driver saw it).
+        free: u64,
+        /// The underlying error.
+        source: bm_device::Error,
+    },
     /// A device operation (allocation, copy) failed; `what` says for what.
     Device {
         /// The tensor or activation being placed.
@@ -90,20 +104,38 @@ pub enum Error {
 impl Error {
     /// True when a device had no room (budget or driver out of memory).
     pub fn is_out_of_device_memory(&self) -> bool {
-        matches!(
-            self,
-            Error::Device {
-                source: bm_device::Error::BudgetExceeded { .. }
-                    | bm_device::Error::OutOfMemory { .. },
-                ..
-            }
-        )
+        matches!(self, Error::OutOfDeviceMemory { .. })
     }
 
+    /// A device error while placing `what`: [`Error::OutOfDeviceMemory`]
+    /// when the device had no room, [`Error::Device`] otherwise.
     pub(crate) fn device(what: impl Into<String>, source: bm_device::Error) -> Self {
-        Error::Device {
-            what: what.into(),
-            source,
+        let what = what.into();
+        match source {
+            bm_device::Error::BudgetExceeded {
+                device,
+                requested,
+                live,
+                budget,
+            } => Error::OutOfDeviceMemory {
+                what,
+                device,
+                requested,
+                free: budget.saturating_sub(live),
+                source,
+            },
+            bm_device::Error::OutOfMemory {
+                device,
+                requested,
+                free,
+            } => Error::OutOfDeviceMemory {
+                what,
+                device,
+                requested,
+                free,
+                source,
+            },
+            source => Error::Device { what, source },
         }
     }
 
@@ -112,6 +144,14 @@ impl Error {
             name: name.into(),
             source,
         }
+    }
+}
+
+/// "GPU 0" or "the CPU".
+fn device_name(device: bm_device::Device) -> String {
+    match device {
+        bm_device::Device::Gpu(i) => format!("GPU {i}"),
+        bm_device::Device::Cpu => "the CPU".into(),
     }
 }
 
@@ -126,6 +166,18 @@ impl fmt::Display for Error {
         match self {
             Error::Shard(e) => write!(f, "{e}"),
             Error::Plan(e) => write!(f, "{e}"),
+            Error::OutOfDeviceMemory {
+                what,
+                device,
+                requested,
+                free,
+                source,
+            } => write!(
+                f,
+                "out of memory placing {what} on {}: it needs {requested} bytes and {free} bytes \
+                 are free ({source})",
+                device_name(*device)
+            ),
             Error::Device { what, source } => write!(f, "placing {what}: {source}"),
             Error::Tensor { name, source } => write!(f, "tensor {name}: {source}"),
             Error::Io { path, source } => write!(f, "writing {}: {source}", path.display()),
@@ -194,7 +246,7 @@ impl std::error::Error for Error {
         match self {
             Error::Shard(e) => Some(e),
             Error::Plan(e) => Some(e),
-            Error::Device { source, .. } => Some(source),
+            Error::Device { source, .. } | Error::OutOfDeviceMemory { source, .. } => Some(source),
             Error::Tensor { source, .. } => Some(source),
             Error::Io { source, .. } => Some(source),
             Error::Transform { source, .. } => Some(source.as_ref()),

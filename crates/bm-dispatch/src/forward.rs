@@ -112,13 +112,12 @@ impl Forward {
     /// execution device, and starts prefetching the next offloaded blocks.
     pub fn load_offloaded(&mut self, subtree: bool, buffers: bool) -> Result<()> {
         let device = self.exec.unwrap_or(Device::Cpu);
-        let table = self.model.slots();
-        let slots = table.of_module(self.model.tree(), self.module, subtree, weights(buffers));
+        let model = self.model.clone();
+        let table = model.slots();
+        let slots = table.of_module(model.tree(), self.module, subtree, weights(buffers));
         for s in slots {
             if table.is_offloaded(s) && !self.held.iter().any(|h| h.0 == s && h.1 == device) {
-                if let Some(bytes) = self.model.materialise(s, device, false)? {
-                    self.held.push((s, device, bytes));
-                }
+                self.take(s, device)?;
             }
         }
         // Only now: a prefetch started earlier could take the room this
@@ -196,12 +195,23 @@ impl Forward {
                 bytes: Arc::clone(&h.2),
             });
         }
-        let bytes = self
+        let bytes = self.take(s, device)?;
+        Ok(Weight { meta, bytes })
+    }
+
+    /// Materialises offloaded slot `s` on `device` and holds it until exit.
+    /// Its copy may still be in flight (the prefetch thread only enqueued
+    /// it): the compute stream of `device` waits on it from here on, so
+    /// every kernel this forward enqueues next sees the bytes.
+    fn take(&mut self, s: SlotId, device: Device) -> Result<Arc<Bytes>> {
+        let arrival = self
             .model
             .materialise(s, device, false)?
-            .ok_or_else(|| Error::NotLoaded(name.clone()))?;
-        self.held.push((s, device, Arc::clone(&bytes)));
-        Ok(Weight { meta, bytes })
+            .ok_or_else(|| Error::NotLoaded(self.model.slots().name(self.model.tree(), s)))?;
+        // Held before the wait, so a failed wait still releases it.
+        self.held.push((s, device, Arc::clone(&arrival.bytes)));
+        arrival.wait_for_compute(&self.model.slots().name(self.model.tree(), s))?;
+        Ok(arrival.bytes)
     }
 
     /// Ends the forward: runs the hook's `post_forward` (offloaded weights

@@ -83,6 +83,7 @@ mod model;
 mod placement;
 mod residency;
 mod slots;
+mod transfer;
 
 pub use builder::{ModelBuilder, init_on_device};
 pub use bytes::{Activations, Bytes, Tensor, Weight, tensor_to_device};
@@ -93,8 +94,7 @@ pub use hooks::{
     AlignDevicesHook, CpuOffload, ModelHook, SequentialHook, UserCpuOffloadHook,
     cpu_offload_with_hook, flatten,
 };
-pub use load::{
-    LoadOptions, LoadProgress, LoadReport, LoadTransform, STAGING_BYTES, load_checkpoint_in_model,
-};
+pub use load::{LoadOptions, LoadProgress, LoadReport, LoadTransform, load_checkpoint_in_model};
 pub use model::Model;
 pub use slots::{Placement, SlotId, Tier};
+pub use transfer::{GPU_CAST_CHUNK, STAGING_BYTES};

@@ -9,17 +9,14 @@ use bm_device::{Device, DeviceSet};
 use bm_plan::{DeviceMap, Node, TensorKind};
 use bm_shard::offload::{OffloadEntry, dat_path, save_index};
 use bm_shard::{Checkpoint, Format, TensorBytes, cast_target};
-use bm_tensor::{DType, HostBuffer, MmapView, TensorMeta, cast_into};
+use bm_tensor::{DType, HostBuffer, MmapView, TensorMeta};
 
-use crate::bytes::{Bytes, Sink, upload_chunks};
+use crate::bytes::Bytes;
 use crate::model::Model;
 use crate::placement::{MapPlacement, Target, disk_modules, main_device};
 use crate::slots::{SlotState, Tier};
+use crate::transfer::{GpuLoad, cast_chunks};
 use crate::{Error, Result};
-
-/// Bytes cast or copied at a time on the way to a GPU or the offload
-/// folder: the bound on host staging memory while loading.
-pub const STAGING_BYTES: usize = 8 << 20;
 
 /// Options of [`load_checkpoint_in_model`] (Accelerate's keyword arguments).
 #[derive(Clone, Debug, Default)]
@@ -115,15 +112,17 @@ fn load_dtype(name: &str, declared: DType, stored: DType, options: &LoadOptions)
 
 /// Accelerate's `load_checkpoint_in_model`. Without a map everything goes
 /// to the CPU. Each storage is read once (tied names share it), converted
-/// to its dtype before it moves and written straight to its place:
+/// to its dtype (integers never) and written straight to its place:
 ///
-/// * a GPU: through the pinned staging pool, [`STAGING_BYTES`] at a time;
+/// * a GPU: the stored bytes uploaded on its copy stream, then cast on the
+///   GPU when the dtype changes (on the host, [`crate::STAGING_BYTES`] at a
+///   time, for emulated GPUs); the load returns once every copy landed;
 /// * the CPU, computing there: a zero-copy view of the checkpoint when the
 ///   dtype matches, else a cast copy;
 /// * the CPU, offloaded for a GPU: page-locked memory, cast in place;
 /// * disk: the checkpoint itself when the dtype matches (indexed in the
 ///   offload folder with transformers' `safetensors_file` entries), else a
-///   `.dat` file of the folder written [`STAGING_BYTES`] at a time.
+///   `.dat` file of the folder written [`crate::STAGING_BYTES`] at a time.
 ///
 /// Buffers of disk-mapped modules get their checkpoint values. On any error
 /// nothing is committed: device memory taken so far is released and no
@@ -200,6 +199,7 @@ pub fn load_checkpoint_in_model(
     let mut loaded = 0u64;
     let mut staged: Vec<(usize, TensorMeta, SlotState)> = Vec::new();
     let mut index: Vec<(String, OffloadEntry)> = Vec::new();
+    let mut gpu_load = GpuLoad::new(&devices, model.pool());
     for (s, r) in rep.iter().enumerate() {
         let Some(t) = *r else { continue };
         if let Some(LoadProgress(report)) = &options.progress {
@@ -271,14 +271,8 @@ pub fn load_checkpoint_in_model(
                 SlotState::Resident(Arc::new(bytes))
             }
             Target::Resident(device) => {
-                let bytes = upload_chunks(
-                    &tensor.name,
-                    meta.byte_len(),
-                    device,
-                    &devices,
-                    model.pool(),
-                    |sink| cast_chunks(&tensor.name, data.as_bytes(), stored.dtype, dtype, sink),
-                )?;
+                let bytes =
+                    gpu_load.write(&tensor.name, data.as_bytes(), stored.dtype, dtype, device)?;
                 SlotState::Resident(Arc::new(bytes))
             }
             Target::Offloaded(Tier::Cpu) => {
@@ -352,6 +346,7 @@ pub fn load_checkpoint_in_model(
         };
         staged.push((s, meta, state));
     }
+    gpu_load.finish()?;
     if let Some(folder) = &options.offload_folder {
         save_index(folder, &index)?;
     }
@@ -390,30 +385,8 @@ fn zeroed(name: &str, meta: &TensorMeta, target: Target, devices: &DeviceSet) ->
     })
 }
 
-/// Runs `sink(offset, bytes)` over `src` converted from `from` to `to`,
-/// [`STAGING_BYTES`] at a time (borrowing `src` when no cast is needed).
-fn cast_chunks(name: &str, src: &[u8], from: DType, to: DType, sink: &mut Sink<'_>) -> Result<()> {
-    let (src_elem, dst_elem) = (from.size_in_bytes(), to.size_in_bytes());
-    let elems = (STAGING_BYTES / src_elem.max(dst_elem)).max(1);
-    let mut staging = Vec::new();
-    let mut offset = 0;
-    for chunk in src.chunks(elems * src_elem) {
-        if from == to {
-            sink(offset, chunk)?;
-            offset += chunk.len();
-            continue;
-        }
-        let n = chunk.len() / src_elem * dst_elem;
-        staging.resize(n, 0u8);
-        cast_into(chunk, from, &mut staging, to).map_err(|e| Error::tensor(name, e))?;
-        sink(offset, &staging)?;
-        offset += n;
-    }
-    Ok(())
-}
-
 /// Writes `name` converted to `to` as `<folder>/<name>.dat` with
-/// bm-shard's atomic writer, [`STAGING_BYTES`] at a time.
+/// bm-shard's atomic writer, [`crate::STAGING_BYTES`] at a time.
 pub(crate) fn write_dat(
     folder: &Path,
     name: &str,

@@ -8,11 +8,12 @@ use bm_device::{Device, DeviceSet, PinnedPool};
 use bm_plan::{DeviceMap, ModuleId, ModuleTree, Node, TensorId, TensorKind};
 use parking_lot::RwLock;
 
-use crate::bytes::{Activations, Bytes, Weight};
+use crate::bytes::{Activations, Weight};
 use crate::forward::Forward;
 use crate::hooks::{ModelHook, SequentialHook, flatten};
 use crate::residency::{Prefetch, Residency};
 use crate::slots::{Placement, SlotId, SlotState, SlotTable};
+use crate::transfer::Arrival;
 use crate::{Error, Result};
 
 pub(crate) struct Shared {
@@ -28,12 +29,7 @@ pub(crate) struct Shared {
 impl Shared {
     /// The bytes of slot `slot` on `device`, loaded once and shared (see
     /// [`Residency::materialise`]).
-    fn materialise(
-        &self,
-        slot: SlotId,
-        device: Device,
-        prefetch: bool,
-    ) -> Result<Option<Arc<Bytes>>> {
+    fn materialise(&self, slot: SlotId, device: Device, prefetch: bool) -> Result<Option<Arrival>> {
         self.residency.materialise(slot, device, prefetch, || {
             self.slots
                 .copy_to(&self.tree, slot, device, &self.devices, self.pool.as_ref())
@@ -142,7 +138,7 @@ impl Model {
         slot: SlotId,
         device: Device,
         prefetch: bool,
-    ) -> Result<Option<Arc<Bytes>>> {
+    ) -> Result<Option<Arrival>> {
         self.shared.materialise(slot, device, prefetch)
     }
 

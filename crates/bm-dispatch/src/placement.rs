@@ -19,9 +19,9 @@ use std::sync::Arc;
 use bm_device::{Device, DeviceSet};
 use bm_plan::{DeviceMap, ModuleId, ModuleTree, Node, TensorId, TensorKind};
 
-use crate::bytes::{move_bytes, pin};
 use crate::model::Model;
 use crate::slots::{SlotId, SlotState, SlotTable, Tier, weights};
+use crate::transfer::{move_bytes, pin};
 use crate::{Error, Result};
 
 /// Where one storage goes.

@@ -2,19 +2,24 @@
 //! materialised once per device and shared by every forward that uses it,
 //! kept as a cache (prefetched, or within the resident budget) while idle,
 //! and loaded ahead of time by the prefetch worker.
+//!
+//! The prefetch worker only enqueues copies: a materialised weight carries
+//! the event of its copy ([`Arrival`]), and the forward that takes it makes
+//! its compute stream wait on that event. Weights are dropped (device
+//! memory freed) after the `live` lock is released, never under it.
 
 use std::collections::HashMap;
+use std::sync::Weak;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Sender, channel};
-use std::sync::{Arc, Weak};
 
 use bm_device::Device;
 use bm_plan::ModuleId;
 use parking_lot::{Condvar, Mutex, RwLock};
 
 use crate::Result;
-use crate::bytes::Bytes;
 use crate::slots::SlotId;
+use crate::transfer::Arrival;
 
 /// Slots to load ahead, each on its execution device.
 pub(crate) type PrefetchJob = Vec<(SlotId, Device)>;
@@ -22,7 +27,7 @@ pub(crate) type PrefetchJob = Vec<(SlotId, Device)>;
 #[derive(Debug)]
 enum LiveState {
     Loading,
-    Ready(Arc<Bytes>),
+    Ready(Arrival),
 }
 
 #[derive(Debug)]
@@ -81,7 +86,8 @@ impl Residency {
 
     pub(crate) fn set_resident_budget(&self, bytes: u64) {
         self.streaming.write().resident_budget = bytes;
-        self.evict_idle(&mut self.live.lock());
+        let evicted = self.evict_idle(&mut self.live.lock());
+        drop(evicted);
     }
 
     /// Sets the execution order of offloaded blocks and starts the
@@ -97,7 +103,8 @@ impl Residency {
     /// Forgets the streaming order and every materialised weight.
     pub(crate) fn clear(&self) {
         self.streaming.write().order.clear();
-        self.live.lock().clear();
+        let dropped = std::mem::take(&mut *self.live.lock());
+        drop(dropped);
     }
 
     /// The next `depth` offloaded blocks after `module` in execution order.
@@ -127,7 +134,7 @@ impl Residency {
         let bytes = live
             .values()
             .map(|e| match &e.state {
-                LiveState::Ready(b) => b.len() as u64,
+                LiveState::Ready(a) => a.bytes.len() as u64,
                 LiveState::Loading => 0,
             })
             .sum();
@@ -135,26 +142,27 @@ impl Residency {
     }
 
     /// The bytes of slot `slot` on `device`, shared with every concurrent
-    /// user; `produce` makes them, once. With `prefetch`, only starts the
-    /// load and keeps the result until a forward takes it.
+    /// user; `produce` makes them, once (its copy may still be in flight).
+    /// With `prefetch`, only starts the load and keeps the result until a
+    /// forward takes it.
     pub(crate) fn materialise(
         &self,
         slot: SlotId,
         device: Device,
         prefetch: bool,
-        produce: impl Fn() -> Result<Arc<Bytes>>,
-    ) -> Result<Option<Arc<Bytes>>> {
+        produce: impl Fn() -> Result<Arrival>,
+    ) -> Result<Option<Arrival>> {
         let key = (slot, device);
         let mut live = self.live.lock();
         loop {
             match live.get_mut(&key) {
                 Some(_) if prefetch => return Ok(None),
                 Some(entry) => match &entry.state {
-                    LiveState::Ready(b) => {
+                    LiveState::Ready(a) => {
                         entry.users += 1;
                         entry.prefetched = false;
                         entry.last_used = self.tick();
-                        return Ok(Some(Arc::clone(b)));
+                        return Ok(Some(a.clone()));
                     }
                     LiveState::Loading => self.live_changed.wait(&mut live),
                 },
@@ -185,40 +193,42 @@ impl Residency {
             produced = produce();
         }
         let mut live = self.live.lock();
-        let out = match produced {
-            Ok(bytes) => {
+        match &produced {
+            Ok(arrival) => {
                 let tick = self.tick();
                 if let Some(entry) = live.get_mut(&key) {
-                    entry.state = LiveState::Ready(Arc::clone(&bytes));
+                    entry.state = LiveState::Ready(arrival.clone());
                     entry.last_used = tick;
                     if !prefetch {
                         entry.users += 1;
                         entry.prefetched = false;
                     }
                 }
-                // A prefetch keeps no reference of its own: once the entry
-                // is visible, dropping it (make_room_on) must free the
-                // memory, or a forward short of room fails for nothing.
-                Ok((!prefetch).then_some(bytes))
             }
-            Err(e) => {
+            Err(_) => {
                 live.remove(&key);
-                Err(e)
             }
-        };
+        }
         self.live_changed.notify_all();
-        out
+        drop(live);
+        // A prefetch keeps no reference of its own: once the entry is
+        // visible, dropping it (make_room_on) must free the memory, or a
+        // forward short of room fails for nothing.
+        produced.map(|arrival| (!prefetch).then_some(arrival))
     }
 
     /// One user of `slot` on `device` is done with it.
     pub(crate) fn release(&self, slot: SlotId, device: Device) {
         let mut live = self.live.lock();
+        let mut evicted = Vec::new();
         if let Some(entry) = live.get_mut(&(slot, device)) {
             entry.users = entry.users.saturating_sub(1);
             if entry.users == 0 {
-                self.evict_idle(&mut live);
+                evicted = self.evict_idle(&mut live);
             }
         }
+        drop(live);
+        drop(evicted);
     }
 
     /// Waits until no prefetch is loading onto `device`, then drops every
@@ -231,34 +241,43 @@ impl Residency {
         }) {
             self.live_changed.wait(&mut live);
         }
-        let before = live.len();
-        live.retain(|(_, d), e| {
-            *d != device || e.users > 0 || matches!(e.state, LiveState::Loading)
-        });
-        before != live.len()
+        let idle: Vec<(SlotId, Device)> = live
+            .iter()
+            .filter(|((_, d), e)| {
+                *d == device && e.users == 0 && matches!(e.state, LiveState::Ready(_))
+            })
+            .map(|(k, _)| *k)
+            .collect();
+        let dropped: Vec<LiveEntry> = idle.iter().filter_map(|k| live.remove(k)).collect();
+        drop(live);
+        !dropped.is_empty()
     }
 
-    /// Drops idle weights (no user, not prefetched) beyond the resident
-    /// budget, least recently used first.
-    fn evict_idle(&self, live: &mut HashMap<(SlotId, Device), LiveEntry>) {
+    /// Takes idle weights (no user, not prefetched) beyond the resident
+    /// budget out of `live`, least recently used first; the caller drops
+    /// them once the lock is released.
+    #[must_use = "the evicted weights are to be dropped after the lock"]
+    fn evict_idle(&self, live: &mut HashMap<(SlotId, Device), LiveEntry>) -> Vec<LiveEntry> {
         let budget = self.streaming.read().resident_budget;
         let mut idle: Vec<((SlotId, Device), u64, u64)> = live
             .iter()
             .filter(|(_, e)| e.users == 0 && !e.prefetched)
             .filter_map(|(k, e)| match &e.state {
-                LiveState::Ready(b) => Some((*k, e.last_used, b.len() as u64)),
+                LiveState::Ready(a) => Some((*k, e.last_used, a.bytes.len() as u64)),
                 LiveState::Loading => None,
             })
             .collect();
         let mut total: u64 = idle.iter().map(|x| x.2).sum();
         idle.sort_by_key(|x| x.1);
+        let mut evicted = Vec::new();
         for (key, _, bytes) in idle {
             if total <= budget {
                 break;
             }
-            live.remove(&key);
+            evicted.extend(live.remove(&key));
             total -= bytes;
         }
+        evicted
     }
 }
 

@@ -10,7 +10,8 @@ use bm_tensor::TensorMeta;
 use parking_lot::RwLock;
 
 use crate::Result;
-use crate::bytes::{Bytes, move_bytes, upload};
+use crate::bytes::Bytes;
+use crate::transfer::{Arrival, move_bytes, to_device};
 
 /// Index of a storage slot; tied tensors share one.
 pub type SlotId = usize;
@@ -215,7 +216,7 @@ impl SlotTable {
 
     /// The bytes of slot `s` on `device`: the stored bytes themselves when
     /// they are there already (a mapped file used in place on the CPU), a
-    /// copy otherwise.
+    /// copy otherwise, possibly still in flight (see [`Arrival`]).
     pub(crate) fn copy_to(
         &self,
         tree: &ModuleTree,
@@ -223,18 +224,11 @@ impl SlotTable {
         device: Device,
         devices: &DeviceSet,
         pool: Option<&PinnedPool>,
-    ) -> Result<Arc<Bytes>> {
+    ) -> Result<Arrival> {
         let source = self
             .with(s, |_, state| state.bytes().cloned())
             .ok_or_else(|| crate::Error::NotLoaded(self.name(tree, s)))?;
-        if source.device() == device {
-            return Ok(source);
-        }
-        let what = self.name(tree, s);
-        match source.host() {
-            Some(host) => Ok(Arc::new(upload(&what, host, device, devices, pool)?)),
-            None => move_bytes(&what, &source, device, devices, pool),
-        }
+        to_device(&self.name(tree, s), &source, device, devices, pool)
     }
 
     /// The slots of module `m`'s tensors (its direct ones, or its whole

@@ -344,3 +344,73 @@ EMBED(BF16, BF16, bf16_bf16)
 SAME_TYPE(F32, f32)
 SAME_TYPE(F16, f16)
 SAME_TYPE(BF16, bf16)
+
+// Exact casts, for checkpoints loaded onto a GPU: bit for bit what
+// bm_tensor::cast does on the host (PyTorch's CPU Tensor.to), NaN payloads
+// included. Integer arithmetic only, so no hardware conversion's own NaN
+// rule leaks in:
+// * F32 to BF16 rounds to nearest even and writes every NaN as 0xFFFF;
+//   F16 to BF16 widens exactly, then writes NaN as 0x7FC0;
+// * to F16 rounds to nearest even; a NaN keeps its sign and top payload
+//   bits and is quieted (the F16C instruction and the `half` crate);
+// * widening is exact; F16 NaNs are quieted, BF16 bits are kept.
+
+__device__ __forceinline__ bool exact_is_nan(u32 u) { return (u & 0x7fffffffu) > 0x7f800000u; }
+
+__device__ __forceinline__ u16 exact_rne_bf16(u32 u) {
+    return (u16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+__device__ __forceinline__ u32 exact_f16_to_f32(u16 h) {
+    const u32 sign = ((u32)h & 0x8000u) << 16;
+    const u32 exp = ((u32)h >> 10) & 0x1fu;
+    u32 man = (u32)h & 0x3ffu;
+    if (exp == 0x1fu) return sign | 0x7f800000u | (man ? (0x400000u | (man << 13)) : 0u);
+    if (exp == 0u) {
+        if (man == 0u) return sign;
+        int e = -14;
+        while ((man & 0x400u) == 0u) {
+            man <<= 1;
+            --e;
+        }
+        return sign | ((u32)(e + 127) << 23) | ((man & 0x3ffu) << 13);
+    }
+    return sign | ((exp + 112u) << 23) | (man << 13);
+}
+
+__device__ __forceinline__ u16 exact_f32_to_f16(u32 x) {
+    const u32 sign = (x >> 16) & 0x8000u;
+    const u32 exp = x & 0x7f800000u;
+    const u32 man = x & 0x007fffffu;
+    if (exp == 0x7f800000u) return (u16)(sign | 0x7c00u | (man ? (0x200u | (man >> 13)) : 0u));
+    const int half_exp = (int)(exp >> 23) - 127 + 15;
+    if (half_exp >= 0x1f) return (u16)(sign | 0x7c00u);
+    if (half_exp <= 0) {
+        if (14 - half_exp > 24) return (u16)sign;
+        const u32 m = man | 0x00800000u;
+        u32 half_man = m >> (14 - half_exp);
+        const u32 round_bit = 1u << (13 - half_exp);
+        if ((m & round_bit) != 0u && (m & (3u * round_bit - 1u)) != 0u) ++half_man;
+        return (u16)(sign | half_man);
+    }
+    const u32 out = sign | ((u32)half_exp << 10) | (man >> 13);
+    const u32 round_bit = 0x1000u;
+    if ((man & round_bit) != 0u && (man & (3u * round_bit - 1u)) != 0u) return (u16)(out + 1u);
+    return (u16)out;
+}
+
+#define EXACT_CAST(name, S, D, convert)                                                        \
+    extern "C" __global__ void bm_exact_cast_##name(const S* x, D* y, u64 n) {                \
+        for (u64 i = grid_start(); i < n; i += grid_stride()) {                                 \
+            const S v = x[i];                                                                   \
+            y[i] = (convert);                                                                   \
+        }                                                                                       \
+    }
+
+EXACT_CAST(f32_bf16, u32, u16, exact_is_nan(v) ? (u16)0xffffu : exact_rne_bf16(v))
+EXACT_CAST(f16_bf16, u16, u16,
+           exact_is_nan(exact_f16_to_f32(v)) ? (u16)0x7fc0u : exact_rne_bf16(exact_f16_to_f32(v)))
+EXACT_CAST(f32_f16, u32, u16, exact_f32_to_f16(v))
+EXACT_CAST(bf16_f16, u16, u16, exact_f32_to_f16((u32)v << 16))
+EXACT_CAST(f16_f32, u16, u32, exact_f16_to_f32(v))
+EXACT_CAST(bf16_f32, u16, u32, (u32)v << 16)
