@@ -15,7 +15,7 @@ use crate::load::write_dat;
 use crate::model::Model;
 use crate::placement::{MapPlacement, Target, disk_modules, main_device, offload_entries};
 use crate::slots::{SlotState, Tier};
-use crate::transfer::{move_bytes, pin};
+use crate::transfer::{DiskReads, move_bytes, pin};
 use crate::{Error, Result};
 
 /// Options of [`dispatch_model`], [`cpu_offload`] and [`disk_offload`].
@@ -40,6 +40,8 @@ pub struct DispatchOptions {
     /// Bytes of offloaded weights allowed to stay on the execution device
     /// across forward passes (default 0).
     pub resident_budget: u64,
+    /// How disk-offloaded weights are read on their way to a GPU.
+    pub disk_reads: DiskReads,
 }
 
 impl Default for DispatchOptions {
@@ -53,6 +55,7 @@ impl Default for DispatchOptions {
             force_hooks: false,
             prefetch_depth: 1,
             resident_budget: 0,
+            disk_reads: DiskReads::Auto,
         }
     }
 }
@@ -113,6 +116,7 @@ pub fn dispatch_model(
     }
     model.set_prefetch_depth(options.prefetch_depth);
     model.set_resident_budget(options.resident_budget);
+    model.set_disk_reads(options.disk_reads);
     model.set_streaming_order(placement.streaming_order(model.tree()));
     model.set_device_map(Some(device_map.clone()));
     Ok(())
@@ -151,9 +155,13 @@ fn place(
         };
         let new_state = match (target, tier) {
             (Target::Offloaded(want), Some(have)) if want == have => continue,
-            (Target::Resident(d), _) => {
-                SlotState::Resident(move_bytes(&name, &bytes, d, &devices, model.pool())?)
-            }
+            (Target::Resident(d), _) => SlotState::Resident(move_bytes(
+                &name,
+                &bytes,
+                d,
+                &devices,
+                Some(model.uploader()),
+            )?),
             (Target::Offloaded(Tier::Cpu), _) => {
                 let host = bytes.to_host()?;
                 SlotState::Offloaded {
@@ -238,6 +246,7 @@ fn attach_offload_hooks(model: &Model, exec: Device, options: &DispatchOptions) 
     }
     model.set_prefetch_depth(options.prefetch_depth);
     model.set_resident_budget(options.resident_budget);
+    model.set_disk_reads(options.disk_reads);
     model.set_streaming_order(entries.into_iter().map(|(m, _)| m).collect());
     Ok(())
 }

@@ -97,4 +97,4 @@ pub use hooks::{
 pub use load::{LoadOptions, LoadProgress, LoadReport, LoadTransform, load_checkpoint_in_model};
 pub use model::Model;
 pub use slots::{Placement, SlotId, Tier};
-pub use transfer::{GPU_CAST_CHUNK, STAGING_BYTES};
+pub use transfer::{DiskReads, GPU_CAST_CHUNK, STAGING_BYTES};

@@ -199,7 +199,7 @@ pub fn load_checkpoint_in_model(
     let mut loaded = 0u64;
     let mut staged: Vec<(usize, TensorMeta, SlotState)> = Vec::new();
     let mut index: Vec<(String, OffloadEntry)> = Vec::new();
-    let mut gpu_load = GpuLoad::new(&devices, model.pool());
+    let mut gpu_load = GpuLoad::new(model.uploader());
     for (s, r) in rep.iter().enumerate() {
         let Some(t) = *r else { continue };
         if let Some(LoadProgress(report)) = &options.progress {
@@ -271,8 +271,12 @@ pub fn load_checkpoint_in_model(
                 SlotState::Resident(Arc::new(bytes))
             }
             Target::Resident(device) => {
+                let stored_bytes = Arc::new(match data {
+                    TensorBytes::Mapped(view) => Bytes::Mmap(view),
+                    TensorBytes::Gathered(buf) => Bytes::Host(buf),
+                });
                 let bytes =
-                    gpu_load.write(&tensor.name, data.as_bytes(), stored.dtype, dtype, device)?;
+                    gpu_load.write(&tensor.name, &stored_bytes, stored.dtype, dtype, device)?;
                 SlotState::Resident(Arc::new(bytes))
             }
             Target::Offloaded(Tier::Cpu) => {

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use bm_device::{Device, DeviceSet, PinnedPool};
+use bm_device::{Device, DeviceSet};
 use bm_plan::{DeviceMap, ModuleId, ModuleTree, Node, TensorId, TensorKind};
 use parking_lot::RwLock;
 
@@ -12,8 +12,8 @@ use crate::bytes::{Activations, Weight};
 use crate::forward::Forward;
 use crate::hooks::{ModelHook, SequentialHook, flatten};
 use crate::residency::{Prefetch, Residency};
-use crate::slots::{Placement, SlotId, SlotState, SlotTable};
-use crate::transfer::Arrival;
+use crate::slots::{Placement, SlotId, SlotState, SlotTable, Tier};
+use crate::transfer::{Arrival, DiskReads, Uploader};
 use crate::{Error, Result};
 
 pub(crate) struct Shared {
@@ -21,7 +21,7 @@ pub(crate) struct Shared {
     slots: SlotTable,
     hooks: RwLock<Vec<Option<Arc<dyn ModelHook>>>>,
     devices: Arc<DeviceSet>,
-    pool: Option<PinnedPool>,
+    uploader: Uploader,
     device_map: RwLock<Option<DeviceMap>>,
     residency: Residency,
 }
@@ -31,8 +31,7 @@ impl Shared {
     /// [`Residency::materialise`]).
     fn materialise(&self, slot: SlotId, device: Device, prefetch: bool) -> Result<Option<Arrival>> {
         self.residency.materialise(slot, device, prefetch, || {
-            self.slots
-                .copy_to(&self.tree, slot, device, &self.devices, self.pool.as_ref())
+            self.slots.copy_to(&self.tree, slot, device, &self.uploader)
         })
     }
 }
@@ -75,30 +74,18 @@ const _: fn() = || {
     send::<Forward>();
 };
 
-/// Default bytes of a pinned staging slot used for GPU uploads.
-const STAGING_SLOT: usize = 8 << 20;
-
 impl Model {
     /// A model over `tree` with every tensor on the meta device: nothing
     /// is allocated but the bookkeeping (Accelerate's `init_empty_weights`).
     pub fn empty(tree: ModuleTree, devices: Arc<DeviceSet>) -> Result<Model> {
-        let pool = if devices.gpu_count() > 0 {
-            Some(
-                devices
-                    .pinned_pool(STAGING_SLOT, PinnedPool::DEFAULT_SLOTS)
-                    .map_err(|e| Error::device("the pinned staging pool", e))?,
-            )
-        } else {
-            None
-        };
         let modules = tree.modules().len();
         Ok(Model {
             shared: Arc::new(Shared {
                 slots: SlotTable::new(&tree),
                 tree,
                 hooks: RwLock::new(vec![None; modules]),
+                uploader: Uploader::new(Arc::clone(&devices)),
                 devices,
-                pool,
                 device_map: RwLock::new(None),
                 residency: Residency::new(),
             }),
@@ -128,9 +115,9 @@ impl Model {
         &self.shared.residency
     }
 
-    /// The pinned staging pool GPU uploads go through (none without GPUs).
-    pub(crate) fn pool(&self) -> Option<&PinnedPool> {
-        self.shared.pool.as_ref()
+    /// What uploads to GPUs go through.
+    pub(crate) fn uploader(&self) -> &Uploader {
+        &self.shared.uploader
     }
 
     pub(crate) fn materialise(
@@ -195,6 +182,21 @@ impl Model {
     /// (default 1; 0 turns prefetching off).
     pub fn set_prefetch_depth(&self, depth: usize) {
         self.shared.residency.set_depth(depth);
+    }
+
+    /// How disk-offloaded weights are read on their way to a GPU (default
+    /// [`DiskReads::Auto`], decided now from the weights offloaded to disk
+    /// so far and the host memory available).
+    pub fn set_disk_reads(&self, reads: DiskReads) {
+        let direct = match reads {
+            DiskReads::Direct => true,
+            DiskReads::Cached => false,
+            DiskReads::Auto => {
+                let on_disk = self.shared.slots.offloaded_bytes(Tier::Disk);
+                bm_device::host_memory().is_ok_and(|m| on_disk > m.available)
+            }
+        };
+        self.shared.uploader.set_direct(direct);
     }
 
     /// Bytes of offloaded weights that may stay on their execution device
@@ -306,13 +308,9 @@ impl Model {
             return Err(Error::MoveOffloaded);
         }
         let all: Vec<SlotId> = (0..self.slot_count()).collect();
-        self.shared.slots.move_resident(
-            &self.shared.tree,
-            &all,
-            device,
-            &self.shared.devices,
-            self.pool(),
-        )
+        self.shared
+            .slots
+            .move_resident(&self.shared.tree, &all, device, self.uploader())
     }
 
     /// The device of the first parameter (as `next(model.parameters()).device`).

@@ -241,7 +241,7 @@ fn buffers(
 pub(crate) fn attach(model: &Model, module: ModuleId, rule: HookRule) -> Result<()> {
     let (tree, table, devices) = (model.tree(), model.slots(), model.devices());
     let move_to_exec =
-        |slots: &[SlotId]| table.move_resident(tree, slots, rule.exec, devices, model.pool());
+        |slots: &[SlotId]| table.move_resident(tree, slots, rule.exec, model.uploader());
     if !rule.offload {
         return move_to_exec(&table.of_module(tree, module, rule.subtree, |_| true));
     }

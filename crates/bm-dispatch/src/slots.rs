@@ -4,14 +4,14 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use bm_device::{Device, DeviceSet, PinnedPool};
+use bm_device::Device;
 use bm_plan::{ModuleId, ModuleTree, TensorId, TensorKind};
 use bm_tensor::TensorMeta;
 use parking_lot::RwLock;
 
 use crate::Result;
 use crate::bytes::Bytes;
-use crate::transfer::{Arrival, move_bytes, to_device};
+use crate::transfer::{Arrival, Uploader, move_bytes, to_device};
 
 /// Index of a storage slot; tied tensors share one.
 pub type SlotId = usize;
@@ -158,6 +158,18 @@ impl SlotTable {
         matches!(self.slots.read()[s].state, SlotState::Offloaded { .. })
     }
 
+    /// Bytes of the tensors offloaded to `tier`.
+    pub(crate) fn offloaded_bytes(&self, tier: Tier) -> u64 {
+        self.slots
+            .read()
+            .iter()
+            .filter_map(|s| match &s.state {
+                SlotState::Offloaded { bytes, tier: t } if *t == tier => Some(bytes.len() as u64),
+                _ => None,
+            })
+            .sum()
+    }
+
     /// True when any slot holds an offloaded tensor.
     pub(crate) fn any_offloaded(&self) -> bool {
         self.slots
@@ -202,12 +214,17 @@ impl SlotTable {
         tree: &ModuleTree,
         slots: &[SlotId],
         device: Device,
-        devices: &DeviceSet,
-        pool: Option<&PinnedPool>,
+        uploader: &Uploader,
     ) -> Result<()> {
         self.update(slots, |s, state| match state {
             SlotState::Resident(b) => {
-                let moved = move_bytes(&self.name(tree, s), b, device, devices, pool)?;
+                let moved = move_bytes(
+                    &self.name(tree, s),
+                    b,
+                    device,
+                    uploader.devices(),
+                    Some(uploader),
+                )?;
                 Ok(Some(SlotState::Resident(moved)))
             }
             _ => Ok(None),
@@ -222,13 +239,18 @@ impl SlotTable {
         tree: &ModuleTree,
         s: SlotId,
         device: Device,
-        devices: &DeviceSet,
-        pool: Option<&PinnedPool>,
+        uploader: &Uploader,
     ) -> Result<Arrival> {
         let source = self
             .with(s, |_, state| state.bytes().cloned())
             .ok_or_else(|| crate::Error::NotLoaded(self.name(tree, s)))?;
-        to_device(&self.name(tree, s), &source, device, devices, pool)
+        to_device(
+            &self.name(tree, s),
+            &source,
+            device,
+            uploader.devices(),
+            Some(uploader),
+        )
     }
 
     /// The slots of module `m`'s tensors (its direct ones, or its whole

@@ -1,20 +1,31 @@
-//! How a tensor's bytes reach another device, each byte copied once:
-//! page-locked host memory straight to a GPU by DMA on its copy stream,
-//! other host memory through the pinned staging pool (the host fills one
-//! slot while the copy engine drains the previous one), GPU memory peer to
-//! peer or downloaded. Copies are only enqueued: the bytes arrive with the
-//! event of their copy ([`Arrival`]), and whoever computes with them waits
-//! on it, on the compute stream, when it takes them.
+//! How a tensor's bytes reach another device, each byte copied once per
+//! hop: page-locked host memory straight to a GPU by DMA on its copy
+//! stream; mapped files, files and other host memory through bm-device's
+//! reader pool, whose threads fill page-locked staging slots (from the
+//! mapping, or from the file with `O_DIRECT`) while the copy stream drains
+//! the slots already filled; GPU memory peer to peer, or downloaded.
+//! Copies are only enqueued: the bytes arrive with the event of their copy
+//! ([`Arrival`]), and whoever computes with them waits on it, on the
+//! compute stream, when it takes them.
 //!
-//! Loading a checkpoint onto a GPU ([`GpuLoad`]) uploads the raw bytes and,
-//! when the dtype changes, casts them on the GPU after the upload (the
-//! host casts for emulated GPUs, and for a CUDA GPU that cannot run its
-//! kernels: same bits either way).
+//! Loading a checkpoint onto a GPU ([`GpuLoad`]) uploads the stored bytes
+//! the same way and, when the dtype changes, casts them on the GPU after
+//! the upload (`Gpu::cast_exact`, bit for bit the host's cast). The host
+//! casts instead for emulated GPUs and for a CUDA GPU that cannot run its
+//! kernels.
 
+use std::collections::HashMap;
+use std::ops::Range;
+use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
-use bm_device::{Device, DeviceBuffer, DeviceSet, Event, Gpu, GpuKind, PinnedPool};
+use bm_device::{
+    Device, DeviceBuffer, DeviceSet, Event, Gpu, GpuKind, ReadSource, ReaderOptions, ReaderPool,
+    SourceFile,
+};
 use bm_tensor::{DType, HostBuffer, cast_into};
+use parking_lot::Mutex;
 
 use crate::bytes::Bytes;
 use crate::{Error, Result};
@@ -52,6 +63,147 @@ impl Arrival {
     }
 }
 
+/// How disk-offloaded weights are read on their way to a GPU.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DiskReads {
+    /// Direct reads when the disk-offloaded weights are more than the host
+    /// memory available (the page cache could not keep them anyway, and
+    /// each pass would evict what the next needs), else through the page
+    /// cache.
+    #[default]
+    Auto,
+    /// Always `O_DIRECT` where the file system allows it: each pass reads
+    /// the disk at its sequential speed and leaves the page cache alone.
+    Direct,
+    /// Always through the page cache (the file's mapping).
+    Cached,
+}
+
+/// Host bytes shared with the reader threads.
+struct HostSource(Arc<Bytes>);
+
+impl AsRef<[u8]> for HostSource {
+    fn as_ref(&self) -> &[u8] {
+        // Only built over host and mapped bytes, whose `host` never waits.
+        self.0.host().unwrap_or(&[])
+    }
+}
+
+/// What uploads to GPUs go through: bm-device's reader pool (made on first
+/// use: threads and page-locked slots cost nothing to a model that never
+/// uploads), the files disk-offloaded weights are read from with
+/// `O_DIRECT`, and whether they are.
+pub(crate) struct Uploader {
+    devices: Arc<DeviceSet>,
+    readers: Mutex<Option<Arc<ReaderPool>>>,
+    files: Mutex<HashMap<PathBuf, Arc<SourceFile>>>,
+    direct: AtomicBool,
+}
+
+impl std::fmt::Debug for Uploader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Uploader")
+            .field(
+                "readers",
+                &self.readers.lock().as_deref().map(|_| "started"),
+            )
+            .field("direct", &self.direct.load(Ordering::Relaxed))
+            .finish()
+    }
+}
+
+impl Uploader {
+    pub(crate) fn new(devices: Arc<DeviceSet>) -> Uploader {
+        Uploader {
+            devices,
+            readers: Mutex::new(None),
+            files: Mutex::new(HashMap::new()),
+            direct: AtomicBool::new(false),
+        }
+    }
+
+    /// The devices uploads go to.
+    pub(crate) fn devices(&self) -> &DeviceSet {
+        &self.devices
+    }
+
+    /// Reads mapped files directly (`O_DIRECT`) from now on, or through
+    /// the mapping.
+    pub(crate) fn set_direct(&self, direct: bool) {
+        self.direct.store(direct, Ordering::Relaxed);
+    }
+
+    fn readers(&self) -> Result<Arc<ReaderPool>> {
+        let mut readers = self.readers.lock();
+        if let Some(pool) = readers.as_ref() {
+            return Ok(Arc::clone(pool));
+        }
+        let pool = Arc::new(
+            self.devices
+                .reader_pool(ReaderOptions::default())
+                .map_err(|e| Error::device("the reader pool", e))?,
+        );
+        *readers = Some(Arc::clone(&pool));
+        Ok(pool)
+    }
+
+    /// Where the reader threads take `bytes` (host or mapped) from: the
+    /// mapped file itself when reads are direct, else the memory.
+    fn source(&self, what: &str, bytes: &Arc<Bytes>) -> Result<(ReadSource, Range<u64>)> {
+        let len = bytes.len() as u64;
+        if let (Bytes::Mmap(view), true) = (bytes.as_ref(), self.direct.load(Ordering::Relaxed)) {
+            let start = view.file_offset() as u64;
+            return Ok((ReadSource::File(self.file(what, view)?), start..start + len));
+        }
+        Ok((
+            ReadSource::Bytes(Arc::new(HostSource(Arc::clone(bytes)))),
+            0..len,
+        ))
+    }
+
+    /// The file behind `view`, opened once for direct reads. It must still
+    /// be the file mapped: a regular file with the same device and inode
+    /// (anything else at the path is refused before it is opened).
+    fn file(&self, what: &str, view: &bm_tensor::MmapView) -> Result<Arc<SourceFile>> {
+        let path = view.path();
+        if let Some(f) = self.files.lock().get(path) {
+            return Ok(Arc::clone(f));
+        }
+        let changed = || Error::Io {
+            path: path.to_path_buf(),
+            source: std::io::Error::other(format!(
+                "reading {what}: the file is no longer the one mapped when it was loaded"
+            )),
+        };
+        let meta = std::fs::metadata(path).map_err(|_| changed())?;
+        if !meta.is_file() || !view.is_backed_by(&meta) {
+            return Err(changed());
+        }
+        let file = SourceFile::open(path, true).map_err(|e| Error::device(what, e))?;
+        self.files
+            .lock()
+            .insert(path.to_path_buf(), Arc::clone(&file));
+        Ok(file)
+    }
+
+    /// Copies host or mapped `src` into `dst` at `offset` on the copy
+    /// stream of `dst`'s GPU through the reader pool; returns once `src`
+    /// was read, with the event of the last copy.
+    fn upload(
+        &self,
+        what: &str,
+        src: &Arc<Bytes>,
+        dst: &mut DeviceBuffer,
+        offset: usize,
+    ) -> Result<Event> {
+        let (source, range) = self.source(what, src)?;
+        let copy = dst.gpu().copy_stream().clone();
+        self.readers()?
+            .upload(&source, range, dst, offset, &copy)
+            .map_err(|e| Error::device(what, e))
+    }
+}
+
 /// GPU `device` of `devices`.
 fn gpu_of(what: &str, device: Device, devices: &DeviceSet) -> Result<Gpu> {
     let missing = || Error::NoSuchDevice {
@@ -64,74 +216,11 @@ fn gpu_of(what: &str, device: Device, devices: &DeviceSet) -> Result<Gpu> {
     }
 }
 
-/// `len` bytes (at least one) of `gpu`'s memory for `what`.
-fn alloc(what: &str, gpu: &Gpu, len: usize) -> Result<DeviceBuffer> {
-    gpu.alloc(len.max(1)).map_err(|e| Error::device(what, e))
-}
-
-/// Enqueues a copy of host `src` into `dst` at `offset` on the copy stream
-/// of `dst`'s GPU: through the staging pool when there is one (returns once
-/// `src` was read), else a synchronous pageable copy.
-fn upload_into(
-    what: &str,
-    dst: &mut DeviceBuffer,
-    offset: usize,
-    src: &[u8],
-    pool: Option<&PinnedPool>,
-) -> Result<Option<Event>> {
-    if src.is_empty() {
-        return Ok(None);
-    }
-    let copy = dst.gpu().copy_stream().clone();
-    match pool {
-        Some(pool) => dst
-            .upload(offset, src, pool, &copy)
-            .map(Some)
-            .map_err(|e| Error::device(what, e)),
-        None => dst
-            .copy_from_host(offset, src)
-            .map(|()| None)
-            .map_err(|e| Error::device(what, e)),
-    }
-}
-
-/// Where host bytes go on their way to a device: `(offset, piece)`.
-pub(crate) type Sink<'a> = dyn FnMut(usize, &[u8]) -> Result<()> + 'a;
-
-/// Host bytes produced piece by piece (a cast) onto `device`: `len` bytes
-/// that `fill` hands, with their offsets, to its sink, copied into a new
-/// host buffer for the CPU, or into a new allocation on a GPU through the
-/// staging pool on the GPU's copy stream.
-pub(crate) fn upload_chunks(
-    what: &str,
-    len: usize,
-    device: Device,
-    devices: &DeviceSet,
-    pool: Option<&PinnedPool>,
-    fill: impl FnOnce(&mut Sink<'_>) -> Result<()>,
-) -> Result<Arrival> {
-    if device == Device::Cpu {
-        let mut buf = HostBuffer::zeroed(len).map_err(|e| Error::tensor(what, e))?;
-        let dst = buf.as_mut_bytes();
-        fill(&mut |offset, piece| {
-            dst.get_mut(offset..offset + piece.len())
-                .ok_or_else(|| Error::BadOption(format!("{what}: more bytes than {len}")))?
-                .copy_from_slice(piece);
-            Ok(())
-        })?;
-        return Ok(Arrival::ready(Arc::new(Bytes::Host(buf))));
-    }
-    let gpu = gpu_of(what, device, devices)?;
-    let mut buf = alloc(what, &gpu, len)?;
-    let mut ready = None;
-    fill(&mut |offset, piece| {
-        ready = upload_into(what, &mut buf, offset, piece, pool)?.or(ready.take());
-        Ok(())
-    })?;
-    Ok(Arrival {
-        bytes: Arc::new(Bytes::Device(buf)),
-        ready,
-    })
+/// `len` bytes (at least one) of `gpu`'s memory for `what`, allocated on
+/// the copy stream that fills it (so the copy waits for no compute).
+fn alloc_for_copy(what: &str, gpu: &Gpu, len: usize) -> Result<DeviceBuffer> {
+    gpu.alloc_on(len.max(1), gpu.copy_stream())
+        .map_err(|e| Error::device(what, e))
 }
 
 /// Copies host `src` into freshly allocated page-locked memory (pageable
@@ -149,8 +238,9 @@ pub(crate) fn pin(what: &str, src: &[u8], devices: &DeviceSet) -> Result<Bytes> 
 }
 
 /// The one path of a tensor's bytes to another device, each byte copied
-/// once: page-locked memory straight to the GPU by DMA on its copy stream
-/// (no staging copy); other host memory through the staging pool; GPU
+/// once per hop: page-locked memory straight to the GPU by DMA on its copy
+/// stream (no staging copy); mapped and other host memory through the
+/// reader pool of `uploader` (a plain pageable copy without one); GPU
 /// memory to another GPU on the destination's copy stream, or downloaded
 /// to the host. Bytes already on `device` are shared, not copied. The copy
 /// may still be in flight on return: see [`Arrival`].
@@ -159,40 +249,38 @@ pub(crate) fn to_device(
     bytes: &Arc<Bytes>,
     device: Device,
     devices: &DeviceSet,
-    pool: Option<&PinnedPool>,
+    uploader: Option<&Uploader>,
 ) -> Result<Arrival> {
     if bytes.device() == device {
         return Ok(Arrival::ready(Arc::clone(bytes)));
     }
-    let device_copy = |dst: DeviceBuffer, ready: bm_device::Result<Event>| {
-        Ok(Arrival {
-            ready: Some(ready.map_err(|e| Error::device(what, e))?),
-            bytes: Arc::new(Bytes::Device(dst)),
-        })
-    };
-    match (bytes.as_ref(), device) {
-        (Bytes::Pinned(src), Device::Gpu(_)) => {
-            let gpu = gpu_of(what, device, devices)?;
-            let mut dst = alloc(what, &gpu, src.len())?;
-            let ready = dst.copy_from_pinned(0, src, 0..src.len(), gpu.copy_stream());
-            device_copy(dst, ready)
-        }
-        (Bytes::Device(src), Device::Gpu(_)) => {
-            let gpu = gpu_of(what, device, devices)?;
-            let mut dst = alloc(what, &gpu, src.len())?;
-            let ready = dst.copy_from_device(0, src, 0..src.len(), gpu.copy_stream());
-            device_copy(dst, ready)
-        }
-        (Bytes::Device(_), Device::Cpu) => {
-            let host = bytes.to_host()?;
-            let buf = HostBuffer::from_bytes(&host).map_err(|e| Error::tensor(what, e))?;
-            Ok(Arrival::ready(Arc::new(Bytes::Host(buf))))
-        }
-        (host, _) => {
-            let src = host.to_host()?;
-            upload_chunks(what, src.len(), device, devices, pool, |sink| sink(0, &src))
-        }
+    if device == Device::Cpu {
+        let host = bytes.to_host()?;
+        let buf = HostBuffer::from_bytes(&host).map_err(|e| Error::tensor(what, e))?;
+        return Ok(Arrival::ready(Arc::new(Bytes::Host(buf))));
     }
+    let gpu = gpu_of(what, device, devices)?;
+    let mut dst = alloc_for_copy(what, &gpu, bytes.len())?;
+    let copy = gpu.copy_stream();
+    let device_error = |e| Error::device(what, e);
+    let ready = match (bytes.as_ref(), uploader) {
+        (Bytes::Pinned(src), _) => dst
+            .copy_from_pinned(0, src, 0..src.len(), copy)
+            .map_err(device_error)?,
+        (Bytes::Device(src), _) => dst
+            .copy_from_device(0, src, 0..src.len(), copy)
+            .map_err(device_error)?,
+        (_, Some(uploader)) => uploader.upload(what, bytes, &mut dst, 0)?,
+        (host, None) => {
+            dst.copy_from_host(0, host.host().unwrap_or(&[]))
+                .map_err(device_error)?;
+            Event::completed(device)
+        }
+    };
+    Ok(Arrival {
+        bytes: Arc::new(Bytes::Device(dst)),
+        ready: Some(ready),
+    })
 }
 
 /// Moves `bytes` to `device` for use by the calling thread (a copy; shared
@@ -203,16 +291,16 @@ pub(crate) fn move_bytes(
     bytes: &Arc<Bytes>,
     device: Device,
     devices: &DeviceSet,
-    pool: Option<&PinnedPool>,
+    uploader: Option<&Uploader>,
 ) -> Result<Arc<Bytes>> {
-    let arrival = to_device(what, bytes, device, devices, pool)?;
+    let arrival = to_device(what, bytes, device, devices, uploader)?;
     arrival.wait_for_compute(what)?;
     Ok(arrival.bytes)
 }
 
-/// Source bytes converted per chunk by a GPU cast: two device scratch
-/// buffers of this size let the upload of one chunk overlap the cast of
-/// the previous one, with bounded extra device memory.
+/// Source elements converted per chunk by a GPU cast: two device scratch
+/// buffers of this many bytes let the upload of one chunk overlap the cast
+/// of the previous one, with bounded extra device memory.
 pub const GPU_CAST_CHUNK: usize = 16 << 20;
 
 /// How one GPU converts dtypes during a load.
@@ -244,41 +332,48 @@ impl GpuCaster {
         if gpu.kind() != GpuKind::Cuda {
             return None;
         }
+        let scratch = || alloc_for_copy("GPU cast scratch", gpu, GPU_CAST_CHUNK).ok();
         Some(GpuCaster {
             gpu: gpu.clone(),
-            scratch: [
-                gpu.alloc(GPU_CAST_CHUNK).ok()?,
-                gpu.alloc(GPU_CAST_CHUNK).ok()?,
-            ],
+            scratch: [scratch()?, scratch()?],
             next: 0,
             proven: false,
         })
     }
 
-    /// `src` (`from` elements) into `dst` as `to` elements.
+    /// `src` (`from` elements, host or mapped) into `dst` as `to` elements.
     fn cast(
         &mut self,
         name: &str,
-        src: &[u8],
+        src: &Arc<Bytes>,
         from: DType,
         dst: &mut DeviceBuffer,
         to: DType,
-        pool: Option<&PinnedPool>,
+        uploader: &Uploader,
     ) -> Result<()> {
         let from_size = from.size_in_bytes();
         let count = src.len() / from_size;
         let per_chunk = GPU_CAST_CHUNK / from_size;
+        let (source, range) = uploader.source(name, src)?;
+        let readers = uploader.readers()?;
         for start in (0..count).step_by(per_chunk) {
             let n = per_chunk.min(count - start);
             let buf = &mut self.scratch[self.next];
             self.next = 1 - self.next;
-            let raw = &src[start * from_size..(start + n) * from_size];
-            if let Some(uploaded) = upload_into(name, buf, 0, raw, pool)? {
-                self.gpu
-                    .compute_stream()
-                    .wait(&uploaded)
-                    .map_err(|e| Error::device(name, e))?;
-            }
+            let first = range.start + (start * from_size) as u64;
+            let uploaded = readers
+                .upload(
+                    &source,
+                    first..first + (n * from_size) as u64,
+                    buf,
+                    0,
+                    self.gpu.copy_stream(),
+                )
+                .map_err(|e| Error::device(name, e))?;
+            self.gpu
+                .compute_stream()
+                .wait(&uploaded)
+                .map_err(|e| Error::device(name, e))?;
             self.gpu
                 .cast_exact(buf, from, dst, to, n, start)
                 .map_err(|e| Error::device(name, e))?;
@@ -288,53 +383,57 @@ impl GpuCaster {
     }
 }
 
-/// Loading tensors onto GPUs: raw bytes uploaded on each GPU's copy
-/// stream, converted on the GPU when the dtype changes, and everything
-/// waited for once, at [`GpuLoad::finish`].
+/// Loading tensors onto GPUs: stored bytes uploaded through the reader
+/// pool on each GPU's copy stream, converted on the GPU when the dtype
+/// changes, and everything waited for once, at [`GpuLoad::finish`].
 pub(crate) struct GpuLoad<'a> {
-    devices: &'a DeviceSet,
-    pool: Option<&'a PinnedPool>,
+    uploader: &'a Uploader,
     /// Per GPU ordinal: how it casts, and whether anything was enqueued.
     gpus: Vec<(CastOn, bool)>,
 }
 
 impl<'a> GpuLoad<'a> {
-    pub(crate) fn new(devices: &'a DeviceSet, pool: Option<&'a PinnedPool>) -> GpuLoad<'a> {
+    pub(crate) fn new(uploader: &'a Uploader) -> GpuLoad<'a> {
         GpuLoad {
-            devices,
-            pool,
-            gpus: (0..devices.gpu_count())
+            gpus: (0..uploader.devices.gpu_count())
                 .map(|_| (CastOn::Undecided, false))
                 .collect(),
+            uploader,
         }
     }
 
-    /// Tensor `name`, stored as `src` in `from`, onto GPU `device` in `to`.
-    /// The copies (and the cast) may still be running on return.
+    /// Tensor `name`, stored as `src` (host or mapped bytes) in `from`,
+    /// onto GPU `device` in `to`. The copies (and the cast) may still be
+    /// running on return.
     pub(crate) fn write(
         &mut self,
         name: &str,
-        src: &[u8],
+        src: &Arc<Bytes>,
         from: DType,
         to: DType,
         device: Device,
     ) -> Result<Bytes> {
-        let gpu = gpu_of(name, device, self.devices)?;
+        let gpu = gpu_of(name, device, &self.uploader.devices)?;
         let count = src.len() / from.size_in_bytes().max(1);
-        let mut dst = alloc(name, &gpu, count * to.size_in_bytes())?;
+        let len = count * to.size_in_bytes();
         let (cast_on, used) = &mut self.gpus[gpu.ordinal()];
         *used = true;
         if from == to {
-            upload_into(name, &mut dst, 0, src, self.pool)?;
+            let mut dst = alloc_for_copy(name, &gpu, len)?;
+            if !src.is_empty() {
+                self.uploader.upload(name, src, &mut dst, 0)?;
+            }
             return Ok(Bytes::Device(dst));
         }
+        // Written by the cast kernels, on the compute stream.
+        let mut dst = gpu.alloc(len.max(1)).map_err(|e| Error::device(name, e))?;
         let kernels = [DType::F32, DType::F16, DType::BF16];
         if kernels.contains(&from) && kernels.contains(&to) {
             if matches!(cast_on, CastOn::Undecided) {
                 *cast_on = GpuCaster::new(&gpu).map_or(CastOn::Host, CastOn::Gpu);
             }
             if let CastOn::Gpu(caster) = cast_on {
-                match caster.cast(name, src, from, &mut dst, to, self.pool) {
+                match caster.cast(name, src, from, &mut dst, to, self.uploader) {
                     Ok(()) => return Ok(Bytes::Device(dst)),
                     // The first cast shows whether this GPU can run its
                     // kernels at all (NVRTC may be missing): if not, the
@@ -344,9 +443,16 @@ impl<'a> GpuLoad<'a> {
                 }
             }
         }
-        cast_chunks(name, src, from, to, &mut |offset, piece| {
-            upload_into(name, &mut dst, offset, piece, self.pool).map(drop)
-        })?;
+        cast_chunks(
+            name,
+            src.host().unwrap_or(&[]),
+            from,
+            to,
+            &mut |offset, piece| {
+                dst.copy_from_host(offset, piece)
+                    .map_err(|e| Error::device(name, e))
+            },
+        )?;
         Ok(Bytes::Device(dst))
     }
 
@@ -357,7 +463,11 @@ impl<'a> GpuLoad<'a> {
             if !used {
                 continue;
             }
-            let gpu = gpu_of("the loaded tensors", Device::Gpu(ordinal), self.devices)?;
+            let gpu = gpu_of(
+                "the loaded tensors",
+                Device::Gpu(ordinal),
+                &self.uploader.devices,
+            )?;
             for stream in [gpu.copy_stream(), gpu.compute_stream()] {
                 stream
                     .synchronize()
@@ -379,7 +489,7 @@ pub(crate) fn cast_chunks(
     src: &[u8],
     from: DType,
     to: DType,
-    sink: &mut Sink<'_>,
+    sink: &mut dyn FnMut(usize, &[u8]) -> Result<()>,
 ) -> Result<()> {
     let (src_elem, dst_elem) = (from.size_in_bytes(), to.size_in_bytes());
     let elems = (STAGING_BYTES / src_elem.max(dst_elem)).max(1);

@@ -112,6 +112,13 @@ impl MmapView {
         Ok(())
     }
 
+    /// Whether `meta` describes the file this view maps (same device and
+    /// inode): a file reopened by path for other reads (`O_DIRECT`) must
+    /// be this one, not another put at the same path since.
+    pub fn is_backed_by(&self, meta: &std::fs::Metadata) -> bool {
+        self.file.id.is_some() && file_id(meta) == self.file.id
+    }
+
     /// The file this view maps.
     pub fn path(&self) -> &Path {
         &self.file.path
