@@ -22,8 +22,8 @@ pub enum Error {
         requested: u64,
         /// Bytes that were free (within the budget, or as the driver saw it).
         free: u64,
-        /// The underlying error.
-        source: bm_device::Error,
+        /// The underlying error (the budget, or the driver).
+        source: Box<bm_device::Error>,
     },
     /// A device operation (allocation, copy) failed; `what` says for what.
     Device {
@@ -122,7 +122,7 @@ impl Error {
                 device,
                 requested,
                 free: budget.saturating_sub(live),
-                source,
+                source: Box::new(source),
             },
             bm_device::Error::OutOfMemory {
                 device,
@@ -133,7 +133,7 @@ impl Error {
                 device,
                 requested,
                 free,
-                source,
+                source: Box::new(source),
             },
             source => Error::Device { what, source },
         }
@@ -246,7 +246,8 @@ impl std::error::Error for Error {
         match self {
             Error::Shard(e) => Some(e),
             Error::Plan(e) => Some(e),
-            Error::Device { source, .. } | Error::OutOfDeviceMemory { source, .. } => Some(source),
+            Error::Device { source, .. } => Some(source),
+            Error::OutOfDeviceMemory { source, .. } => Some(source.as_ref()),
             Error::Tensor { source, .. } => Some(source),
             Error::Io { source, .. } => Some(source),
             Error::Transform { source, .. } => Some(source.as_ref()),

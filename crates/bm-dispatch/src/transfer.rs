@@ -308,7 +308,7 @@ enum CastOn {
     /// Not needed yet.
     Undecided,
     /// On the GPU.
-    Gpu(GpuCaster),
+    Gpu(Box<GpuCaster>),
     /// On the host, before the upload: an emulated GPU, no room for the
     /// scratch buffers, or kernels the GPU cannot run.
     Host,
@@ -430,7 +430,7 @@ impl<'a> GpuLoad<'a> {
         let kernels = [DType::F32, DType::F16, DType::BF16];
         if kernels.contains(&from) && kernels.contains(&to) {
             if matches!(cast_on, CastOn::Undecided) {
-                *cast_on = GpuCaster::new(&gpu).map_or(CastOn::Host, CastOn::Gpu);
+                *cast_on = GpuCaster::new(&gpu).map_or(CastOn::Host, |c| CastOn::Gpu(Box::new(c)));
             }
             if let CastOn::Gpu(caster) = cast_on {
                 match caster.cast(name, src, from, &mut dst, to, self.uploader) {
