@@ -3,11 +3,14 @@
 # on one H100:
 #   1. environment: GPUs, driver, PCIe link (nvidia-smi), the CUDA libraries
 #      bigmodel loads (bin/bigmodel devices --json);
-#   2. bm-device GPU tests, then the compute tests (bm-device, bm-compute),
-#      also under compute-sanitizer memcheck when it is installed;
+#   2. bm-device GPU tests, then the compute tests (bm-device, bm-compute);
 #   3. the model GPU tests (bm-models) and any other GPU test binary;
 #   4. the bench rows: host-to-device bandwidth by size (h2d), then the
-#      load and streaming benches when the bundle has them.
+#      data path (data_path: loading a 2.2 GB bf16 checkpoint, decoding with
+#      most layers streamed from CPU RAM and from disk, cold-disk streaming
+#      against a direct read of the disk, each next to pinned H2D).
+#   5. the compute tests again under compute-sanitizer memcheck when it is
+#      installed (last, so a slow sanitizer cannot cost the bench numbers).
 # With --full it then runs every other bench and the benchmark report
 # against PyTorch + Accelerate (./xtask bench --prebuilt .).
 #
@@ -20,6 +23,8 @@
 #
 # Usage: ./run.sh [--full] [--no-sanitizer]
 #   BM_RUN_DEADLINE  seconds for the whole run (default 470, or 1800 with --full)
+#   OUT              when set (the device tool's result folder), report.md and
+#                    the data-path summary are copied there at the end
 set -u
 cd "$(dirname "$0")"
 export BM_GPU_TESTS=1
@@ -112,6 +117,11 @@ finish() {
     if [ -z "$failed" ]; then echo "result: PASS"; else echo "result: FAIL ($failed)"; fi
   } >> "$report"
   echo "report: $report"
+  if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then
+    cp "$report" "$OUT/"
+    [ -f target/data-path-summary.json ] && cp target/data-path-summary.json "$OUT/"
+    [ -f bench-report.json ] && cp bench-report.md bench-report.json "$OUT/"
+  fi
   [ -z "$failed" ]
   exit $?
 }
@@ -144,29 +154,38 @@ done
 for t in tests/*; do
   case " ${ordered[*]} " in *" $t "*) ;; *) ordered+=("$t") ;; esac
 done
+memcheck=()
 for t in "${ordered[@]}"; do
   name=$(basename "$t")
   step "test $name" 150 "$t" --test-threads=1
   case "$name" in
-    *gpu_compute|bm-compute-gpu)
-      if [ "$sanitizer" -eq 1 ] && command -v compute-sanitizer >/dev/null 2>&1; then
-        # The kernel cache test starts child processes; memcheck follows
-        # the kernels of this process only.
-        step "memcheck $name" 240 compute-sanitizer --tool memcheck --error-exitcode 1 \
-          "$t" --test-threads=1 --skip kernels_are_cubin_compiled_once
-      fi
-      ;;
+    *gpu_compute|bm-compute-gpu) memcheck+=("$t") ;;
   esac
 done
 
-# 4. Bench rows. h2d is bm-device's; the load and streaming benches of the
-# dispatcher (issue 12, acceptance 6) go in this list when they exist.
-default_benches="h2d load stream"
-for b in $default_benches; do
-  if [ -x "benches/$b" ]; then
-    step "bench $b" 150 "benches/$b" --bench
-  fi
-done
+# 4. Bench rows (issue 12, acceptance 6): h2d is bm-device's, data_path the
+# dispatcher's. The data path's model is written once under target/ (on the
+# bundle's disk, so O_DIRECT works) and its figures go to
+# target/data-path-summary.json.
+mkdir -p target
+export CRITERION_HOME="$PWD/target/criterion"
+default_benches="h2d data_path"
+[ -x benches/h2d ] && step "bench h2d" 150 benches/h2d --bench
+[ -x benches/data_path ] && step "bench data_path" 240 env \
+  BM_BENCH_DATA_DIR="$PWD/target/data-path-model" \
+  BM_BENCH_SUMMARY="$PWD/target/data-path-summary.json" \
+  benches/data_path --bench
+
+# The compute tests again under compute-sanitizer memcheck, after the bench
+# rows so that a slow sanitizer cannot cost the run its numbers.
+if [ "$sanitizer" -eq 1 ] && command -v compute-sanitizer >/dev/null 2>&1; then
+  for t in "${memcheck[@]}"; do
+    # The kernel cache test starts child processes; memcheck follows the
+    # kernels of this process only.
+    step "memcheck $(basename "$t")" 240 compute-sanitizer --tool memcheck --error-exitcode 1 \
+      "$t" --test-threads=1 --skip kernels_are_cubin_compiled_once
+  done
+fi
 
 if [ "$full" -eq 1 ]; then
   for b in benches/*; do

@@ -23,6 +23,7 @@
 mod baseline;
 mod checkpoint;
 mod criterion;
+mod data_path;
 mod date;
 mod gpu_rows;
 mod inputs;
@@ -123,6 +124,7 @@ pub fn run(root: &Path, options: Options) -> Result<(), String> {
     rows.extend(suite.checkpoint_rows());
     rows.extend(suite.inspect_rows());
     rows.extend(suite.load_rows());
+    rows.extend(suite.data_path_rows());
     rows.extend(suite.gpu_rows());
 
     let machine = machine(&suite);
