@@ -51,6 +51,16 @@ const EXCEPTIONS: &[(&str, &str, &str)] = &[
         "fancy-regex",
         "transformers' module-name patterns (regexes with look-around)",
     ),
+    (
+        "bm-models",
+        "minijinja",
+        "rendering the Jinja chat templates of tokenizer_config.json as transformers does",
+    ),
+    (
+        "bm-models",
+        "minijinja-contrib",
+        "Python's str and dict methods, which chat templates call, for minijinja",
+    ),
 ];
 
 /// What the library crates' tests and benches may use besides the above.

@@ -31,6 +31,8 @@ enum Command {
     Devices(cmd::devices::Args),
     /// Load a decoder folder under a device map and generate from one or more prompts.
     Run(cmd::run::Args),
+    /// Talk with a decoder folder through its chat template (one line per message).
+    Chat(cmd::chat::Args),
     /// Sentence embeddings from a BERT-family folder under a device map.
     Embed(cmd::embed::Args),
     /// Create a ~1 GB model, run it offloaded and check it against RAM.
@@ -56,6 +58,7 @@ fn main() -> ExitCode {
         Command::Plan(a) => cmd::plan::run(a),
         Command::Devices(a) => cmd::devices::run(a),
         Command::Run(a) => cmd::run::run(a),
+        Command::Chat(a) => cmd::chat::run(a),
         Command::Embed(a) => cmd::embed::run(a),
         Command::Demo(a) => cmd::demo::run(a),
     };

@@ -22,6 +22,8 @@
 //! | `old-model/`                 | `crates/bm-shard/tests/fixtures/torch/tiny-llama/`   |
 //! | `evil/pytorch_model.bin`     | `crates/bm-shard/tests/fixtures/torch/bad/malicious_system.bin` |
 //! | `partial-map.json`           | the map the guide prints next to the command         |
+//! | `tiny-chat/`                 | `tiny-llama/` with `chat/llama3/tokenizer_config.json` (Llama 3's chat template) and 1024 positions |
+//! | `questions.txt`              | two lines: `Hello` and `What is 2 + 2?`              |
 //!
 //! and `bigmodel demo` runs at its tiny test scale (`BM_DEMO_SCALE=tiny`)
 //! with its cache in the scratch folder, instead of creating 1 GB.
@@ -189,6 +191,26 @@ fn guide_folder() -> tempfile::TempDir {
     )
     .unwrap();
     std::fs::write(root.join("partial-map.json"), PARTIAL_MAP).unwrap();
+    copy_dir(
+        &fixtures("bm-models").join("tiny-llama"),
+        &root.join("tiny-chat"),
+    );
+    std::fs::copy(
+        fixtures("bm-models").join("chat/llama3/tokenizer_config.json"),
+        root.join("tiny-chat/tokenizer_config.json"),
+    )
+    .unwrap();
+    // Room for the template's headers: the rotary frequencies do not
+    // depend on the number of positions.
+    let config = root.join("tiny-chat/config.json");
+    let text = std::fs::read_to_string(&config).unwrap();
+    let text = text.replace(
+        "\"max_position_embeddings\": 128",
+        "\"max_position_embeddings\": 1024",
+    );
+    assert!(text.contains("1024"), "tiny-llama's config.json changed");
+    std::fs::write(&config, text).unwrap();
+    std::fs::write(root.join("questions.txt"), "Hello\nWhat is 2 + 2?\n").unwrap();
     dir
 }
 

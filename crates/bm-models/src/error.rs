@@ -96,6 +96,15 @@ pub enum Error {
         /// What is wrong with it.
         message: String,
     },
+    /// A chat template is missing, does not parse, or failed to render
+    /// (its own `raise_exception` included).
+    ChatTemplate {
+        /// The file the template comes from (tokenizer_config.json or
+        /// chat_template.jinja).
+        path: PathBuf,
+        /// What went wrong.
+        message: String,
+    },
     /// Text was given but the model folder has no tokenizer.json.
     NoTokenizer {
         /// The model folder.
@@ -166,6 +175,9 @@ impl fmt::Display for Error {
                 write!(f, "{}: tokenizer: {message}", path.display())
             }
             Error::BadGenerateOption { option, message } => write!(f, "{option}: {message}"),
+            Error::ChatTemplate { path, message } => {
+                write!(f, "{}: chat template: {message}", path.display())
+            }
             Error::NoTokenizer { dir } => write!(
                 f,
                 "{}: no tokenizer.json, so text cannot be used (give token ids)",

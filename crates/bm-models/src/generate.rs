@@ -302,7 +302,70 @@ fn sequence_rows(logits: &Tensor, batch: usize, b: usize, first: usize) -> Resul
     )?)
 }
 
+/// A conversation's KV cache and the tokens it holds, kept between turns
+/// so that each turn runs only what is new since the cache was filled.
+#[derive(Debug)]
+pub struct Conversation {
+    cache: KvCache,
+    tokens: Vec<u32>,
+}
+
+impl Conversation {
+    /// Tokens whose keys and values the cache holds.
+    pub fn cached_tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+}
+
 impl CausalLm {
+    /// An empty conversation for [`CausalLm::generate_in_conversation`].
+    pub fn new_conversation(&self) -> Conversation {
+        Conversation {
+            cache: self.decoder.new_cache(),
+            tokens: Vec::new(),
+        }
+    }
+
+    /// Generation from `history`, the whole conversation so far as the
+    /// chat template renders it: the cache is rewound to the longest
+    /// prefix it shares with `history` and only the rest runs (a sliding
+    /// window that already dropped part of that prefix starts the cache
+    /// afresh). The tokens are those a fresh generation from `history`
+    /// gives.
+    pub fn generate_in_conversation(
+        &self,
+        conversation: &mut Conversation,
+        history: &[u32],
+        options: &GenerateOptions,
+        on_token: &mut dyn FnMut(usize, u32),
+    ) -> Result<Generation, Error> {
+        // At least the last token of the history runs: its logits choose
+        // the first new token.
+        let shared = conversation
+            .tokens
+            .iter()
+            .zip(history)
+            .take_while(|(a, b)| a == b)
+            .count()
+            .min(history.len().saturating_sub(1));
+        if conversation.cache.truncate(shared).is_err() {
+            *conversation = self.new_conversation();
+        }
+        conversation.tokens.truncate(conversation.cache.len());
+        let generation = self.decoder.generate_continuing(
+            self.weights.as_ref(),
+            &mut conversation.cache,
+            history,
+            options,
+            on_token,
+        )?;
+        // The cache holds the history and every new token but the last.
+        conversation.tokens = history.to_vec();
+        let ran = generation.tokens.len().saturating_sub(1);
+        conversation.tokens.extend(&generation.tokens[..ran]);
+        Ok(generation)
+    }
+
     /// The folder's generation defaults (`generation_config.json`).
     pub fn generation_config(&self) -> &GenerationConfig {
         &self.generation
@@ -404,6 +467,15 @@ impl CausalLm {
         let generation = self.generate_ids(&ids, options)?;
         let text = self.decode(&generation.tokens)?;
         Ok((generation, text))
+    }
+
+    /// Token ids of a chat template's output: no special tokens added,
+    /// since the template writes them (as `apply_chat_template` encodes).
+    pub fn encode_chat(&self, rendered: &str) -> Result<Vec<u32>, Error> {
+        if rendered.is_empty() {
+            return Err(Error::EmptyInput("rendered conversation"));
+        }
+        self.text_tokenizer()?.encode(rendered, false)
     }
 
     /// Token ids of `text`, with the special tokens the tokenizer adds.

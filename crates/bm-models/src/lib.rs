@@ -47,6 +47,7 @@
 //! mask and the CPU KV cache of a sliding layer drops positions no later
 //! query can see (GPU caches keep every position).
 
+mod chat;
 mod config;
 mod decoder;
 mod dispatched;
@@ -66,6 +67,7 @@ mod weights;
 pub use bm_compute::ops;
 pub use bm_compute::{Backend, HostBytes, SharedDeviceBuffer, Tensor};
 
+pub use chat::ChatTemplate;
 pub use decoder::{CausalLm, Decoder, KvCache, Logits};
 pub use dispatched::{
     Dispatched, DispatchedWeights, open_causal_lm, open_causal_lm_quantized,
@@ -77,7 +79,7 @@ pub use family::{
     Activation, DecoderArch, DecoderConfig, ExpertLayout, LongRope, Mlp, Moe, Norm, Positions,
     Projections, RopeConfig, SUPPORTED_DECODERS,
 };
-pub use generate::{BatchSize, Batched, GenerateOptions, Generation};
+pub use generate::{BatchSize, Batched, Conversation, GenerateOptions, Generation};
 pub use generation_config::GenerationConfig;
 pub use packed::{OwnedEntry, SaveQuantized, quantized_tree};
 pub use quant_config::{BnbCheckpoint, QuantizeOptions};

@@ -413,3 +413,47 @@ fn auto_batch_size_halves_when_the_kv_cache_outgrows_an_emulated_gpu() {
         "{err}"
     );
 }
+
+#[test]
+fn a_conversation_reuses_its_cache_and_gives_a_fresh_generations_tokens() {
+    for model in ["tiny-llama", "tiny-mistral"] {
+        let lm = CausalLm::open(fixtures().join(model), Some(DType::F32)).unwrap();
+        let options = GenerateOptions {
+            max_new_tokens: 5,
+            ..GenerateOptions::default()
+        };
+        let mut conversation = lm.new_conversation();
+        let first: Vec<u32> = vec![1, 15, 27, 100, 3];
+        let reply = lm
+            .generate_in_conversation(&mut conversation, &first, &options, &mut |_, _| {})
+            .unwrap();
+        assert_eq!(
+            reply.tokens,
+            lm.generate_ids(&first, &options).unwrap().tokens
+        );
+        assert_eq!(conversation.cached_tokens().len(), first.len() + 4);
+        // The next turn: the reply and a new message after it.
+        let mut second = first.clone();
+        second.extend(&reply.tokens);
+        second.extend([40, 41, 42, 43, 44, 45, 46, 47]);
+        let again = lm
+            .generate_in_conversation(&mut conversation, &second, &options, &mut |_, _| {})
+            .unwrap();
+        assert_eq!(
+            again.tokens,
+            lm.generate_ids(&second, &options).unwrap().tokens,
+            "{model}: second turn"
+        );
+        // A history that leaves the cached one early (an edited message):
+        // rewound, or (Mistral's window dropped the prefix) started afresh.
+        let edited: Vec<u32> = vec![1, 15, 99, 5, 6, 7, 8];
+        let third = lm
+            .generate_in_conversation(&mut conversation, &edited, &options, &mut |_, _| {})
+            .unwrap();
+        assert_eq!(
+            third.tokens,
+            lm.generate_ids(&edited, &options).unwrap().tokens,
+            "{model}: edited history"
+        );
+    }
+}

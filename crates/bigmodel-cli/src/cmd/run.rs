@@ -16,8 +16,8 @@ use bigmodel::plan::{DeviceMap, MaxMemory, Mode, human_bytes};
 use bigmodel::tensor::DType;
 use bigmodel::{DeviceMapSpec, Options};
 use bm_models::{
-    BatchSize, CausalLm, DispatchedWeights, GenerateOptions, Generation, GenerationConfig,
-    QuantizeOptions, Sampling, open_causal_lm, open_causal_lm_quantized,
+    BatchSize, CausalLm, ChatTemplate, DispatchedWeights, GenerateOptions, Generation,
+    GenerationConfig, QuantizeOptions, Sampling, open_causal_lm, open_causal_lm_quantized,
 };
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::{Value, json};
@@ -46,6 +46,13 @@ pub struct Args {
     /// A file of text prompts, one per line.
     #[arg(long)]
     prompts_file: Option<PathBuf>,
+    /// Apply the model's chat template: each prompt is a user message (the
+    /// template comes from chat_template.jinja or tokenizer_config.json).
+    #[arg(long)]
+    chat: bool,
+    /// With --chat, a system message before each prompt.
+    #[arg(long, requires = "chat")]
+    system: Option<String>,
     /// How many prompts run together: a number, or `auto` (all, halved
     /// after each out-of-memory error until a batch fits). Default: all,
     /// or 1 when the model runs on a GPU (batches run on the CPU path).
@@ -405,14 +412,25 @@ impl<'a> TextStream<'a> {
 
     /// Adds a token and prints the text it completes.
     pub fn push(&mut self, token: u32) {
-        use std::io::Write;
         self.ids.push(token);
+        self.print(false);
+    }
+
+    /// Prints what is left, even an unfinished character, and a newline
+    /// (transformers' `TextStreamer.end`).
+    pub fn finish(&mut self) {
+        self.print(true);
+        println!();
+    }
+
+    fn print(&mut self, all: bool) {
+        use std::io::Write;
         // A token the tokenizer cannot decode shows in the final text's
         // error; the stream just waits.
         let Ok(text) = self.lm.decode(&self.ids) else {
             return;
         };
-        if text.ends_with('\u{FFFD}') || !text.is_char_boundary(self.printed) {
+        if !all && text.ends_with('\u{FFFD}') {
             return;
         }
         if let Some(new) = text.get(self.printed..) {
@@ -493,6 +511,14 @@ pub fn run(args: Args) -> CmdResult {
     // Checked before loading, so a typo costs nothing.
     parse_batch_size(args.batch_size.as_deref(), count, false)?;
 
+    let template = match args.chat {
+        true if texts.is_none() => {
+            return Err("--chat takes text prompts (--prompt or --prompts-file)".into());
+        }
+        true => Some(ChatTemplate::open_in(&args.model_dir)?),
+        false => None,
+    };
+
     let (bar, progress) = load_progress_bar(args.json);
     options.load_progress = Some(progress);
     let started = Instant::now();
@@ -512,12 +538,23 @@ pub fn run(args: Args) -> CmdResult {
     });
     let batch_size = parse_batch_size(args.batch_size.as_deref(), count, on_gpu)?;
 
-    let prompts: Vec<Vec<u32>> = match &texts {
-        Some(texts) => texts
+    let prompts: Vec<Vec<u32>> = match (&texts, &template) {
+        (Some(texts), Some(template)) => texts
+            .iter()
+            .map(|t| {
+                let mut messages = Vec::new();
+                if let Some(system) = &args.system {
+                    messages.push(json!({"role": "system", "content": system}));
+                }
+                messages.push(json!({"role": "user", "content": t}));
+                lm.encode_chat(&template.render(&messages, None, true)?)
+            })
+            .collect::<Result<_, bm_models::Error>>()?,
+        (Some(texts), None) => texts
             .iter()
             .map(|t| lm.encode(t))
             .collect::<Result<_, _>>()?,
-        None => ids,
+        (None, _) => ids,
     };
     let config = lm.generation_config();
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
@@ -550,7 +587,7 @@ pub fn run(args: Args) -> CmdResult {
         &mut on_retry,
     )?;
     if stream {
-        println!();
+        text_stream.finish();
     }
     let passes: Vec<f64> = batched.batch_seconds.iter().flatten().copied().collect();
     let streamed_per_token =
