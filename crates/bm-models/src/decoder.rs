@@ -204,9 +204,11 @@ impl KvCache {
         if need <= held {
             return Ok(());
         }
-        // The old hold is returned first, so the new one may use its room.
+        // The old hold is returned first, so the new one may use its room;
+        // when doubling does not fit, exactly what the cache needs may.
         self.charges[index] = None;
-        self.charges[index] = Some(gpu.alloc(need.max(2 * held))?);
+        let hold = gpu.alloc(need.max(2 * held)).or_else(|_| gpu.alloc(need))?;
+        self.charges[index] = Some(hold);
         Ok(())
     }
 }

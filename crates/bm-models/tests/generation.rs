@@ -344,9 +344,9 @@ fn auto_batch_size_halves_when_the_kv_cache_outgrows_an_emulated_gpu() {
         (lm, devices)
     };
     let weights = open(1 << 30).1.gpu(0).unwrap().live_bytes();
-    // The 3 layers' caches take 768 bytes a position a sequence, held in
-    // steps that double: 8 sequences of 12 + 10 positions take 144 KiB,
-    // 4 take 72 KiB, 2 take 36 KiB.
+    // The 3 layers' caches take 768 bytes a position a sequence: 8
+    // sequences of 12 + 10 positions take 135 KB, 4 take 68 KB, 2 take
+    // 34 KB (held in steps that double: 37 KB).
     let (lm, devices) = open(weights + 45_000);
     let generate = GenerateOptions {
         max_new_tokens: 10,
