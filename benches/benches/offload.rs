@@ -8,6 +8,12 @@
 //!   `load_checkpoint_and_dispatch` with layers 6..12 on disk; each block
 //!   enters and exits its hooks. Its throughput is the offloaded weights
 //!   streamed per token, so criterion prints their GB/s.
+//! * `decode_token/disk_offload_bf16` and `decode_token/disk_offload_nf4`:
+//!   the same map loaded in BF16, and in BF16 with the linear layers
+//!   quantized to NF4 while loading (`--quantize nf4`: the offloaded layers
+//!   are stored and streamed packed, dequantized a few rows at a time on
+//!   the CPU, 4-bit matmuls computing in F32). A second summary line
+//!   compares their bytes streamed per token and tokens/s.
 //!
 //! A summary line prints tokens/s of both and their ratio, measured in the
 //! same run. GPU rows (resident vs CPU-offloaded on a GPU) need a GPU and
@@ -23,7 +29,10 @@ use bigmodel::device::DeviceSet;
 use bigmodel::plan::DeviceMap;
 use bigmodel::{DeviceMapSpec, Options};
 use bigmodel_benches::safetensors_f32;
-use bm_models::{CausalLm, FolderWeights, Logits, WeightSource, open_causal_lm};
+use bm_models::{
+    CausalLm, FolderWeights, Logits, QuantizeOptions, WeightSource, open_causal_lm,
+    open_causal_lm_quantized,
+};
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use serde_json::json;
 
@@ -113,6 +122,13 @@ fn one_token(lm: &CausalLm, src: &dyn WeightSource) {
     std::hint::black_box(logits);
 }
 
+/// Bytes of offloaded weights one token streams.
+fn streamed_per_token(d: &bm_models::Dispatched<CausalLm>) -> u64 {
+    let before = d.weights.streamed_bytes();
+    one_token(&d.model, &d.weights);
+    d.weights.streamed_bytes() - before
+}
+
 /// Median seconds of `runs` calls of `f`.
 fn median_seconds(runs: usize, mut f: impl FnMut()) -> f64 {
     let mut times: Vec<f64> = (0..runs)
@@ -151,9 +167,24 @@ fn offload(c: &mut Criterion) {
         ..Options::default()
     };
     let offloaded = open_causal_lm(dir.path(), Arc::new(DeviceSet::cpu_only()), &options).unwrap();
-    let before = offloaded.weights.streamed_bytes();
-    one_token(&offloaded.model, &offloaded.weights);
-    let streamed = offloaded.weights.streamed_bytes() - before;
+    let streamed = streamed_per_token(&offloaded);
+    let bf16_options = Options {
+        dtype: Some(bigmodel::tensor::DType::BF16),
+        offload_folder: Some(dir.path().join("offload-bf16")),
+        ..options.clone()
+    };
+    let bf16 = open_causal_lm(dir.path(), Arc::new(DeviceSet::cpu_only()), &bf16_options).unwrap();
+    let nf4 = open_causal_lm_quantized(
+        dir.path(),
+        Arc::new(DeviceSet::cpu_only()),
+        &Options {
+            offload_folder: Some(dir.path().join("offload-nf4")),
+            ..bf16_options.clone()
+        },
+        &QuantizeOptions::named("nf4").unwrap(),
+    )
+    .unwrap();
+    let (bf16_streamed, nf4_streamed) = (streamed_per_token(&bf16), streamed_per_token(&nf4));
 
     let mut group = c.benchmark_group("decode_token");
     group.sample_size(10);
@@ -162,6 +193,14 @@ fn offload(c: &mut Criterion) {
     group.throughput(Throughput::Bytes(streamed));
     group.bench_function("cpu_disk_offload", |b| {
         b.iter(|| one_token(&offloaded.model, &offloaded.weights))
+    });
+    group.throughput(Throughput::Bytes(bf16_streamed));
+    group.bench_function("disk_offload_bf16", |b| {
+        b.iter(|| one_token(&bf16.model, &bf16.weights))
+    });
+    group.throughput(Throughput::Bytes(nf4_streamed));
+    group.bench_function("disk_offload_nf4", |b| {
+        b.iter(|| one_token(&nf4.model, &nf4.weights))
     });
     group.finish();
 
@@ -175,6 +214,18 @@ fn offload(c: &mut Criterion) {
         disk / ram,
         streamed as f64 / 1e6,
         streamed as f64 / disk / 1e9
+    );
+    let bf16_time = median_seconds(5, || one_token(&bf16.model, &bf16.weights));
+    let nf4_time = median_seconds(5, || one_token(&nf4.model, &nf4.weights));
+    println!(
+        "summary: disk offload in BF16 {:.2} tokens/s, {:.1} MB streamed per token; with NF4 \
+         weights {:.2} tokens/s, {:.1} MB per token ({:.2}x fewer bytes, time ratio NF4/BF16 {:.3})",
+        1.0 / bf16_time,
+        bf16_streamed as f64 / 1e6,
+        1.0 / nf4_time,
+        nf4_streamed as f64 / 1e6,
+        bf16_streamed as f64 / nf4_streamed as f64,
+        nf4_time / bf16_time
     );
     if DeviceSet::probe().gpus().is_empty() {
         println!("gpu rows: skipped: no CUDA device");

@@ -14,6 +14,8 @@ use bm_device::{AttentionMask, AttentionShape, DeviceBuffer, GemmShape, Gpu, Gpu
 use bm_tensor::DType;
 
 use crate::ops::{Heads, Mask};
+use crate::quant::QuantizedTensor;
+use crate::quant::tensor::{Data, INV_127, Scales};
 use crate::{Error, Tensor};
 
 /// The GPU of the first operand that lives on one.
@@ -411,4 +413,72 @@ impl DeviceKv {
         )?;
         Ok(out)
     }
+}
+
+/// Host bytes uploaded to `gpu` for a kernel to read.
+fn upload(gpu: &Gpu, bytes: &[u8]) -> Result<DeviceBuffer, Error> {
+    let mut buf = gpu.alloc(bytes.len().max(1))?;
+    gpu.write_for_compute(&mut buf, 0, bytes)?;
+    Ok(buf)
+}
+
+/// `q` dequantized on `gpu` into a `dtype` tensor of its shape: its packed
+/// parts uploaded, then bitsandbytes' dequantization kernels, bit for bit
+/// what [`QuantizedTensor::dequantize`] computes on the CPU.
+pub(crate) fn dequantize(q: &QuantizedTensor, gpu: &Gpu, dtype: DType) -> Result<Tensor, Error> {
+    crate::ops::check_compute_dtype("dequantized dtype", dtype)?;
+    if gpu.kind() == GpuKind::Emulated {
+        return Err(bm_device::Error::ComputeUnsupported {
+            device: gpu.device(),
+        }
+        .into());
+    }
+    let mut out = empty(gpu, dtype, q.shape())?;
+    let [rows, cols] = q.shape;
+    match &q.data {
+        Data::FourBit(fb) => {
+            let n = rows * cols;
+            let blocks = n.div_ceil(fb.blocksize);
+            let absmax = match &fb.scales {
+                Scales::Plain(a) => upload(gpu, a.bytes())?,
+                Scales::Nested {
+                    codes,
+                    absmax,
+                    map,
+                    offset,
+                } => {
+                    let mut scales = gpu.alloc(4 * blocks)?;
+                    gpu.dequantize_nested_absmax(
+                        &upload(gpu, codes.as_bytes())?,
+                        &upload(gpu, absmax.bytes())?,
+                        &upload(gpu, map.bytes())?,
+                        *offset,
+                        &mut scales,
+                        blocks,
+                    )?;
+                    scales
+                }
+            };
+            let code = fb.kind.code();
+            gpu.dequantize_4bit(
+                &upload(gpu, fb.packed.as_bytes())?,
+                &absmax,
+                &upload(gpu, bytemuck::cast_slice(&code))?,
+                out_buffer(&mut out),
+                dtype,
+                n,
+                fb.blocksize,
+            )?;
+        }
+        Data::Int8(i) => gpu.dequantize_int8(
+            &upload(gpu, i.codes.as_bytes())?,
+            &upload(gpu, i.scb.bytes())?,
+            INV_127,
+            out_buffer(&mut out),
+            dtype,
+            rows,
+            cols,
+        )?,
+    }
+    Ok(out)
 }

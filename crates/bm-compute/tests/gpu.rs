@@ -225,3 +225,41 @@ fn mixed_caches_are_refused_with_a_clear_error() {
     let err = cache.append(&gk, &gk).unwrap_err();
     assert!(err.to_string().contains("cache is in host memory"), "{err}");
 }
+
+#[test]
+fn dequantizing_on_a_gpu_is_the_cpu_dequantization_bit_for_bit() {
+    use bm_compute::quant::{FourBitType, QuantFormat, quantize};
+    let Some(set) = DeviceSet::cuda_for_gpu_tests() else {
+        return;
+    };
+    let gpu = set.gpu(0).unwrap();
+    let four = |kind, double_quant| QuantFormat::FourBit {
+        kind,
+        blocksize: 64,
+        double_quant,
+    };
+    let formats = [
+        four(FourBitType::Nf4, false),
+        four(FourBitType::Nf4, true),
+        four(FourBitType::Fp4, false),
+        four(FourBitType::Fp4, true),
+        QuantFormat::Int8 { threshold: 6.0 },
+    ];
+    // Odd widths start rows mid-byte; 300 x 257 needs two nested scales.
+    for shape in [[3, 5], [48, 71], [300, 257]] {
+        for (seed, format) in formats.into_iter().enumerate() {
+            let weight = host(DType::BF16, &shape, seed as u32);
+            let q = quantize(&weight, format, "w").unwrap();
+            for dtype in [DType::F32, DType::F16, DType::BF16] {
+                let cpu = q.dequantize(dtype).unwrap();
+                let on_gpu = q.dequantize_on(gpu, dtype).unwrap();
+                assert!(matches!(on_gpu.backend(), Backend::Cuda(0)));
+                assert_eq!(on_gpu.shape(), cpu.shape());
+                assert!(
+                    on_gpu.to_host().unwrap().host_bytes() == cpu.host_bytes(),
+                    "{format:?} {shape:?} {dtype}: GPU and CPU dequantization differ"
+                );
+            }
+        }
+    }
+}

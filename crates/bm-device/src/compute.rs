@@ -8,8 +8,10 @@
 //! * Kernels compiled at run time with NVRTC (no toolkit at build time) and
 //!   loaded once per GPU: cast, add, mul, SiLU, exact GELU, the bias
 //!   epilogue of a linear layer, embedding gather, RMSNorm, LayerNorm,
-//!   rotary embedding (`rotate_half`), softmax and a fused attention with
-//!   bidirectional, causal or sliding-window masks and grouped-query heads.
+//!   rotary embedding (`rotate_half`), softmax, a fused attention with
+//!   bidirectional, causal or sliding-window masks and grouped-query heads,
+//!   and bitsandbytes' dequantization (4-bit NF4/FP4 with plain or nested
+//!   scales, LLM.int8() rows).
 //!   Every kernel computes in f32 and rounds once when storing, the rule
 //!   PyTorch's kernels follow.
 //!
@@ -906,6 +908,126 @@ impl Gpu {
     }
 }
 
+/// The values a nested (double-quantized) absmax scale covers, as in
+/// bitsandbytes.
+const NESTED_BLOCK: usize = 256;
+
+/// bitsandbytes' dequantization, the GPU side of bm-compute's `quant`
+/// (whose CPU code is the reference: every value is one f32 multiply,
+/// never fused, rounded once when stored, so results are the CPU's bit for
+/// bit).
+impl Gpu {
+    /// 4-bit NF4/FP4: `out[i] = code[nibble i] · absmax[i / blocksize]` for
+    /// `n` values (`packed`: `ceil(n / 2)` bytes, the first value in the
+    /// high nibble; `absmax`: `ceil(n / blocksize)` f32; `code`: the 16
+    /// f32 values of the table), written to `out` as `out_type`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn dequantize_4bit(
+        &self,
+        packed: &DeviceBuffer,
+        absmax: &DeviceBuffer,
+        code: &DeviceBuffer,
+        out: &mut DeviceBuffer,
+        out_type: DType,
+        n: usize,
+        blocksize: usize,
+    ) -> Result<()> {
+        const OP: &str = "dequantize 4-bit";
+        if blocksize == 0 {
+            return Err(bad(OP, "block size 0".into()));
+        }
+        need(OP, packed, DType::U8, 0, n.div_ceil(2))?;
+        need(OP, absmax, DType::F32, 0, n.div_ceil(blocksize))?;
+        need(OP, code, DType::F32, 0, 16)?;
+        need(OP, out, out_type, 0, n)?;
+        self.launch(
+            OP,
+            format!("bm_dequant_4bit_{}", suffix(OP, out_type)?),
+            grid_for(n),
+            THREADS,
+            0,
+            &[
+                Arg::Buf(packed),
+                Arg::Buf(absmax),
+                Arg::Buf(code),
+                Arg::Buf(out),
+                Arg::U64(n as u64),
+                Arg::U64(blocksize as u64),
+            ],
+        )
+    }
+
+    /// Double quantization's block scales: `absmax[b] = map[codes[b]] ·
+    /// nested[b / 256] + offset` for `blocks` blocks (`codes`: one byte a
+    /// block; `nested`: one f32 per 256 blocks; `map`: 256 f32).
+    pub fn dequantize_nested_absmax(
+        &self,
+        codes: &DeviceBuffer,
+        nested: &DeviceBuffer,
+        map: &DeviceBuffer,
+        offset: f32,
+        absmax: &mut DeviceBuffer,
+        blocks: usize,
+    ) -> Result<()> {
+        const OP: &str = "dequantize nested absmax";
+        need(OP, codes, DType::U8, 0, blocks)?;
+        need(OP, nested, DType::F32, 0, blocks.div_ceil(NESTED_BLOCK))?;
+        need(OP, map, DType::F32, 0, 256)?;
+        need(OP, absmax, DType::F32, 0, blocks)?;
+        self.launch(
+            OP,
+            "bm_dequant_nested_absmax".into(),
+            grid_for(blocks),
+            THREADS,
+            0,
+            &[
+                Arg::Buf(codes),
+                Arg::Buf(nested),
+                Arg::Buf(map),
+                Arg::F32(offset),
+                Arg::Buf(absmax),
+                Arg::U64(blocks as u64),
+            ],
+        )
+    }
+
+    /// LLM.int8() weights: `out[r, c] = codes[r, c] · scb[r] · scale` over
+    /// a `rows × cols` int8 matrix with one f32 `scb` per row, written to
+    /// `out` as `out_type`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn dequantize_int8(
+        &self,
+        codes: &DeviceBuffer,
+        scb: &DeviceBuffer,
+        scale: f32,
+        out: &mut DeviceBuffer,
+        out_type: DType,
+        rows: usize,
+        cols: usize,
+    ) -> Result<()> {
+        const OP: &str = "dequantize int8";
+        let n = product(OP, &[rows, cols])?;
+        need(OP, codes, DType::I8, 0, n)?;
+        need(OP, scb, DType::F32, 0, rows)?;
+        need(OP, out, out_type, 0, n)?;
+        self.launch(
+            OP,
+            format!("bm_dequant_int8_{}", suffix(OP, out_type)?),
+            grid_for(n),
+            THREADS,
+            0,
+            &[
+                Arg::Buf(codes),
+                Arg::Buf(scb),
+                Arg::Buf(out),
+                Arg::U64(rows as u64),
+                Arg::U64(cols as u64),
+                Arg::F32(scale),
+            ],
+        )
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -930,6 +1052,47 @@ mod tests {
         // 32 bf16 do fit.
         let err = g.add(&a, &a, &mut out, DType::BF16, 32).unwrap_err();
         assert!(matches!(err, Error::ComputeUnsupported { .. }), "{err}");
+    }
+
+    #[test]
+    fn dequantize_checks_sizes_before_refusing_on_emulated_gpus() {
+        let set = emulated();
+        let g = set.gpu(0).unwrap();
+        let (packed, absmax, code) = (
+            g.alloc(32).unwrap(),
+            g.alloc(4).unwrap(),
+            g.alloc(64).unwrap(),
+        );
+        let mut out = g.alloc(256).unwrap();
+        let four = |g: &Gpu, out: &mut DeviceBuffer, n| {
+            g.dequantize_4bit(&packed, &absmax, &code, out, DType::F32, n, 64)
+                .unwrap_err()
+        };
+        assert!(matches!(
+            four(g, &mut out, 64),
+            Error::ComputeUnsupported { .. }
+        ));
+        // 65 values need 33 packed bytes and two scales.
+        assert!(matches!(four(g, &mut out, 65), Error::OutOfBounds { .. }));
+        let err = g
+            .dequantize_int8(&packed, &absmax, 0.5, &mut out, DType::BF16, 1, 32)
+            .unwrap_err();
+        assert!(matches!(err, Error::ComputeUnsupported { .. }), "{err}");
+        // Two rows need two scales.
+        let err = g
+            .dequantize_int8(&packed, &absmax, 0.5, &mut out, DType::BF16, 2, 16)
+            .unwrap_err();
+        assert!(matches!(err, Error::OutOfBounds { .. }), "{err}");
+        let map = g.alloc(1024).unwrap();
+        let mut scales = g.alloc(128).unwrap();
+        let err = g
+            .dequantize_nested_absmax(&packed, &absmax, &map, 0.0, &mut scales, 32)
+            .unwrap_err();
+        assert!(matches!(err, Error::ComputeUnsupported { .. }), "{err}");
+        let err = g
+            .dequantize_nested_absmax(&packed, &absmax, &map, 0.0, &mut scales, 33)
+            .unwrap_err();
+        assert!(matches!(err, Error::OutOfBounds { .. }), "{err}");
     }
 
     #[test]

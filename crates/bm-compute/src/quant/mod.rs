@@ -18,11 +18,12 @@
 //!   time into a per-thread buffer (threads, the `gemm` crate's SIMD).
 //!
 //! Seams for what is not here yet:
-//! * CUDA: [`linear_quantized`] and [`quantize`] return
-//!   [`Error::NotOnCuda`](crate::Error::NotOnCuda) for GPU
-//!   operands. A CUDA kernel needs the same parts as device buffers: add a
-//!   device variant next to the host parts and dispatch on the input's
-//!   backend in `linear_quantized`.
+//! * CUDA: [`QuantizedTensor::dequantize_on`] dequantizes on a GPU with
+//!   bm-device's kernels, bit for bit the CPU's. [`linear_quantized`] and
+//!   [`quantize`] still return [`Error::NotOnCuda`](crate::Error::NotOnCuda)
+//!   for GPU operands: the GPU matmul needs the parts as device buffers (a
+//!   device variant next to the host parts, chosen by the input's backend
+//!   in `linear_quantized`).
 //! * Planning and streaming: [`QuantizedTensor::to_packed`] /
 //!   [`QuantizedTensor::from_packed`] give a weight as one byte buffer of
 //!   [`QuantFormat::byte_len`] bytes, which a dispatcher holds, offloads and
@@ -32,7 +33,7 @@
 pub mod format;
 mod matmul;
 mod quantize;
-mod tensor;
+pub(crate) mod tensor;
 
 pub use format::FourBitType;
 pub use matmul::linear_quantized;

@@ -89,7 +89,7 @@ impl F32s {
         bytemuck::cast_slice(self.0.as_bytes())
     }
 
-    fn bytes(&self) -> &[u8] {
+    pub(crate) fn bytes(&self) -> &[u8] {
         self.0.as_bytes()
     }
 }
@@ -350,6 +350,14 @@ impl QuantizedTensor {
     pub fn dequantize(&self, dtype: DType) -> Result<Tensor, Error> {
         let [rows, _] = self.shape;
         Tensor::build(dtype, &self.shape, |out| self.dequantize_rows(0, rows, out))
+    }
+
+    /// The whole weight dequantized on `gpu` to `dtype` by bitsandbytes'
+    /// dequantization kernels (its packed parts uploaded first): bit for
+    /// bit [`QuantizedTensor::dequantize`]. A full copy on the GPU, as
+    /// bitsandbytes makes for a 4-bit matmul of more than one row.
+    pub fn dequantize_on(&self, gpu: &bm_device::Gpu, dtype: DType) -> Result<Tensor, Error> {
+        crate::cuda::dequantize(self, gpu, dtype)
     }
 
     /// Reads a weight stored by transformers from a bitsandbytes model:

@@ -414,3 +414,56 @@ EXACT_CAST(f32_f16, u32, u16, exact_f32_to_f16(v))
 EXACT_CAST(bf16_f16, u16, u16, exact_f32_to_f16((u32)v << 16))
 EXACT_CAST(f16_f32, u16, u32, exact_f16_to_f32(v))
 EXACT_CAST(bf16_f32, u16, u32, (u32)v << 16)
+
+// bitsandbytes' dequantization (bm-compute's `quant`, whose CPU code is the
+// reference): every value is one f32 multiply (`__fmul_rn`, never fused
+// into an FMA, so the result is the CPU's bit for bit), rounded once when
+// stored.
+
+// 4-bit NF4/FP4: out[i] = code[nibble i] * absmax[i / blocksize]; two codes
+// a byte, the first in the high nibble.
+template <typename D>
+__device__ void dequant_4bit(const unsigned char* packed, const float* absmax, const float* code,
+                             typename D::T* y, u64 n, u64 blocksize) {
+    for (u64 i = grid_start(); i < n; i += grid_stride()) {
+        const u32 byte = packed[i / 2];
+        const u32 nibble = (i % 2 == 0) ? (byte >> 4) : (byte & 15u);
+        D::store(y, i, __fmul_rn(code[nibble], absmax[i / blocksize]));
+    }
+}
+
+// LLM.int8() weights: out[r, c] = codes[r, c] * scb[r] * scale (scale is
+// 1/127 as bitsandbytes rounds it), multiplied left to right.
+template <typename D>
+__device__ void dequant_int8(const signed char* codes, const float* scb, typename D::T* y,
+                             u64 rows, u64 cols, float scale) {
+    const u64 n = rows * cols;
+    for (u64 i = grid_start(); i < n; i += grid_stride()) {
+        D::store(y, i, __fmul_rn(__fmul_rn((float)codes[i], scb[i / cols]), scale));
+    }
+}
+
+// Double quantization's block scales: absmax[b] = map[codes[b]] *
+// nested[b / 256] + offset, one f32 multiply then one f32 add.
+extern "C" __global__ void bm_dequant_nested_absmax(const unsigned char* codes,
+                                                    const float* nested, const float* map,
+                                                    float offset, float* absmax, u64 blocks) {
+    for (u64 b = grid_start(); b < blocks; b += grid_stride()) {
+        absmax[b] = __fadd_rn(__fmul_rn(map[codes[b]], nested[b / 256]), offset);
+    }
+}
+
+#define DEQUANT(D, name)                                                                       \
+    extern "C" __global__ void bm_dequant_4bit_##name(const unsigned char* packed,              \
+                                                      const float* absmax, const float* code,   \
+                                                      D::T* y, u64 n, u64 blocksize) {          \
+        dequant_4bit<D>(packed, absmax, code, y, n, blocksize);                                 \
+    }                                                                                           \
+    extern "C" __global__ void bm_dequant_int8_##name(const signed char* codes, const float* scb, \
+                                                      D::T* y, u64 rows, u64 cols, float scale) { \
+        dequant_int8<D>(codes, scb, y, rows, cols, scale);                                      \
+    }
+
+DEQUANT(F32, f32)
+DEQUANT(F16, f16)
+DEQUANT(BF16, bf16)
