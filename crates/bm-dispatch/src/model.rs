@@ -266,16 +266,12 @@ impl Model {
     pub fn remove_hook(&self, name: &str, recurse: bool) -> Result<()> {
         let root = self.module_id(name)?;
         let tree = &self.shared.tree;
-        let modules: Vec<ModuleId> = if recurse {
-            tree.preorder()
-                .iter()
-                .copied()
-                .filter(|&m| tree.is_within(m, root))
-                .collect()
+        let modules = if recurse {
+            tree.subtree(root)
         } else {
-            vec![root]
+            &[root][..]
         };
-        for m in modules {
+        for &m in modules {
             let hook = self.shared.hooks.write()[m].take();
             if let Some(h) = hook {
                 h.detach(self, m)?;

@@ -1,7 +1,7 @@
 //! The slot table: one storage slot per tensor (tied names share one), and
 //! what each slot holds between forward passes.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use bm_device::Device;
@@ -262,21 +262,15 @@ impl SlotTable {
         subtree: bool,
         keep: impl Fn(TensorKind) -> bool,
     ) -> Vec<SlotId> {
-        let modules: Vec<ModuleId> = if subtree {
-            tree.preorder()
-                .iter()
-                .copied()
-                .filter(|&x| tree.is_within(x, m))
-                .collect()
-        } else {
-            vec![m]
-        };
+        let modules = if subtree { tree.subtree(m) } else { &[m][..] };
         let mut out: Vec<SlotId> = Vec::new();
-        for x in modules {
+        // Tied tensors share a slot; a set keeps a large subtree linear.
+        let mut seen = HashSet::new();
+        for &x in modules {
             let module = tree.module(x);
             for &t in module.params.iter().chain(&module.buffers) {
                 let s = self.slot_of[t];
-                if keep(tree.tensor(t).kind) && !out.contains(&s) {
+                if keep(tree.tensor(t).kind) && seen.insert(s) {
                     out.push(s);
                 }
             }

@@ -509,6 +509,12 @@ impl ModuleTree {
         &self.preorder
     }
 
+    /// Module `m` and every module below it, in pre-order: one slice of
+    /// [`ModuleTree::preorder`], found without a scan.
+    pub fn subtree(&self, m: ModuleId) -> &[ModuleId] {
+        &self.preorder[self.preorder_pos[m]..self.subtree_end[m]]
+    }
+
     /// True when `m` is `ancestor` or lies below it.
     pub fn is_within(&self, m: ModuleId, ancestor: ModuleId) -> bool {
         let p = self.preorder_pos[m];
@@ -625,5 +631,25 @@ mod tests {
         assert_eq!(tree.find("300"), None);
         assert_eq!(tree.find("5.w.x"), None);
         assert_eq!(tree.tied_names(), [["299.w", "5.w"]]);
+    }
+
+    #[test]
+    fn a_subtree_is_the_module_and_everything_below_it_in_preorder() {
+        let mut b = ModuleTreeBuilder::new("Root");
+        let a = b.add_module(0, "a", "L").unwrap();
+        let c = b.add_module(0, "c", "L").unwrap();
+        let ax = b.add_module(a, "x", "L").unwrap();
+        let axy = b.add_module(ax, "y", "L").unwrap();
+        let az = b.add_module(a, "z", "L").unwrap();
+        let tree = b.finish().unwrap();
+        assert_eq!(tree.subtree(0), tree.preorder());
+        assert_eq!(tree.subtree(a), [a, ax, axy, az]);
+        assert_eq!(tree.subtree(ax), [ax, axy]);
+        assert_eq!(tree.subtree(c), [c]);
+        for m in 0..tree.modules().len() {
+            for &x in tree.preorder() {
+                assert_eq!(tree.subtree(m).contains(&x), tree.is_within(x, m));
+            }
+        }
     }
 }
