@@ -9,6 +9,11 @@ JSON document on stdout (and nothing else there).
       --moe-tree the MoE tree is built from that bigmodel-module-tree/1 file, the
       one `bigmodel plan` reads, and its device map is returned too):
       {"trees": {name: {"seconds": median, "repeats": N[, "device_map": {...}]}}}
+  bench_accelerate.py plan-file FILE --budget BYTES
+      The whole job `bigmodel plan FILE` does, once, for timing this process from
+      start to exit: read the bigmodel-module-tree/1 FILE, build its model on the
+      meta device and run infer_auto_device_map with BYTES on GPU 0, GPU 1 and CPU:
+      {"device_map": {...}}
   bench_accelerate.py inspect FILE [--repeats N]
       safetensors.safe_open listing every tensor's name, dtype and shape:
       {"seconds": median, "tensors": n, "total_bytes": b}
@@ -100,6 +105,14 @@ def module_from_tree(path):
             owner, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(owner), leaf, first)
     return model
+
+
+def cmd_plan_file(args):
+    from accelerate.utils import infer_auto_device_map
+
+    model = module_from_tree(args.file)
+    budget = {0: args.budget, 1: args.budget, "cpu": args.budget}
+    return {"device_map": infer_auto_device_map(model, max_memory=budget)}
 
 
 def cmd_plan(args):
@@ -237,6 +250,9 @@ def main():
     plan.add_argument("--million", action="store_true", help="also the 1M-tensor tree (takes minutes)")
     plan.add_argument("--repeats", type=int, default=3)
     plan.add_argument("--moe-tree", help="build the MoE tree from this bigmodel-module-tree/1 file")
+    plan_file = sub.add_parser("plan-file", help="one whole planning job on a module-tree file")
+    plan_file.add_argument("file")
+    plan_file.add_argument("--budget", type=int, required=True, help="bytes on GPU 0, GPU 1 and CPU each")
     inspect = sub.add_parser("inspect", help="safe_open listing every header entry")
     inspect.add_argument("file")
     inspect.add_argument("--repeats", type=int, default=5)
@@ -249,7 +265,7 @@ def main():
     args = parser.parse_args()
     if getattr(args, "repeats", 1) < 1 or getattr(args, "new_tokens", 1) < 1:
         parser.error("--repeats and --new-tokens must be at least 1")
-    result = {"plan": cmd_plan, "inspect": cmd_inspect, "load": cmd_load}[args.command](args)
+    result = {"plan": cmd_plan, "plan-file": cmd_plan_file, "inspect": cmd_inspect, "load": cmd_load}[args.command](args)
     json.dump(result, sys.stdout)
     sys.stdout.write("\n")
 

@@ -1,8 +1,11 @@
 //! The planner rows: bigmodel's two planners against Accelerate's
 //! `infer_auto_device_map`, in process on the trees of
 //! `benches/benches/plan.rs`, and as a whole `bigmodel plan` process on the
-//! MoE tree's module-tree file, which Accelerate plans too.
+//! MoE tree's module-tree file against a whole Python process that reads
+//! the same file and plans it with Accelerate.
 
+use std::fmt::Write as _;
+use std::path::Path;
 use std::process::Command;
 
 use serde_json::Value;
@@ -75,24 +78,44 @@ impl Suite {
                 );
             }
         }
-        let their_map = theirs
-            .as_ref()
-            .ok()
-            .map(|v| &v["trees"]["moe_100k"]["device_map"]);
-        rows.extend(self.plan_process_rows(accelerate("moe_100k"), their_map));
+        rows.extend(self.plan_process_rows(accelerate("moe_100k")));
         rows
     }
 
+    /// `tools/bench_accelerate.py plan-file` on the MoE tree file, timed as
+    /// a whole process (interpreter, imports, reading the file, building the
+    /// model, planning): the wall time and the device map it printed.
+    fn accelerate_process(&self, path: &Path, budget: u64) -> Result<(f64, Value), String> {
+        let python = self.python()?;
+        let script = self.layout.tool("bench_accelerate.py");
+        let runs = if self.quick { 1 } else { 3 };
+        let mut answer = Value::Null;
+        let wall = median_wall(runs, || {
+            let mut cmd = Command::new(python);
+            cmd.arg(&script)
+                .arg("plan-file")
+                .arg(path)
+                .arg("--budget")
+                .arg(budget.to_string())
+                .current_dir(&self.layout.root);
+            let out = capture(&mut cmd, COMMAND_LIMIT)?;
+            answer = serde_json::from_str(out.stdout.trim())
+                .map_err(|e| format!("not available: bench_accelerate.py plan-file: {e}"))?;
+            Ok(())
+        })?;
+        Ok((wall, answer))
+    }
+
     /// `bigmodel plan TREE.json --json` on the MoE tree file, the whole
-    /// process from start to exit, next to Accelerate's planner on the same
-    /// file (in process: interpreter start-up and building the model are
-    /// not counted on its side).
-    fn plan_process_rows(
-        &self,
-        accelerate: Result<f64, String>,
-        their_map: Option<&Value>,
-    ) -> Vec<Row> {
+    /// process from start to exit, next to the whole Accelerate process on
+    /// the same file (its planner alone, timed in process, is in the note).
+    fn plan_process_rows(&self, accelerate_in_process: Result<f64, String>) -> Vec<Row> {
         let runs = if self.quick { 5 } else { 11 };
+        let theirs = self.moe_tree.clone().and_then(|(path, bytes)| {
+            eprintln!("== bench: Accelerate as a whole process on the MoE tree file");
+            self.accelerate_process(&path, bytes / 5)
+        });
+        let their_map = theirs.as_ref().ok().map(|(_, v)| &v["device_map"]);
         let mut rows = Vec::new();
         for (compat, what) in [
             (Some("accelerate"), "bigmodel --compat accelerate"),
@@ -120,6 +143,12 @@ impl Suite {
                 Ok((wall, answer))
             });
             let mut note = format!("{BUDGETS}; bigmodel: median of {runs} processes");
+            if let Ok(seconds) = &accelerate_in_process {
+                let _ = write!(
+                    note,
+                    "; Accelerate's planner alone, in process: {seconds:.3} s"
+                );
+            }
             if let (Some(_), Ok((_, answer)), Some(theirs)) = (compat, &ours, their_map) {
                 note.push_str(if same_entries(&answer["device_map"], theirs) {
                     "; the device maps agree"
@@ -143,8 +172,8 @@ impl Suite {
                 )
                 .bigmodel(Cell::from(ours.map(|(wall, _)| wall)))
                 .baseline(
-                    format!("{ACCELERATE} on the same file, in process"),
-                    Cell::from(accelerate.clone()),
+                    "Accelerate, whole Python process on the same file (read, build, plan)",
+                    Cell::from(theirs.as_ref().map(|(wall, _)| *wall).map_err(Clone::clone)),
                 )
                 .note(note),
             );
