@@ -17,73 +17,26 @@ pub const SUPPORTED_DECODERS: &str = "llama, mistral, qwen2, qwen3, gemma2, phi3
      Qwen3ForCausalLM, Gemma2ForCausalLM, Phi3ForCausalLM, GPT2LMHeadModel, MixtralForCausalLM, \
      Qwen2MoeForCausalLM, Qwen3MoeForCausalLM)";
 
-/// Which decoder family a config describes (its `model_type`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum DecoderArch {
-    /// `LlamaForCausalLM`.
-    Llama,
-    /// `MistralForCausalLM` (sliding-window attention).
-    Mistral,
-    /// `Qwen2ForCausalLM` (biases on q/k/v, optional sliding-window layers).
-    Qwen2,
-    /// `Qwen3ForCausalLM` (RMS norms on each query and key head).
-    Qwen3,
-    /// `Gemma2ForCausalLM` (scaled embedding, `1 + w` norms around both
-    /// sub-blocks, soft-capping, alternating sliding-window layers).
-    Gemma2,
-    /// `Phi3ForCausalLM` (fused `qkv_proj` and `gate_up_proj`, LongRoPE).
-    Phi3,
-    /// `GPT2LMHeadModel` (`Conv1D` weights, learned positions, LayerNorm).
-    Gpt2,
-    /// `MixtralForCausalLM` (Mistral layers whose MLP is a mixture of
-    /// experts).
-    Mixtral,
-    /// `Qwen2MoeForCausalLM` (Qwen2 layers with experts and a shared expert).
-    Qwen2Moe,
-    /// `Qwen3MoeForCausalLM` (Qwen3 layers with experts).
-    Qwen3Moe,
-}
-
-impl DecoderArch {
-    /// The decoder of a config's family; `None` for an encoder.
-    fn of(family: Family) -> Option<DecoderArch> {
-        Some(match family {
-            Family::Llama => DecoderArch::Llama,
-            Family::Mistral => DecoderArch::Mistral,
-            Family::Qwen2 => DecoderArch::Qwen2,
-            Family::Qwen3 => DecoderArch::Qwen3,
-            Family::Gemma2 => DecoderArch::Gemma2,
-            Family::Phi3 => DecoderArch::Phi3,
-            Family::Gpt2 => DecoderArch::Gpt2,
-            Family::Mixtral => DecoderArch::Mixtral,
-            Family::Qwen2Moe => DecoderArch::Qwen2Moe,
-            Family::Qwen3Moe => DecoderArch::Qwen3Moe,
-            Family::Bert | Family::T5 => return None,
-        })
-    }
-
-    /// transformers' module names for this family.
-    pub(crate) fn names(self) -> Names {
-        match self {
-            DecoderArch::Gpt2 => Names {
-                embed: "transformer.wte",
-                positions: Some("transformer.wpe"),
-                layers: "transformer.h",
-                final_norm: "transformer.ln_f",
-                pre_attention: "ln_1",
-                post_attention: None,
-                pre_mlp: "ln_2",
-                post_mlp: None,
-            },
-            DecoderArch::Gemma2 => Names {
-                post_attention: Some("post_attention_layernorm"),
-                pre_mlp: "pre_feedforward_layernorm",
-                post_mlp: Some("post_feedforward_layernorm"),
-                ..Names::LLAMA
-            },
-            _ => Names::LLAMA,
-        }
+/// transformers' module names of a decoder family.
+pub(crate) fn names(family: Family) -> Names {
+    match family {
+        Family::Gpt2 => Names {
+            embed: "transformer.wte",
+            positions: Some("transformer.wpe"),
+            layers: "transformer.h",
+            final_norm: "transformer.ln_f",
+            pre_attention: "ln_1",
+            post_attention: None,
+            pre_mlp: "ln_2",
+            post_mlp: None,
+        },
+        Family::Gemma2 => Names {
+            post_attention: Some("post_attention_layernorm"),
+            pre_mlp: "pre_feedforward_layernorm",
+            post_mlp: Some("post_feedforward_layernorm"),
+            ..Names::LLAMA
+        },
+        _ => Names::LLAMA,
     }
 }
 
@@ -308,8 +261,8 @@ pub struct LongRope {
 /// What a decoder's `config.json` says, in the terms the blocks use.
 #[derive(Clone, Debug, PartialEq)]
 pub struct DecoderConfig {
-    /// Architecture.
-    pub arch: DecoderArch,
+    /// The family: a causal LM's ([`Family::is_causal_lm`]).
+    pub arch: Family,
     /// Vocabulary size (rows of the embedding and of `lm_head`).
     pub vocab_size: usize,
     /// Width of the residual stream.
@@ -371,15 +324,15 @@ impl DecoderConfig {
 
     /// The decoder a config (read by bm-plan's config reader) describes.
     pub fn from_config(c: &HfConfig) -> Result<DecoderConfig, Error> {
-        let Some(arch) = DecoderArch::of(c.family) else {
+        if !c.family.is_causal_lm() {
             return Err(Error::UnsupportedArchitecture {
                 found: found(c.family.model_type(), &c.architectures()?),
                 supported: SUPPORTED_DECODERS,
             });
-        };
-        let config = match arch {
-            DecoderArch::Gpt2 => gpt2(c)?,
-            _ => rotary_decoder(c, arch)?,
+        }
+        let config = match c.family {
+            Family::Gpt2 => gpt2(c)?,
+            arch => rotary_decoder(c, arch)?,
         };
         if config.windows.len() != config.num_layers {
             return Err(c
@@ -398,7 +351,7 @@ impl DecoderConfig {
 
     /// The module names of this config's family.
     pub(crate) fn names(&self) -> Names {
-        self.arch.names()
+        names(self.arch)
     }
 
     /// The token embedding's weight (`model.embed_tokens.weight`,
@@ -409,8 +362,8 @@ impl DecoderConfig {
 }
 
 /// The rotary families (Llama and its descendants).
-fn rotary_decoder(c: &HfConfig, arch: DecoderArch) -> Result<DecoderConfig, Error> {
-    use DecoderArch::*;
+fn rotary_decoder(c: &HfConfig, arch: Family) -> Result<DecoderConfig, Error> {
+    use Family::*;
     let k = &c.keys;
     let heads = heads(c);
     let eps = k.opt_f64("rms_norm_eps")?.unwrap_or(1e-6) as f32;
@@ -508,7 +461,7 @@ fn gpt2(c: &HfConfig) -> Result<DecoderConfig, Error> {
         .max_positions
         .ok_or_else(|| c.error("n_positions", "missing"))?;
     Ok(DecoderConfig {
-        arch: DecoderArch::Gpt2,
+        arch: Family::Gpt2,
         vocab_size: c.vocab_size,
         hidden_size: c.hidden_size,
         intermediate_size: c.intermediate_size,
@@ -547,7 +500,7 @@ fn heads(c: &HfConfig) -> Heads {
 /// family; Phi-3 also runs LongRoPE (`longrope`, and the legacy `su` and
 /// `yarn` names transformers maps to it) and partial rotary (the rotated
 /// dimensions are the config reader's `rotary_dim`).
-fn rope(c: &HfConfig, arch: DecoderArch) -> Result<RopeConfig, Error> {
+fn rope(c: &HfConfig, arch: Family) -> Result<RopeConfig, Error> {
     let k = &c.keys;
     let (field, params) = match k.nested("rope_parameters")? {
         Some(p) => ("rope_parameters", Some(p)),
@@ -566,7 +519,7 @@ fn rope(c: &HfConfig, arch: DecoderArch) -> Result<RopeConfig, Error> {
         None => None,
     };
     let theta = theta.or(k.opt_f64("rope_theta")?).unwrap_or(10000.0) as f32;
-    let phi3 = arch == DecoderArch::Phi3;
+    let phi3 = arch == Family::Phi3;
     let rotary_dim = c.rotary_dim.unwrap_or(c.head_dim);
     let long_rope = match (rope_type, &params) {
         ("default", _) => None,
@@ -655,8 +608,8 @@ fn long_rope(k: &ConfigKeys, params: &ConfigKeys, rotary_dim: usize) -> Result<L
 ///   `max_window_layers` slide;
 /// * Qwen3-MoE: `sliding_window` for every layer with `use_sliding_window`;
 /// * Llama: none.
-fn windows(k: &ConfigKeys, arch: DecoderArch, layers: usize) -> Result<Vec<Option<usize>>, Error> {
-    use DecoderArch::*;
+fn windows(k: &ConfigKeys, arch: Family, layers: usize) -> Result<Vec<Option<usize>>, Error> {
+    use Family::*;
     // transformers' defaults when the key is absent (null means no window).
     let window = |default| k.nullable_count("sliding_window", default, MAX_POSITIONS);
     match arch {
@@ -690,7 +643,8 @@ fn windows(k: &ConfigKeys, arch: DecoderArch, layers: usize) -> Result<Vec<Optio
             true => Ok(vec![window(Some(4096))?; layers]),
             false => Ok(vec![None; layers]),
         },
-        Llama | Gpt2 => Ok(vec![None; layers]),
+        // Bert and T5 are not decoders: no config of theirs gets here.
+        Llama | Gpt2 | Bert | T5 => Ok(vec![None; layers]),
     }
 }
 

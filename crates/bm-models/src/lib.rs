@@ -76,8 +76,8 @@ pub use dispatched::{
 pub use encoder::{Encoder, EncoderConfig, SUPPORTED_ENCODERS, SentenceEmbedder};
 pub use error::Error;
 pub use family::{
-    Activation, DecoderArch, DecoderConfig, ExpertLayout, LongRope, Mlp, Moe, Norm, Positions,
-    Projections, RopeConfig, SUPPORTED_DECODERS,
+    Activation, DecoderConfig, ExpertLayout, LongRope, Mlp, Moe, Norm, Positions, Projections,
+    RopeConfig, SUPPORTED_DECODERS,
 };
 pub use generate::{BatchSize, Batched, Conversation, GenerateOptions, Generation};
 pub use generation_config::GenerationConfig;

@@ -106,6 +106,12 @@ impl Family {
         !matches!(self, Family::Gpt2 | Family::Bert | Family::T5)
     }
 
+    /// True for the decoder-only causal language models: every family but
+    /// BERT (an encoder) and T5 (an encoder–decoder).
+    pub fn is_causal_lm(self) -> bool {
+        !matches!(self, Family::Bert | Family::T5)
+    }
+
     /// True for the mixture-of-experts families.
     pub fn is_moe(self) -> bool {
         matches!(self, Family::Mixtral | Family::Qwen2Moe | Family::Qwen3Moe)
