@@ -204,14 +204,74 @@ fn plans_a_checkpoint_from_its_headers() {
         serde_json::from_str::<serde_json::Value>(&stdout).unwrap()
     };
     // 8800 bytes fit on GPU 0 and nothing is offloaded, so nothing is reserved.
-    let doc = run("0=9000,cpu=1MB");
+    // (The CPU budget also holds the host staging of a model
+    // with GPUs.)
+    let doc = run("0=9000,cpu=100MB");
     assert_eq!(doc["device_map"], serde_json::json!({"": 0}));
     assert_eq!(doc["device_bytes"]["0"], 8800);
     // With less room the 4000-byte units go to RAM; GPU 0 keeps 4000 bytes
     // to stream them and still holds the layers.
-    let doc = run("0=6000,cpu=1MB");
+    let doc = run("0=6000,cpu=100MB");
     assert_eq!(
         doc["device_map"],
         serde_json::json!({"emb": "cpu", "layers": 0, "head": "cpu"})
+    );
+}
+
+#[test]
+fn the_ledger_is_in_the_json_and_the_explain_table() {
+    let config = fixture("configs/llama-2-7b.json");
+    let args = [
+        config.as_str(),
+        "--max-memory",
+        "0=10GiB,1=10GiB,cpu=30GiB",
+        "--max-seq-len",
+        "4096",
+        "--prompt-len",
+        "1024",
+        "--batch-size",
+        "2",
+    ];
+    let (ok, stdout, stderr) = plan(&[&args[..], &["--json"]].concat());
+    assert!(ok, "{stderr}");
+    let doc: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    let ledger = doc["ledger"].as_object().unwrap();
+    let budgets = doc["max_memory"].as_object().unwrap();
+    for (device, items) in ledger {
+        let total: u64 = items
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|v| v.as_u64().unwrap())
+            .sum();
+        assert!(
+            total <= budgets[device].as_u64().unwrap(),
+            "{device}: {items}"
+        );
+    }
+    // Keys and values of 32 layers · 2 · 4096 positions · 4096 wide · 2
+    // sequences · 2 bytes, all on the GPUs.
+    let kv: u64 = ["0", "1"]
+        .iter()
+        .map(|d| ledger[*d]["kv_cache"].as_u64().unwrap_or(0))
+        .sum();
+    assert_eq!(kv, 32 * 2 * 4096 * 4096 * 2 * 2);
+    assert!(ledger["0"]["activations"].as_u64().unwrap() > 0);
+    assert_eq!(ledger["cpu"]["staging"], 8 << 20);
+    let (ok, _, stderr) = plan(&[&args[..], &["--explain"]].concat());
+    assert!(ok, "{stderr}");
+    assert!(
+        stderr.contains("ledger for batch 2, prompt 1024 tokens"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("kv_cache") && stderr.contains("fits"),
+        "{stderr}"
+    );
+    let (ok, _, stderr) =
+        plan(&[&args[..3], &["--prompt-len", "9000", "--max-seq-len", "10"]].concat());
+    assert!(
+        !ok && stderr.contains("--prompt-len 9000 is longer"),
+        "{stderr}"
     );
 }

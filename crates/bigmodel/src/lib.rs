@@ -90,7 +90,7 @@ pub use error::Error;
 
 use bm_device::{Budgets, DeviceSet, GpuKind, MemoryInfo};
 use bm_dispatch::{DispatchOptions, LoadOptions, Model};
-use bm_plan::{Compat, DeviceMap, MaxMemory, Mode, ModuleTree, PlanOptions};
+use bm_plan::{Compat, DeviceMap, LedgerItem, MaxMemory, Mode, ModuleTree, PlanOptions};
 use bm_tensor::DType;
 
 /// Accelerate's `device_map=` argument: a strategy or an explicit map.
@@ -261,6 +261,22 @@ pub fn default_max_memory(devices: &DeviceSet, compat: Compat) -> Result<MaxMemo
         .map(|(i, &b)| (bm_plan::Device::Gpu(i as u32), b))
         .chain([(bm_plan::Device::Cpu, budgets.cpu)]);
     Ok(MaxMemory::new(pairs)?)
+}
+
+/// The fixed per-device costs of running a plan with `max_memory`, for the
+/// ledger ([`PlanOptions::overheads`]): the host staging a load with GPUs
+/// casts through ([`bm_dispatch::STAGING_BYTES`]) whenever a GPU has a
+/// budget (and the CPU one to take it from).
+pub fn overheads(max_memory: &MaxMemory) -> Vec<(bm_plan::Device, LedgerItem, u64)> {
+    let mut out = Vec::new();
+    if max_memory.gpus().any(|(_, b)| b > 0) && max_memory.get(bm_plan::Device::Cpu).is_some() {
+        out.push((
+            bm_plan::Device::Cpu,
+            LedgerItem::Staging,
+            bm_dispatch::STAGING_BYTES as u64,
+        ));
+    }
+    out
 }
 
 /// Default budgets from memory figures: Accelerate's (everything free) or

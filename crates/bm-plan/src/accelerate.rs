@@ -683,6 +683,7 @@ pub fn infer_auto_device_map(
         warnings,
         info,
         trace,
+        ledger: Default::default(),
     }
 }
 

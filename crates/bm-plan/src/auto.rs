@@ -16,8 +16,12 @@
 //!   that device behind: the next units still fill it.
 //! * A unit never goes to a slower tier (cpu, disk) while an earlier, faster
 //!   device still has room for it (back-fill).
-//! * A `disk` budget is honoured; per-device reserves and per-unit runtime
-//!   bytes (e.g. KV cache) are charged where the unit executes.
+//! * A `disk` budget is honoured; per-device reserves and overheads
+//!   (staging, GEMM workspace, CUDA context) come off the budgets, and the
+//!   runtime items of the ledger ([`crate::ledger`]: KV cache and logits
+//!   held, the largest activation peak) are charged where a unit executes:
+//!   on its own device when that computes (a GPU, or the CPU when it is the
+//!   execution device), else on the execution device.
 //! * `balanced` finds the smallest per-GPU load that still fits the model on
 //!   the GPUs (a binary search over a greedy fill), so the largest unit of
 //!   every no-split class is accounted for, not the first one.
@@ -26,6 +30,7 @@
 
 use crate::Error;
 use crate::device::{Device, MaxMemory};
+use crate::ledger::{Ledger, LedgerItem};
 use crate::plan::{DeviceMap, Mode, Plan, PlanOptions};
 use crate::size::human_bytes;
 use crate::sizes::{ModuleSizes, SizeOptions, SizeRule};
@@ -38,7 +43,12 @@ struct Item {
     /// item would cost an allocation per module of a large tree.
     partners: Vec<Node>,
     bytes: u64,
+    /// Held where the item executes: KV cache plus logits.
     runtime: u64,
+    kv: u64,
+    logits: u64,
+    /// Transient bytes while it executes.
+    peak: u64,
 }
 
 impl Item {
@@ -116,20 +126,33 @@ fn items_of(tree: &ModuleTree, sizes: &ModuleSizes, options: &PlanOptions) -> Ve
             }
         }
     }
-    let mut runtime = vec![0u64; units.len()];
-    for &(m, bytes) in &options.runtime_bytes {
-        let u = unit_of_module.get(m).copied().unwrap_or(usize::MAX);
-        let u = if u == usize::MAX {
-            // The module was split: charge its first unit.
-            units.iter().position(|n| match *n {
+    // The unit a module's runtime bytes are charged to: its own, or the
+    // first of its units when it was split.
+    let unit_charged = |m: usize| -> Option<usize> {
+        match unit_of_module.get(m).copied() {
+            Some(u) if u != usize::MAX => Some(u),
+            _ => units.iter().position(|n| match *n {
                 Node::Module(x) => tree.is_within(x, m),
                 Node::Tensor(t) => tree.is_within(tree.tensor(t).module, m),
-            })
-        } else {
-            Some(u)
-        };
-        if let Some(u) = u {
-            runtime[u] = runtime[u].saturating_add(bytes);
+            }),
+        }
+    };
+    let mut kv = vec![0u64; units.len()];
+    let mut logits = vec![0u64; units.len()];
+    let mut peak = vec![0u64; units.len()];
+    for &(m, bytes) in &options.runtime_bytes {
+        if let Some(u) = unit_charged(m) {
+            kv[u] = kv[u].saturating_add(bytes);
+        }
+    }
+    for &(m, bytes) in &options.logits_bytes {
+        if let Some(u) = unit_charged(m) {
+            logits[u] = logits[u].saturating_add(bytes);
+        }
+    }
+    for &(m, bytes) in &options.activation_peaks {
+        if let Some(u) = unit_charged(m) {
+            peak[u] = peak[u].max(bytes);
         }
     }
     let mut item_of_root = vec![usize::MAX; units.len()];
@@ -143,13 +166,19 @@ fn items_of(tree: &ModuleTree, sizes: &ModuleSizes, options: &PlanOptions) -> Ve
                 partners: Vec::new(),
                 bytes: 0,
                 runtime: 0,
+                kv: 0,
+                logits: 0,
+                peak: 0,
             });
         } else {
             items[item_of_root[r]].partners.push(*unit);
         }
         let item = &mut items[item_of_root[r]];
         item.bytes = item.bytes.saturating_add(sizes.of(*unit));
-        item.runtime = item.runtime.saturating_add(runtime[i]);
+        item.kv = item.kv.saturating_add(kv[i]);
+        item.logits = item.logits.saturating_add(logits[i]);
+        item.runtime = item.kv.saturating_add(item.logits);
+        item.peak = item.peak.max(peak[i]);
     }
     items
 }
@@ -167,7 +196,17 @@ struct Fill {
     device_of_item: Vec<usize>,
     /// The reservation this fill needs on the execution device.
     needed_reserve: u64,
+    /// The largest activation peak of the offloaded units, which run on
+    /// the execution device.
+    needed_peak: u64,
     largest_offloaded: Option<usize>,
+}
+
+/// True when `d` computes the units placed on it: a GPU, or the execution
+/// device (the CPU when there is no GPU). Units on other devices are
+/// offloaded and run on the execution device.
+fn executes(devices: &[Device], exec: usize, d: usize) -> bool {
+    d == exec || devices[d].is_gpu()
 }
 
 /// The device that executes offloaded units, and the streaming room it
@@ -180,6 +219,8 @@ struct Streaming {
     reserve: u64,
     /// Offloaded units loaded ahead of the running one.
     prefetch_depth: usize,
+    /// The activation peak of the offloaded units, held on it too.
+    peak: u64,
 }
 
 /// Fills devices in order with `caps` (bytes usable per device), holding
@@ -197,32 +238,44 @@ fn fill(
         exec,
         reserve,
         prefetch_depth,
+        peak: offloaded_peak,
     } = streaming;
     let n = devices.len();
     let mut used = vec![0u64; n];
+    // The largest activation peak of what each device executes.
+    let mut peak = vec![0u64; n];
+    peak[exec] = offloaded_peak;
     let mut device_of_item = Vec::with_capacity(items.len());
     let mut pointer = 0usize;
-    let room = |d: usize, used: &[u64]| -> u64 {
+    let room = |d: usize, used: &[u64], peak: &[u64]| -> u64 {
         let cap = if d == exec {
             caps[d].saturating_sub(reserve)
         } else {
             caps[d]
         };
-        cap.saturating_sub(used[d])
+        cap.saturating_sub(used[d]).saturating_sub(peak[d])
     };
-    // Saturating: a need past u64 fits no device, which is what it means.
-    let need = |item: &Item, d: usize| {
-        item.bytes
-            .saturating_add(if devices[d].is_gpu() { item.runtime } else { 0 })
+    // What placing `item` on `d` adds: its bytes, its held runtime bytes
+    // and the growth of the device's activation peak where `d` executes.
+    let need = |item: &Item, d: usize, peak: &[u64]| -> u64 {
+        // Saturating: a need past u64 fits no device, which is what it means.
+        if executes(devices, exec, d) {
+            item.bytes
+                .saturating_add(item.runtime)
+                .saturating_add(item.peak.saturating_sub(peak[d]))
+        } else {
+            item.bytes
+        }
     };
     for (i, item) in items.iter().enumerate() {
         // Weightless units (dropout, activations) stay with their neighbour.
-        if item.bytes == 0 && item.runtime == 0 {
+        if item.bytes == 0 && item.runtime == 0 && item.peak == 0 {
             device_of_item.push(device_of_item.last().copied().unwrap_or(pointer));
             continue;
         }
-        let ahead = (pointer..n).find(|&d| need(item, d) <= room(d, &used));
-        let behind = (0..pointer).find(|&d| need(item, d) <= room(d, &used));
+        let fits = |d: usize| need(item, d, &peak) <= room(d, &used, &peak);
+        let ahead = (pointer..n).find(|&d| fits(d));
+        let behind = (0..pointer).find(|&d| fits(d));
         let chosen = match (behind, ahead) {
             (Some(b), Some(a)) if tier(devices[b]) < tier(devices[a]) => b,
             (_, Some(a)) => a,
@@ -237,19 +290,24 @@ fn fill(
                 format!(
                     " ({} has {} free, needs {})",
                     devices[pointer],
-                    human_bytes(room(pointer, &used)),
-                    human_bytes(need(item, pointer))
+                    human_bytes(room(pointer, &used, &peak)),
+                    human_bytes(need(item, pointer, &peak))
                 )
             } else {
                 String::new()
             };
             trace.push(format!(
                 "{name}: {} -> {}{why}",
-                human_bytes(need(item, chosen)),
+                human_bytes(need(item, chosen, &peak)),
                 devices[chosen]
             ));
         }
-        used[chosen] = used[chosen].saturating_add(need(item, chosen));
+        if executes(devices, exec, chosen) {
+            used[chosen] = used[chosen].saturating_add(item.bytes.saturating_add(item.runtime));
+            peak[chosen] = peak[chosen].max(item.peak);
+        } else {
+            used[chosen] = used[chosen].saturating_add(item.bytes);
+        }
         device_of_item.push(chosen);
         if chosen > pointer && used[pointer] > 0 {
             pointer = chosen;
@@ -260,11 +318,13 @@ fn fill(
     // prefetched), plus the runtime bytes of all of them.
     let mut largest_offloaded = None;
     let mut runtime = 0u64;
+    let mut needed_peak = 0u64;
     let mut offloaded_sizes = Vec::new();
     for (i, item) in items.iter().enumerate() {
         let d = device_of_item[i];
-        if tier(devices[d]) > tier(devices[exec]) {
+        if !executes(devices, exec, d) {
             runtime = runtime.saturating_add(item.runtime);
+            needed_peak = needed_peak.max(item.peak);
             offloaded_sizes.push(item.bytes);
             if largest_offloaded.is_none_or(|l: usize| item.bytes > items[l].bytes) {
                 largest_offloaded = Some(i);
@@ -282,6 +342,7 @@ fn fill(
         device_of_item,
         // Saturated, it exceeds every device: an error below.
         needed_reserve: streamed.saturating_add(runtime),
+        needed_peak,
         largest_offloaded,
     })
 }
@@ -324,19 +385,24 @@ fn smallest_feasible(high: u64, mut feasible: impl FnMut(u64) -> bool) -> u64 {
 /// Greedy contiguous fill over GPUs only: true when every item lands.
 fn fits_on_gpus(items: &[Item], caps: &[u64]) -> bool {
     let mut g = 0usize;
-    let mut used = 0u64;
+    let (mut used, mut peak) = (0u64, 0u64);
     for item in items {
         let need = item.bytes.saturating_add(item.runtime);
         loop {
             if g >= caps.len() {
                 return false;
             }
-            if used.saturating_add(need) <= caps[g] {
-                used += need;
+            if used
+                .saturating_add(need)
+                .saturating_add(peak.max(item.peak))
+                <= caps[g]
+            {
+                used = used.saturating_add(need);
+                peak = peak.max(item.peak);
                 break;
             }
             g += 1;
-            used = 0;
+            (used, peak) = (0, 0);
         }
     }
     true
@@ -365,12 +431,24 @@ pub fn plan(tree: &ModuleTree, options: &PlanOptions) -> Result<Plan, Error> {
             (_, None) => 0,
         };
         let reserve = options.reserve.get(d).unwrap_or(0);
-        caps.push(budget.saturating_sub(reserve));
+        caps.push(
+            budget
+                .saturating_sub(reserve)
+                .saturating_sub(overhead(options, d)),
+        );
     }
     for (d, _) in options.reserve.iter() {
         if !devices.contains(&d) {
             return Err(Error::BadBudget {
                 what: format!("--reserve {d}"),
+                reason: "the device has no budget".into(),
+            });
+        }
+    }
+    for &(d, item, _) in &options.overheads {
+        if !devices.contains(&d) {
+            return Err(Error::BadBudget {
+                what: format!("{item} on {d}"),
                 reason: "the device has no budget".into(),
             });
         }
@@ -446,6 +524,7 @@ pub fn plan(tree: &ModuleTree, options: &PlanOptions) -> Result<Plan, Error> {
     // More units in flight than there are units is the same plan.
     let mut depth = options.prefetch_depth.min(items.len());
     let mut reserve = 0u64;
+    let mut offloaded_peak = 0u64;
     let mut result = None;
     for _round in 0..64 * (options.prefetch_depth.min(8) + 1) {
         let mut round_trace = Vec::new();
@@ -463,6 +542,7 @@ pub fn plan(tree: &ModuleTree, options: &PlanOptions) -> Result<Plan, Error> {
                     exec,
                     reserve,
                     prefetch_depth: depth,
+                    peak: offloaded_peak,
                 },
                 &mut t,
                 tree,
@@ -476,7 +556,7 @@ pub fn plan(tree: &ModuleTree, options: &PlanOptions) -> Result<Plan, Error> {
                 ));
             }
         };
-        if filled.needed_reserve <= reserve {
+        if filled.needed_reserve <= reserve && filled.needed_peak <= offloaded_peak {
             let exec_holds_nothing =
                 filled.largest_offloaded.is_some() && !filled.device_of_item.contains(&exec);
             if depth > 0 && (exec_holds_nothing || reserve > caps[exec]) {
@@ -489,6 +569,7 @@ pub fn plan(tree: &ModuleTree, options: &PlanOptions) -> Result<Plan, Error> {
                 }
                 depth -= 1;
                 reserve = 0;
+                offloaded_peak = 0;
                 continue;
             }
             if options.explain {
@@ -506,7 +587,8 @@ pub fn plan(tree: &ModuleTree, options: &PlanOptions) -> Result<Plan, Error> {
             result = Some(filled);
             break;
         }
-        reserve = filled.needed_reserve;
+        reserve = reserve.max(filled.needed_reserve);
+        offloaded_peak = offloaded_peak.max(filled.needed_peak);
     }
     let filled = result.ok_or_else(|| {
         Error::DoesNotFit("the streaming reserve did not settle after 64 rounds".into())
@@ -533,8 +615,12 @@ pub fn plan(tree: &ModuleTree, options: &PlanOptions) -> Result<Plan, Error> {
     let mut max_memory = MaxMemory::default();
     for (i, &d) in devices.iter().enumerate() {
         if let Some(budget) = options.max_memory.get(d) {
-            let reserve = options.reserve.get(d).unwrap_or(0);
-            max_memory.set(d, caps[i].saturating_add(reserve).min(budget));
+            let held = options
+                .reserve
+                .get(d)
+                .unwrap_or(0)
+                .saturating_add(overhead(options, d));
+            max_memory.set(d, caps[i].saturating_add(held).min(budget));
         }
     }
     let device_bytes = devices
@@ -543,6 +629,14 @@ pub fn plan(tree: &ModuleTree, options: &PlanOptions) -> Result<Plan, Error> {
         .filter(|(_, b)| **b > 0)
         .map(|(d, b)| (*d, *b))
         .collect();
+    let ledger = ledger_of(
+        &items,
+        &filled.device_of_item,
+        &devices,
+        exec,
+        depth,
+        options,
+    );
     if reserve > caps[exec] {
         return Err(Error::DoesNotFit(format!(
             "the streaming reserve on {} (the offloaded unit running and {depth} prefetched, with the runtime bytes, such as KV cache, of every offloaded unit) needs {}, more than its {}: offloaded layers could not run there",
@@ -572,7 +666,117 @@ pub fn plan(tree: &ModuleTree, options: &PlanOptions) -> Result<Plan, Error> {
         warnings,
         info: Vec::new(),
         trace,
+        ledger,
     })
+}
+
+/// The fixed overheads the caller listed for `d`.
+fn overhead(options: &PlanOptions, d: Device) -> u64 {
+    options
+        .overheads
+        .iter()
+        .filter(|(x, _, _)| *x == d)
+        .fold(0u64, |a, (_, _, b)| a.saturating_add(*b))
+}
+
+/// The ledger of a placement of `items` (by index into `devices`), offloaded
+/// units executing on `devices[exec]` with `prefetch_depth` of them
+/// prefetched: the one accounting behind [`plan`]'s result and [`ledger`].
+fn ledger_of(
+    items: &[Item],
+    device_of_item: &[usize],
+    devices: &[Device],
+    exec: usize,
+    prefetch_depth: usize,
+    options: &PlanOptions,
+) -> Ledger {
+    let mut ledger = Ledger::default();
+    let mut peak = vec![0u64; devices.len()];
+    let mut offloaded = Vec::new();
+    for (item, &d) in items.iter().zip(device_of_item) {
+        ledger.add(devices[d], LedgerItem::Weights, item.bytes);
+        let runs_on = if executes(devices, exec, d) {
+            d
+        } else {
+            offloaded.push(item.bytes);
+            exec
+        };
+        ledger.add(devices[runs_on], LedgerItem::KvCache, item.kv);
+        ledger.add(devices[runs_on], LedgerItem::Logits, item.logits);
+        peak[runs_on] = peak[runs_on].max(item.peak);
+    }
+    for (d, p) in devices.iter().zip(peak) {
+        ledger.add(*d, LedgerItem::Activations, p);
+    }
+    let in_flight = (1 + prefetch_depth).min(offloaded.len());
+    offloaded.sort_unstable_by(|a, b| b.cmp(a));
+    let streamed = offloaded[..in_flight]
+        .iter()
+        .fold(0u64, |a, b| a.saturating_add(*b));
+    ledger.add(devices[exec], LedgerItem::Streaming, streamed);
+    for &(d, item, bytes) in &options.overheads {
+        ledger.add(d, item, bytes);
+    }
+    for (d, bytes) in options.reserve.iter() {
+        ledger.add(d, LedgerItem::Reserve, bytes);
+    }
+    ledger
+}
+
+/// The ledger of any device map of `tree` (a user's, or one Accelerate's
+/// planner made) under `options`' runtime charges and overheads: units are
+/// the auto planner's (`options.no_split`), each on the device its first
+/// module or tensor resolves to; offloaded units execute on the map's first
+/// GPU, or the CPU (as bm-dispatch runs them).
+pub fn ledger(tree: &ModuleTree, map: &DeviceMap, options: &PlanOptions) -> Result<Ledger, Error> {
+    let sizes = ModuleSizes::compute(
+        tree,
+        &SizeOptions {
+            dtype: options.dtype,
+            special_dtypes: options.special_dtypes.clone(),
+            rule: SizeRule::Loaded,
+        },
+    );
+    let items = items_of(tree, &sizes, options);
+    let mut devices: Vec<Device> = map.iter().map(|(_, d)| d).collect();
+    devices.extend(options.overheads.iter().map(|(d, _, _)| *d));
+    devices.extend(options.reserve.devices());
+    devices.push(Device::Cpu);
+    devices.sort();
+    devices.dedup();
+    let main = map
+        .iter()
+        .map(|(_, d)| d)
+        .filter(|d| d.is_gpu())
+        .min()
+        .unwrap_or(Device::Cpu);
+    let index = |device: Device| devices.iter().position(|d| *d == device).unwrap_or(0);
+    let exec = index(main);
+    let mut device_of_item = Vec::with_capacity(items.len());
+    for item in &items {
+        let name = tree.node_name(item.first);
+        let device = match map.device_of(name) {
+            Some(d) => d,
+            // A weightless module the map need not name runs beside the
+            // previous one.
+            None if item.bytes == 0 => device_of_item.last().map_or(main, |&i| devices[i]),
+            None => {
+                return Err(Error::BadDeviceMap(format!(
+                    "no device for {}",
+                    item_name(tree, item)
+                )));
+            }
+        };
+        device_of_item.push(index(device));
+    }
+    Ok(ledger_of(
+        &items,
+        &device_of_item,
+        &devices,
+        exec,
+        options.prefetch_depth,
+        options,
+    ))
 }
 
 /// The device map of a unit placement, cleaned as Accelerate's

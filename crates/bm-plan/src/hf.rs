@@ -20,6 +20,7 @@ use bm_tensor::{DType, TensorMeta};
 use crate::Error;
 pub use crate::config::Family;
 use crate::config::HfConfig;
+use crate::ledger::{ModelShape, Workload};
 use crate::tree::{ModuleId, ModuleTree, ModuleTreeBuilder};
 
 /// A model described by a config.json.
@@ -38,6 +39,29 @@ pub struct HfModel {
     pub kv_elements_per_token: Option<u64>,
     /// The dtype the weights are stored in (`dtype`/`torch_dtype`, default F32).
     pub dtype: DType,
+    /// The sizes behind the ledger's runtime items and the prediction.
+    pub shape: ModelShape,
+}
+
+/// The ledger's runtime charges of a workload, per module, as
+/// [`crate::PlanOptions`] takes them.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RuntimeCharges {
+    /// KV cache per decoder layer (`PlanOptions::runtime_bytes`).
+    pub kv: Vec<(ModuleId, u64)>,
+    /// Activation peaks of the embedding and of every layer.
+    pub activations: Vec<(ModuleId, u64)>,
+    /// The logits buffer of the head.
+    pub logits: Vec<(ModuleId, u64)>,
+}
+
+impl RuntimeCharges {
+    /// Puts the charges into `options`.
+    pub fn apply(self, options: &mut crate::PlanOptions) {
+        options.runtime_bytes = self.kv;
+        options.activation_peaks = self.activations;
+        options.logits_bytes = self.logits;
+    }
 }
 
 impl HfModel {
@@ -55,6 +79,46 @@ impl HfModel {
             .saturating_mul(seq_len)
             .saturating_mul(dtype.size_in_bytes() as u64);
         Some(self.layers.iter().map(|m| (*m, bytes)).collect())
+    }
+
+    /// The runtime charges of `workload` computed in `dtype`, with element
+    /// sizes of a GPU (`on_gpu`) or of the CPU kernels (f32 activations and
+    /// KV cache, see [`ModelShape::element_bytes`]).
+    pub fn runtime_charges(
+        &self,
+        workload: &Workload,
+        on_gpu: bool,
+        dtype: DType,
+    ) -> RuntimeCharges {
+        let element = ModelShape::element_bytes(on_gpu, dtype);
+        let kv = self.shape.kv_bytes_per_layer(workload, element);
+        let peak = self.shape.activation_peak(workload, element);
+        let module = |name: &str| match self.tree.find(name) {
+            Some(crate::Node::Module(m)) => Some(m),
+            _ => None,
+        };
+        let (embedding, head) = match self.family {
+            Family::Gpt2 => ("transformer.wte", Some("lm_head")),
+            Family::Bert => ("embeddings", None),
+            Family::T5 => ("shared", Some("lm_head")),
+            _ => ("model.embed_tokens", Some("lm_head")),
+        };
+        let mut charges = RuntimeCharges::default();
+        if kv > 0 {
+            charges.kv = self.layers.iter().map(|m| (*m, kv)).collect();
+        }
+        if let Some(m) = module(embedding) {
+            charges
+                .activations
+                .push((m, self.shape.embedding_peak(workload, element)));
+        }
+        charges
+            .activations
+            .extend(self.layers.iter().map(|m| (*m, peak)));
+        if let Some(m) = head.and_then(module) {
+            charges.logits.push((m, self.shape.logits_bytes(workload)));
+        }
+        charges
     }
 }
 
@@ -323,6 +387,7 @@ fn decoder(cfg: &HfConfig, family: Family, dtype: DType) -> Result<HfModel, Erro
         layers: layer_ids,
         kv_elements_per_token: Some(2 * (kv_heads * head_dim) as u64),
         dtype,
+        shape: ModelShape::of(cfg),
     })
 }
 
@@ -463,6 +528,7 @@ fn t5(cfg: &HfConfig, dtype: DType) -> Result<HfModel, Error> {
         layers: decoder_blocks,
         kv_elements_per_token: Some(2 * inner as u64),
         dtype,
+        shape: ModelShape::of(cfg),
     })
 }
 
@@ -513,6 +579,7 @@ fn gpt2(cfg: &HfConfig, dtype: DType) -> Result<HfModel, Error> {
         layers: layer_ids,
         kv_elements_per_token: Some(2 * embd as u64),
         dtype,
+        shape: ModelShape::of(cfg),
     })
 }
 
@@ -579,5 +646,6 @@ fn bert(cfg: &HfConfig, dtype: DType) -> Result<HfModel, Error> {
         layers: layer_ids,
         kv_elements_per_token: None,
         dtype,
+        shape: ModelShape::of(cfg),
     })
 }

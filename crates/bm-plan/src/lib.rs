@@ -48,6 +48,7 @@ pub mod config;
 pub mod device;
 pub mod experts;
 pub mod hf;
+pub mod ledger;
 pub mod plan;
 pub mod quant;
 pub mod sizes;
@@ -56,6 +57,7 @@ pub mod tree;
 pub use device::{Device, MaxMemory};
 pub use error::Error;
 pub use experts::{expert_lists, place_experts};
+pub use ledger::{Ledger, LedgerItem, ModelShape, Shortfall, Workload};
 pub use plan::{Compat, DeviceMap, Mode, Plan, PlanOptions, check_device_map};
 pub use size::{
     MAX_BUDGET, convert_file_size_to_int, human_bytes, parse_size_text, parse_size_value,

@@ -7,6 +7,7 @@ use bm_tensor::DType;
 
 use crate::Error;
 use crate::device::{Device, MaxMemory};
+use crate::ledger::{Ledger, LedgerItem};
 use crate::tree::{ModuleId, ModuleTree, Node};
 
 /// How budgets are shared out, as `device_map=` spells it in Accelerate.
@@ -81,6 +82,17 @@ pub struct PlanOptions {
     /// device, so prefetching can overlap copies with compute, and plans
     /// with less depth when that room would leave the device nothing else.
     pub prefetch_depth: usize,
+    /// Transient bytes a module needs while it executes (its activation
+    /// peak, [`crate::ledger::ModelShape::activation_peak`]): a device holds
+    /// the largest of the modules it executes, not their sum (auto planner).
+    pub activation_peaks: Vec<(ModuleId, u64)>,
+    /// Bytes the module computing the head holds for its output (the
+    /// logits buffer), where it executes (auto planner).
+    pub logits_bytes: Vec<(ModuleId, u64)>,
+    /// Fixed costs per device besides the model (pinned staging, GEMM
+    /// workspace, CUDA context), measured or known by the caller: taken off
+    /// the device's budget and listed in the ledger (auto planner).
+    pub overheads: Vec<(Device, LedgerItem, u64)>,
 }
 
 /// A device per module (or tensor), in traversal order.
@@ -317,6 +329,9 @@ pub struct Plan {
     pub info: Vec<String>,
     /// The trace printed by `--explain`.
     pub trace: Vec<String>,
+    /// What each device must hold to run the plan (auto planner; empty for
+    /// Accelerate's, which keeps no ledger).
+    pub ledger: Ledger,
 }
 
 impl Plan {
@@ -326,11 +341,15 @@ impl Plan {
         for (d, b) in &self.device_bytes {
             bytes.insert(d.to_string(), (*b).into());
         }
-        serde_json::json!({
+        let mut doc = serde_json::json!({
             "device_map": self.device_map.to_json(),
             "max_memory": self.max_memory.to_json(),
             "device_bytes": bytes,
-        })
+        });
+        if self.ledger != Ledger::default() {
+            doc["ledger"] = self.ledger.to_json();
+        }
+        doc
     }
 }
 

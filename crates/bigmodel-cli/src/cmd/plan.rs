@@ -7,8 +7,8 @@ use bigmodel::device::DeviceSet;
 use bigmodel::plan::config::HfConfig;
 use bigmodel::plan::hf::{HfModel, tree_from_config};
 use bigmodel::plan::{
-    Compat, Device, DeviceMap, MaxMemory, Mode, ModuleSizes, ModuleTree, Plan, PlanOptions,
-    SizeOptions, check_device_map, human_bytes,
+    Compat, Device, DeviceMap, Ledger, MaxMemory, Mode, ModuleSizes, ModuleTree, Plan, PlanOptions,
+    SizeOptions, Workload, check_device_map, human_bytes,
 };
 use bigmodel::tensor::DType;
 
@@ -57,9 +57,13 @@ pub struct Args {
     /// Reserve the KV cache for this many tokens (decoder config.json only).
     #[arg(long)]
     max_seq_len: Option<u64>,
-    /// Sequences in the KV cache (with --max-seq-len).
+    /// Sequences computed together (KV cache, activations, logits).
     #[arg(long, default_value_t = 1)]
     batch_size: u64,
+    /// Tokens of the first forward pass; its activation peak is charged to
+    /// the devices that compute. Default: --max-seq-len.
+    #[arg(long)]
+    prompt_len: Option<u64>,
     /// Offloaded layers loaded ahead of the running one at run time; the
     /// default planner keeps room for them on the execution device.
     #[arg(long, default_value_t = 1)]
@@ -68,10 +72,11 @@ pub struct Args {
     /// `disk`, everything else as planned.
     #[arg(long, value_name = "cpu|disk")]
     experts_on: Option<String>,
-    /// Print the planner's decisions.
+    /// Print the planner's decisions and the per-device ledger.
     #[arg(long)]
     explain: bool,
-    /// Print one JSON document: device_map, max_memory, device_bytes.
+    /// Print one JSON document: device_map, max_memory, device_bytes,
+    /// ledger.
     #[arg(long)]
     json: bool,
 }
@@ -197,11 +202,16 @@ pub fn run(args: Args) -> CmdResult {
         .as_deref()
         .map(super::run::parse_experts_on)
         .transpose()?;
-    if compat == Compat::Accelerate && (args.reserve.is_some() || args.max_seq_len.is_some()) {
+    if compat == Compat::Accelerate
+        && (args.reserve.is_some() || args.max_seq_len.is_some() || args.prompt_len.is_some())
+    {
         return Err(
-            "--reserve and --max-seq-len apply to bigmodel's planner, not to --compat accelerate"
+            "--reserve, --max-seq-len and --prompt-len apply to bigmodel's planner, not to --compat accelerate"
                 .into(),
         );
+    }
+    if args.batch_size == 0 || args.max_seq_len == Some(0) || args.prompt_len == Some(0) {
+        return Err("--batch-size, --max-seq-len and --prompt-len must be at least 1".into());
     }
     if compat == Compat::Auto && args.fallback_allocation {
         return Err("--fallback-allocation applies to --compat accelerate only".into());
@@ -258,25 +268,8 @@ pub fn run(args: Args) -> CmdResult {
             warnings.push(format!("--no-split {class}: no module has this class"));
         }
     }
-    let runtime_bytes = match (args.max_seq_len, &source) {
-        (None, _) => Vec::new(),
-        (Some(seq), Source::Config(model)) => {
-            let kv_dtype = dtype.unwrap_or(model.dtype);
-            model
-                .kv_runtime_bytes(args.batch_size, seq, kv_dtype)
-                .ok_or_else(|| {
-                    format!(
-                        "--max-seq-len: {} has no KV cache (not a decoder)",
-                        args.source.display()
-                    )
-                })?
-        }
-        (Some(_), _) => return Err(
-            "--max-seq-len needs a config.json of a decoder family (llama, mistral, qwen2, gpt2)"
-                .into(),
-        ),
-    };
-    let options = PlanOptions {
+    let workload = workload(&args)?;
+    let mut options = PlanOptions {
         max_memory,
         max_memory_from_user: from_user,
         no_split,
@@ -289,14 +282,38 @@ pub fn run(args: Args) -> CmdResult {
             None => MaxMemory::default(),
         },
         explain: args.explain,
-        runtime_bytes,
         prefetch_depth: args.prefetch_depth,
         ..PlanOptions::default()
     };
+    if let Some(workload) = &workload {
+        let Source::Config(model) = &source else {
+            return Err(
+                "--max-seq-len and --prompt-len need a config.json (the ledger's runtime items are computed from it)"
+                    .into(),
+            );
+        };
+        if args.max_seq_len.is_some() && !model.shape.decoder {
+            return Err(format!(
+                "--max-seq-len: {} has no KV cache (not a decoder)",
+                args.source.display()
+            )
+            .into());
+        }
+        let on_gpu = options.max_memory.gpus().any(|(_, b)| b > 0);
+        model
+            .runtime_charges(workload, on_gpu, dtype.unwrap_or(model.dtype))
+            .apply(&mut options);
+    }
+    options.overheads = bigmodel::overheads(&options.max_memory);
     let mut plan = bigmodel::plan::plan_with(tree, &options, compat)?;
     if let Some(device) = experts_on {
         plan.device_map = bigmodel::plan::place_experts(tree, &plan.device_map, device)?;
         plan.device_bytes = device_bytes(tree, &plan.device_map, dtype);
+    }
+    // Accelerate's planner keeps no ledger, and placing experts moves
+    // weights: the ledger of the final map.
+    if compat == Compat::Accelerate || experts_on.is_some() {
+        plan.ledger = bigmodel::plan::auto::ledger(tree, &plan.device_map, &options)?;
     }
     warnings.extend(plan.warnings.iter().cloned());
     for w in &warnings {
@@ -306,6 +323,7 @@ pub fn run(args: Args) -> CmdResult {
         for line in plan.trace.iter().chain(&plan.info) {
             eprintln!("{line}");
         }
+        print_ledger(&plan.ledger, &plan.max_memory, workload.as_ref());
     }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&plan.to_json())?);
@@ -316,6 +334,69 @@ pub fn run(args: Args) -> CmdResult {
     // 100k-module tree has ~400k allocations) costs more than planning it.
     std::mem::forget(source);
     Ok(())
+}
+
+/// The declared workload: none unless --max-seq-len or --prompt-len is
+/// given (then the runtime items are charged).
+fn workload(args: &Args) -> Result<Option<Workload>, String> {
+    let (prompt_len, max_seq_len) = match (args.prompt_len, args.max_seq_len) {
+        (None, None) => return Ok(None),
+        (Some(p), None) => (p, p),
+        (None, Some(s)) => (s, s),
+        (Some(p), Some(s)) if p <= s => (p, s),
+        (Some(p), Some(s)) => {
+            return Err(format!(
+                "--prompt-len {p} is longer than --max-seq-len {s}: the KV cache must hold the prompt"
+            ));
+        }
+    };
+    Ok(Some(Workload {
+        batch: args.batch_size,
+        prompt_len,
+        max_seq_len,
+        all_logits: false,
+    }))
+}
+
+/// The ledger as a table on stderr (the `--explain` stream): per device,
+/// each item, the total against the budget.
+fn print_ledger(ledger: &Ledger, budgets: &MaxMemory, workload: Option<&Workload>) {
+    match workload {
+        Some(w) => eprintln!(
+            "ledger for batch {}, prompt {} tokens, sequences of {} tokens:",
+            w.batch, w.prompt_len, w.max_seq_len
+        ),
+        None => eprintln!(
+            "ledger (no workload declared: give --max-seq-len/--prompt-len to charge KV cache, activations and logits):"
+        ),
+    }
+    eprintln!("{:<6} {:<15} {:>12}", "device", "item", "bytes");
+    for device in ledger.devices() {
+        for (item, bytes) in ledger.items(device) {
+            eprintln!(
+                "{:<6} {:<15} {:>12}",
+                device.to_string(),
+                item.key(),
+                human_bytes(*bytes)
+            );
+        }
+        let total = ledger.total(device);
+        let budget = match budgets.get(device) {
+            Some(b) if total <= b => format!("of {} budget: fits", human_bytes(b)),
+            Some(b) => format!(
+                "of {} budget: short by {}",
+                human_bytes(b),
+                human_bytes(total - b)
+            ),
+            None => "(no budget)".into(),
+        };
+        eprintln!(
+            "{:<6} {:<15} {:>12}  {budget}",
+            device.to_string(),
+            "total",
+            human_bytes(total)
+        );
+    }
 }
 
 fn check_custom_map(
