@@ -275,3 +275,34 @@ fn the_ledger_is_in_the_json_and_the_explain_table() {
         "{stderr}"
     );
 }
+
+#[test]
+fn verify_says_which_device_is_short_and_by_how_much() {
+    let config = fixture("configs/llama-2-7b.json");
+    // A few GiB fit the host; four TiB of KV cache fit no host.
+    let (ok, _, stderr) = plan(&[
+        &config,
+        "--max-memory",
+        "cpu=1GiB,disk=100GB",
+        "--max-seq-len",
+        "16",
+        "--verify",
+    ]);
+    assert!(ok, "{stderr}");
+    assert!(stderr.contains("--verify: fits"), "{stderr}");
+    let (ok, _, stderr) = plan(&[
+        &config,
+        "--max-memory",
+        "cpu=10000GiB",
+        "--max-seq-len",
+        "4096",
+        "--batch-size",
+        "1000",
+        "--verify",
+    ]);
+    assert!(!ok, "{stderr}");
+    assert!(stderr.contains("cpu is short by"), "{stderr}");
+    // GPUs the machine does not have cannot be verified.
+    let (ok, _, stderr) = plan(&[&config, "--max-memory", "0=100GiB,cpu=1GiB", "--verify"]);
+    assert!(!ok && stderr.contains("GPU"), "{stderr}");
+}

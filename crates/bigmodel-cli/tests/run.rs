@@ -421,3 +421,35 @@ fn bad_input_is_a_clear_error() {
         "offload_folder",
     );
 }
+
+#[test]
+fn run_verify_plans_with_the_generation_ledger_and_runs_under_it() {
+    let model = tiny_llama();
+    let out = bigmodel(&[
+        "run",
+        model.to_str().unwrap(),
+        "--prompt-ids",
+        "1,2,3",
+        "--max-new-tokens",
+        "4",
+        "--max-memory",
+        "cpu=10MB",
+        "--verify",
+        "--json",
+    ]);
+    let doc = json_of(&out);
+    assert_eq!(doc["generated_ids"].as_array().unwrap().len(), 4);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--verify: fits"));
+    // A GPU this machine lacks fails the dry run before loading.
+    let out = bigmodel(&[
+        "run",
+        model.to_str().unwrap(),
+        "--prompt-ids",
+        "1,2,3",
+        "--max-memory",
+        "7=1MB,cpu=10MB",
+        "--verify",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("GPU"), "{stderr}");
+}

@@ -279,6 +279,86 @@ pub fn overheads(max_memory: &MaxMemory) -> Vec<(bm_plan::Device, LedgerItem, u6
     out
 }
 
+/// [`overheads`] plus what a calibration measured on each GPU the budgets
+/// name: its CUDA context, charged only when the budgets came from the user
+/// (measured default budgets are free memory, which the context has
+/// already taken).
+pub fn overheads_calibrated(
+    max_memory: &MaxMemory,
+    budgets_from_user: bool,
+    calibration: &bm_plan::Calibration,
+) -> Vec<(bm_plan::Device, LedgerItem, u64)> {
+    let mut out = overheads(max_memory);
+    if budgets_from_user {
+        for gpu in &calibration.gpus {
+            let device = bm_plan::Device::Gpu(gpu.ordinal);
+            if max_memory.get(device).is_some() {
+                out.push((device, LedgerItem::CudaContext, gpu.context_bytes));
+            }
+        }
+    }
+    out
+}
+
+/// The dry run: allocates each item of `ledger` on every GPU it lists (as
+/// separate buffers, as a run allocates them) and frees them again, and
+/// compares the host's items with the memory the machine has available
+/// (allocating host memory would only reserve address space). Returns the
+/// devices that are short; a GPU the ledger names that `devices` lacks is
+/// an error.
+pub fn verify_ledger(
+    ledger: &bm_plan::Ledger,
+    devices: &DeviceSet,
+) -> Result<Vec<bm_plan::Shortfall>, Error> {
+    let mut short = Vec::new();
+    for device in ledger.devices() {
+        let needed = ledger.total(device);
+        let available = match device {
+            bm_plan::Device::Gpu(i) => {
+                let gpu = devices.gpu(i as usize).map_err(Error::Memory)?;
+                let free = gpu.memory().map_err(Error::Memory)?.free;
+                let available = free.min(gpu.budget().saturating_sub(gpu.live_bytes()));
+                let mut held = Vec::new();
+                let mut allocated = 0u64;
+                let mut fits = true;
+                for &(_, bytes) in ledger.items(device) {
+                    match usize::try_from(bytes).map(|b| gpu.alloc(b)) {
+                        Ok(Ok(buffer)) => {
+                            held.push(buffer);
+                            allocated += bytes;
+                        }
+                        _ => {
+                            fits = false;
+                            break;
+                        }
+                    }
+                }
+                drop(held);
+                if fits {
+                    continue;
+                }
+                // Less than the free memory said (fragmentation, another
+                // process): what was allocated is what is known to fit.
+                if available >= needed {
+                    allocated
+                } else {
+                    available
+                }
+            }
+            bm_plan::Device::Cpu => devices.memory_info().map_err(Error::Memory)?.host.available,
+            bm_plan::Device::Disk => continue,
+        };
+        if needed > available {
+            short.push(bm_plan::Shortfall {
+                device,
+                needed,
+                budget: available,
+            });
+        }
+    }
+    Ok(short)
+}
+
 /// Default budgets from memory figures: Accelerate's (everything free) or
 /// bigmodel's (free minus the safety margins).
 fn budgets_from(info: &MemoryInfo, compat: Compat) -> Budgets {

@@ -13,10 +13,28 @@ pub struct Args {
     /// Write one JSON document to stdout instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Measure what `plan --calibration` needs (CPU and GPU GEMM, copy and
+    /// disk rates); with --json the document `plan --calibration` reads.
+    #[arg(long)]
+    pub calibrate: bool,
+    /// Where the disk read rate is measured (the offload folder's file
+    /// system). Default: the system's temporary folder.
+    #[arg(long, requires = "calibrate")]
+    pub offload_folder: Option<std::path::PathBuf>,
 }
 
 /// Runs the command.
 pub fn run(args: Args) -> CmdResult {
+    if args.calibrate {
+        let folder = args.offload_folder.unwrap_or_else(std::env::temp_dir);
+        let calibration = super::calibrate::calibrate(&folder)?;
+        if args.json {
+            println!("{}", serde_json::to_string_pretty(&calibration.to_json())?);
+        } else {
+            print!("{}", calibration_table(&calibration));
+        }
+        return Ok(());
+    }
     let set = DeviceSet::probe();
     let info = set.memory_info()?;
     let budgets = bigmodel::device::default_budgets(&info);
@@ -143,4 +161,43 @@ impl Report<'_> {
         ));
         out
     }
+}
+
+/// The calibration for people.
+fn calibration_table(c: &bigmodel::plan::Calibration) -> String {
+    let mut out = String::new();
+    out += &format!(
+        "cpu: GEMM {:.1} GFLOP/s, one-row linear {:.2} GB/s, small op {:.1} us, memory read {:.2} GB/s\n",
+        c.cpu.gemm_flops / 1e9,
+        c.cpu.gemv_bytes_per_second / 1e9,
+        c.cpu.op_seconds * 1e6,
+        c.cpu.memory_bytes_per_second / 1e9
+    );
+    if let Some(d) = &c.disk {
+        let cold = d.cold_bytes_per_second.map_or(
+            "not measured (page cache could not be dropped)".into(),
+            |r| format!("{:.2} GB/s", r / 1e9),
+        );
+        out += &format!(
+            "disk: read {cold} cold, {:.2} GB/s warm\n",
+            d.warm_bytes_per_second / 1e9
+        );
+    }
+    for g in &c.gpus {
+        out += &format!(
+            "GPU {}: pinned H2D {:.1} GB/s, pageable H2D {:.1} GB/s, GEMM {}, CUDA context {}\n",
+            g.ordinal,
+            g.pinned_h2d_bytes_per_second / 1e9,
+            g.pageable_h2d_bytes_per_second / 1e9,
+            g.gemm_flops.map_or("not measured".into(), |f| format!(
+                "{:.1} TFLOP/s",
+                f / 1e12
+            )),
+            bigmodel::plan::human_bytes(g.context_bytes)
+        );
+    }
+    if c.gpus.is_empty() {
+        out += "no CUDA GPU: nothing measured on GPUs\n";
+    }
+    out
 }

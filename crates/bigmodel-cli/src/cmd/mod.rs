@@ -1,5 +1,6 @@
 //! One module per command.
 
+pub mod calibrate;
 pub mod chat;
 pub mod convert;
 pub mod demo;

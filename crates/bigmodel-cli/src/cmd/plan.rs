@@ -7,8 +7,8 @@ use bigmodel::device::DeviceSet;
 use bigmodel::plan::config::HfConfig;
 use bigmodel::plan::hf::{HfModel, tree_from_config};
 use bigmodel::plan::{
-    Compat, Device, DeviceMap, Ledger, MaxMemory, Mode, ModuleSizes, ModuleTree, Plan, PlanOptions,
-    SizeOptions, Workload, check_device_map, human_bytes,
+    Calibration, Compat, Device, DeviceMap, Ledger, MaxMemory, Mode, ModuleSizes, ModuleTree, Plan,
+    PlanOptions, Prediction, SizeOptions, Workload, check_device_map, human_bytes, predict,
 };
 use bigmodel::tensor::DType;
 
@@ -75,6 +75,22 @@ pub struct Args {
     /// Print the planner's decisions and the per-device ledger.
     #[arg(long)]
     explain: bool,
+    /// Dry run: allocate the ledger on this machine's devices and free it;
+    /// fails naming the device that is short and by how much.
+    #[arg(long)]
+    verify: bool,
+    /// A calibration (`bigmodel devices --calibrate --json`): predict the
+    /// plan's speed (JSON key `predicted`).
+    #[arg(long, conflicts_with = "calibrate")]
+    calibration: Option<PathBuf>,
+    /// Calibrate this machine now and predict the plan's speed.
+    #[arg(long)]
+    calibrate: bool,
+    /// `memory` (the default planner) or `speed`: of the placements that
+    /// fit, the one with the lowest predicted seconds per token (needs a
+    /// calibration).
+    #[arg(long, default_value = "memory")]
+    objective: String,
     /// Print one JSON document: device_map, max_memory, device_bytes,
     /// ledger.
     #[arg(long)]
@@ -304,7 +320,23 @@ pub fn run(args: Args) -> CmdResult {
             .runtime_charges(workload, on_gpu, dtype.unwrap_or(model.dtype))
             .apply(&mut options);
     }
-    options.overheads = bigmodel::overheads(&options.max_memory);
+    let speed = match args.objective.as_str() {
+        "memory" => false,
+        "speed" => true,
+        other => return Err(format!("--objective {other:?}: expected memory or speed").into()),
+    };
+    let calibration = match (&args.calibration, args.calibrate) {
+        (Some(path), _) => Some(
+            Calibration::from_json(&read_json(path)?, &path.display().to_string())
+                .map_err(|e| e.to_string())?,
+        ),
+        (None, true) => Some(super::calibrate::calibrate(&std::env::temp_dir())?),
+        (None, false) => None,
+    };
+    options.overheads = match &calibration {
+        Some(c) => bigmodel::overheads_calibrated(&options.max_memory, from_user, c),
+        None => bigmodel::overheads(&options.max_memory),
+    };
     let mut plan = bigmodel::plan::plan_with(tree, &options, compat)?;
     if let Some(device) = experts_on {
         plan.device_map = bigmodel::plan::place_experts(tree, &plan.device_map, device)?;
@@ -315,6 +347,35 @@ pub fn run(args: Args) -> CmdResult {
     if compat == Compat::Accelerate || experts_on.is_some() {
         plan.ledger = bigmodel::plan::auto::ledger(tree, &plan.device_map, &options)?;
     }
+    let predicted = match &calibration {
+        None if speed => {
+            return Err("--objective speed needs --calibration FILE or --calibrate".into());
+        }
+        None => None,
+        Some(c) => {
+            let Source::Config(model) = &source else {
+                return Err(
+                    "a speed prediction needs a config.json (its sizes decide the compute)".into(),
+                );
+            };
+            let workload = workload.ok_or(
+                "a speed prediction needs the workload: give --prompt-len (and --max-seq-len)",
+            )?;
+            let default = predict(model, &plan.device_map, &options, &workload, c)?;
+            if speed {
+                let ((faster, searched), prediction) =
+                    fastest(tree, &options, compat, model, &workload, c)?;
+                eprintln!(
+                    "objective speed: {:.4} s/token predicted for the default map, {:.4} s/token for the fastest of {searched} placements searched",
+                    default.seconds_per_token, prediction.seconds_per_token
+                );
+                plan = faster;
+                Some(prediction)
+            } else {
+                Some(default)
+            }
+        }
+    };
     warnings.extend(plan.warnings.iter().cloned());
     for w in &warnings {
         eprintln!("warning: {w}");
@@ -325,15 +386,72 @@ pub fn run(args: Args) -> CmdResult {
         }
         print_ledger(&plan.ledger, &plan.max_memory, workload.as_ref());
     }
+    if args.verify {
+        let short = bigmodel::verify_ledger(&plan.ledger, &DeviceSet::probe())?;
+        if !short.is_empty() {
+            let lines: Vec<String> = short.iter().map(|s| s.to_string()).collect();
+            return Err(format!("--verify: the plan does not fit: {}", lines.join("; ")).into());
+        }
+        eprintln!(
+            "--verify: fits (the ledger was allocated on every GPU and freed; host memory is available)"
+        );
+    }
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&plan.to_json())?);
+        let mut doc = plan.to_json();
+        if let Some(p) = &predicted {
+            doc["predicted"] = p.to_json();
+        }
+        println!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
         print_table(tree, &plan, dtype, source.tree().parameter_count());
+        if let Some(p) = &predicted {
+            println!(
+                "predicted: first forward {:.4} s, {:.4} s/token, {} streamed per token",
+                p.first_forward_seconds,
+                p.seconds_per_token,
+                human_bytes(p.bytes_streamed_per_token)
+            );
+        }
     }
     // The process ends here: freeing a large tree's names one by one (a
     // 100k-module tree has ~400k allocations) costs more than planning it.
     std::mem::forget(source);
     Ok(())
+}
+
+/// `--objective speed`: plans with prefetch depths 0 to 3 (deeper prefetch
+/// hides more transfer but holds more streaming room, so fewer blocks stay
+/// resident) and keeps the plan with the lowest predicted seconds per
+/// token; ties go to the default (searched first). Returns the plan, how
+/// many placements were searched, and its prediction.
+fn fastest(
+    tree: &ModuleTree,
+    options: &PlanOptions,
+    compat: Compat,
+    model: &HfModel,
+    workload: &Workload,
+    calibration: &Calibration,
+) -> Result<((Plan, usize), Prediction), String> {
+    let mut best: Option<(Plan, Prediction)> = None;
+    let mut searched = 0;
+    for depth in [options.prefetch_depth, 0, 1, 2, 3] {
+        let mut candidate = options.clone();
+        candidate.prefetch_depth = depth;
+        let Ok(plan) = bigmodel::plan::plan_with(tree, &candidate, compat) else {
+            continue;
+        };
+        searched += 1;
+        let prediction = predict(model, &plan.device_map, &candidate, workload, calibration)
+            .map_err(|e| e.to_string())?;
+        if best
+            .as_ref()
+            .is_none_or(|(_, b)| prediction.seconds_per_token < b.seconds_per_token)
+        {
+            best = Some((plan, prediction));
+        }
+    }
+    let (plan, prediction) = best.ok_or("--objective speed: no placement fits the budgets")?;
+    Ok(((plan, searched), prediction))
 }
 
 /// The declared workload: none unless --max-seq-len or --prompt-len is

@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use bigmodel::device::DeviceSet;
 use bigmodel::dispatch::LoadProgress;
-use bigmodel::plan::{DeviceMap, MaxMemory, Mode, human_bytes};
+use bigmodel::plan::{DeviceMap, MaxMemory, Mode, Workload, human_bytes};
 use bigmodel::tensor::DType;
 use bigmodel::{DeviceMapSpec, Options};
 use bm_models::{
@@ -80,6 +80,12 @@ pub struct Args {
     /// safetensors file, as tensor `logits` (one prompt only).
     #[arg(long)]
     dump_logits: Option<PathBuf>,
+    /// Before loading, plan with the ledger of this generation (the prompt,
+    /// --max-new-tokens) and allocate it on the devices (the dry run of
+    /// `plan --verify`); stop naming the device that is short, else run
+    /// under that plan.
+    #[arg(long)]
+    verify: bool,
     /// Print one JSON document: generated_ids (a list of lists with
     /// several prompts), text, device_map, load_seconds,
     /// first_forward_seconds, seconds_per_token, bytes_streamed_per_token,
@@ -486,6 +492,77 @@ fn write_logits(path: &Path, shape: &[usize], values: &[f32]) -> Result<(), Stri
     bigmodel::shard::write_atomic(path, &bytes).map_err(|e| e.to_string())
 }
 
+/// `run --verify`: the map this generation runs under (the strategy
+/// planned with the ledger of `workload` grown by `new_tokens`, or the
+/// given map), after its ledger was allocated on `devices` and freed.
+fn verified_map(
+    dir: &Path,
+    options: &Options,
+    devices: &DeviceSet,
+    workload: Workload,
+    new_tokens: usize,
+) -> Result<DeviceMap, String> {
+    use bigmodel::plan::config::HfConfig;
+    use bigmodel::plan::{Compat, PlanOptions};
+    let in_dir = |e: &dyn std::fmt::Display| format!("{}: {e}", dir.display());
+    let config = dir.join("config.json");
+    let text = std::fs::read_to_string(&config)
+        .map_err(|e| format!("cannot read {}: {e}", config.display()))?;
+    let hf = HfConfig::parse(&text, &config).map_err(|e| e.to_string())?;
+    let model = bigmodel::plan::hf::tree_from_config(&hf).map_err(|e| e.to_string())?;
+    let (max_memory, from_user) = match &options.max_memory {
+        Some(m) => (m.clone(), true),
+        None => (
+            bigmodel::default_max_memory(devices, Compat::Auto).map_err(|e| in_dir(&e))?,
+            false,
+        ),
+    };
+    let workload = Workload {
+        max_seq_len: workload.prompt_len + new_tokens as u64,
+        ..workload
+    };
+    let mut plan_options = PlanOptions {
+        overheads: bigmodel::overheads(&max_memory),
+        max_memory_from_user: from_user,
+        no_split: model.no_split.clone(),
+        dtype: options.dtype,
+        prefetch_depth: options.prefetch_depth(),
+        ..PlanOptions::default()
+    };
+    let on_gpu = max_memory.gpus().any(|(_, b)| b > 0);
+    plan_options.max_memory = max_memory;
+    model
+        .runtime_charges(&workload, on_gpu, options.dtype.unwrap_or(model.dtype))
+        .apply(&mut plan_options);
+    let (map, ledger) = match &options.device_map {
+        Some(DeviceMapSpec::Map(map)) => {
+            let ledger = bigmodel::plan::auto::ledger(&model.tree, map, &plan_options)
+                .map_err(|e| in_dir(&e))?;
+            (map.clone(), ledger)
+        }
+        Some(DeviceMapSpec::Strategy(mode)) => {
+            plan_options.mode = *mode;
+            let plan = bigmodel::plan::plan_with(&model.tree, &plan_options, Compat::Auto)
+                .map_err(|e| in_dir(&e))?;
+            (plan.device_map, plan.ledger)
+        }
+        None => return Err("--verify needs a device map or a strategy".into()),
+    };
+    let short = bigmodel::verify_ledger(&ledger, devices).map_err(|e| in_dir(&e))?;
+    if !short.is_empty() {
+        let lines: Vec<String> = short.iter().map(|s| s.to_string()).collect();
+        return Err(format!(
+            "--verify: {} does not fit {} sequence(s) of {} prompt tokens and {new_tokens} new ones: {}",
+            dir.display(),
+            workload.batch,
+            workload.prompt_len,
+            lines.join("; ")
+        ));
+    }
+    eprintln!("--verify: fits (the ledger was allocated on every GPU and freed)");
+    Ok(map)
+}
+
 /// Runs the command.
 pub fn run(args: Args) -> CmdResult {
     use std::io::IsTerminal;
@@ -519,10 +596,32 @@ pub fn run(args: Args) -> CmdResult {
         false => None,
     };
 
+    let devices = Arc::new(DeviceSet::probe());
+    if args.verify {
+        // Byte-level tokenizers give at most one token per byte.
+        let longest = match &texts {
+            Some(texts) => texts.iter().map(String::len).max(),
+            None => ids.iter().map(Vec::len).max(),
+        };
+        let batch = match parse_batch_size(args.batch_size.as_deref(), count, false)? {
+            BatchSize::Fixed(n) => n.min(count),
+            BatchSize::Auto => count,
+        };
+        let workload = Workload {
+            batch: batch.max(1) as u64,
+            prompt_len: longest.unwrap_or(1).max(1) as u64,
+            max_seq_len: 0,
+            all_logits: args.dump_logits.is_some(),
+        };
+        // The flag, else generate's default (the folder's
+        // generation_config.json is read after loading).
+        let new_tokens = args.sampling.max_new_tokens.unwrap_or(16);
+        let map = verified_map(&args.model_dir, &options, &devices, workload, new_tokens)?;
+        options.device_map = Some(DeviceMapSpec::Map(map));
+    }
     let (bar, progress) = load_progress_bar(args.json);
     options.load_progress = Some(progress);
     let started = Instant::now();
-    let devices = Arc::new(DeviceSet::probe());
     let dispatched = match &quantize {
         Some(q) => open_causal_lm_quantized(&args.model_dir, devices, &options, q),
         None => open_causal_lm(&args.model_dir, devices, &options),

@@ -1,0 +1,387 @@
+//! `bigmodel devices --calibrate`: measures what the speed prediction
+//! needs on this machine (bm-plan's cost model, `bm_plan::predict`): CPU
+//! GEMM and one-row linear throughput, the fixed cost of a small op, host
+//! memory bandwidth, the offload folder's disk read rate (cold and warm),
+//! and per CUDA GPU its context size, pinned and pageable host-to-device
+//! rates and GEMM throughput. Each figure is the best of a few timed runs.
+
+use std::hint::black_box;
+use std::io::{Read, Write};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use bigmodel::device::{DeviceSet, Gpu, GpuKind};
+use bigmodel::plan::Calibration;
+use bigmodel::plan::predict::{CpuRates, DiskRates, GpuRates};
+use bigmodel::tensor::DType;
+use bm_models::{Tensor, ops};
+
+/// Seconds of the fastest of `runs` calls of `f` (at least one), each
+/// repeated until it has taken `min_time`, per call.
+fn best_seconds(runs: usize, min_time: Duration, mut f: impl FnMut()) -> f64 {
+    let mut best = f64::INFINITY;
+    for _ in 0..runs.max(1) {
+        let started = Instant::now();
+        let mut calls = 0u32;
+        while calls == 0 || started.elapsed() < min_time {
+            f();
+            calls += 1;
+        }
+        best = best.min(started.elapsed().as_secs_f64() / f64::from(calls));
+    }
+    best
+}
+
+fn random_tensor(shape: &[usize], seed: u32) -> Result<Tensor, String> {
+    let n: usize = shape.iter().product();
+    let mut state = seed.wrapping_mul(2_654_435_761).max(1);
+    let values: Vec<f32> = (0..n)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 17;
+            state ^= state << 5;
+            (state as f32 / u32::MAX as f32) - 0.5
+        })
+        .collect();
+    Tensor::from_f32(DType::F32, shape, &values).map_err(|e| e.to_string())
+}
+
+fn linear_seconds(x: &Tensor, w: &Tensor, runs: usize) -> Result<f64, String> {
+    let mut failed = None;
+    let seconds = best_seconds(runs, Duration::from_millis(150), || {
+        if let Err(e) = ops::linear(x, w, None) {
+            failed = Some(e.to_string());
+        }
+    });
+    match failed {
+        Some(e) => Err(format!("calibrating the CPU: {e}")),
+        None => Ok(seconds),
+    }
+}
+
+/// The CPU's rates.
+fn cpu_rates() -> Result<CpuRates, String> {
+    let (m, k, n) = (64, 512, 512);
+    let gemm = linear_seconds(&random_tensor(&[m, k], 1)?, &random_tensor(&[n, k], 2)?, 3)?;
+    let (k1, n1) = (2048, 4096);
+    let gemv = linear_seconds(
+        &random_tensor(&[1, k1], 3)?,
+        &random_tensor(&[n1, k1], 4)?,
+        3,
+    )?;
+    // Two small linears whose weights stay in the cache: the difference
+    // of their times is the cached read rate, the rest a fixed cost per op.
+    let small = linear_seconds(
+        &random_tensor(&[1, 64], 5)?,
+        &random_tensor(&[64, 64], 6)?,
+        5,
+    )?;
+    let large = linear_seconds(
+        &random_tensor(&[1, 256], 9)?,
+        &random_tensor(&[256, 256], 10)?,
+        5,
+    )?;
+    let (small_bytes, large_bytes) = ((64 * 64 * 4) as f64, (256 * 256 * 4) as f64);
+    let cached_rate = if large > small {
+        (large_bytes - small_bytes) / (large - small)
+    } else {
+        large_bytes / large
+    };
+    let words = vec![1u64; 32 << 20];
+    let read = best_seconds(3, Duration::from_millis(100), || {
+        black_box(
+            black_box(&words)
+                .iter()
+                .fold(0u64, |a, b| a.wrapping_add(*b)),
+        );
+    });
+    let gemv_rate = (k1 * n1 * 4) as f64 / gemv;
+    Ok(CpuRates {
+        gemm_flops: 2.0 * (m * k * n) as f64 / gemm,
+        gemv_bytes_per_second: gemv_rate,
+        gemv_cached_bytes_per_second: cached_rate,
+        last_level_cache_bytes: last_level_cache_bytes(),
+        op_seconds: (small - small_bytes / cached_rate).max(0.0),
+        memory_bytes_per_second: (words.len() * 8) as f64 / read,
+        tensor_seconds: 0.0,
+    })
+}
+
+/// The size of the CPU's last-level cache (sysfs; 0 where unknown).
+fn last_level_cache_bytes() -> u64 {
+    let base = Path::new("/sys/devices/system/cpu/cpu0/cache");
+    let Ok(entries) = std::fs::read_dir(base) else {
+        return 0;
+    };
+    let read = |p: &Path| std::fs::read_to_string(p).map(|t| t.trim().to_string());
+    let mut best = (0u32, 0u64);
+    for entry in entries.flatten() {
+        let dir = entry.path();
+        let (Ok(level), Ok(size)) = (read(&dir.join("level")), read(&dir.join("size"))) else {
+            continue;
+        };
+        let Ok(level) = level.parse::<u32>() else {
+            continue;
+        };
+        let bytes = match size.strip_suffix('K') {
+            Some(k) => k.parse::<u64>().map(|k| k << 10),
+            None => match size.strip_suffix('M') {
+                Some(m) => m.parse::<u64>().map(|m| m << 20),
+                None => size.parse::<u64>(),
+            },
+        };
+        if let Ok(bytes) = bytes
+            && level >= best.0
+        {
+            best = (level, bytes);
+        }
+    }
+    best.1
+}
+
+/// Asks the kernel to drop `file`'s cached pages; false where it cannot.
+#[cfg(target_os = "linux")]
+fn drop_page_cache(file: &std::fs::File) -> bool {
+    use std::os::fd::AsRawFd;
+    // SAFETY: posix_fadvise only reads its arguments; the descriptor is
+    // open for the duration of the call.
+    unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) == 0 }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn drop_page_cache(_file: &std::fs::File) -> bool {
+    false
+}
+
+/// Read rates of a 256 MiB file written in `folder` (then removed).
+fn disk_rates(folder: &Path) -> Result<DiskRates, String> {
+    const LEN: usize = 256 << 20;
+    std::fs::create_dir_all(folder).map_err(|e| {
+        format!(
+            "calibrating the disk: cannot create {}: {e}",
+            folder.display()
+        )
+    })?;
+    let path = folder.join(format!(".bigmodel-calibrate-{}", std::process::id()));
+    let context = |e: std::io::Error| format!("calibrating the disk at {}: {e}", path.display());
+    let result = (|| {
+        let mut file = std::fs::File::create(&path).map_err(context)?;
+        let chunk: Vec<u8> = (0..(4 << 20))
+            .map(|i: usize| (i * 31 % 251) as u8)
+            .collect();
+        for _ in 0..LEN / chunk.len() {
+            file.write_all(&chunk).map_err(context)?;
+        }
+        file.sync_all().map_err(context)?;
+        let read_all = || -> Result<f64, String> {
+            let mut file = std::fs::File::open(&path).map_err(context)?;
+            let mut buffer = vec![0u8; 4 << 20];
+            let started = Instant::now();
+            while file.read(&mut buffer).map_err(context)? > 0 {}
+            Ok(LEN as f64 / started.elapsed().as_secs_f64())
+        };
+        let cold = if drop_page_cache(&file) {
+            Some(read_all()?)
+        } else {
+            None
+        };
+        read_all()?;
+        let warm = read_all()?.max(read_all()?);
+        Ok(DiskRates {
+            cold_bytes_per_second: cold,
+            warm_bytes_per_second: warm,
+            mapped_tensor_seconds: 0.0,
+        })
+    })();
+    let _ = std::fs::remove_file(&path);
+    result
+}
+
+/// One CUDA GPU's context size, copy rates and GEMM throughput.
+fn gpu_rates(devices: &DeviceSet, gpu: &Gpu) -> Result<GpuRates, String> {
+    let what = |e: &dyn std::fmt::Display| format!("calibrating GPU {}: {e}", gpu.ordinal());
+    let memory = gpu.memory().map_err(|e| what(&e))?;
+    const LEN: usize = 64 << 20;
+    let mut pinned = devices.alloc_pinned(LEN).map_err(|e| what(&e))?;
+    pinned.as_mut_slice().map_err(|e| what(&e))?.fill(1);
+    let pageable = vec![1u8; LEN];
+    let mut target = gpu.alloc(LEN).map_err(|e| what(&e))?;
+    let mut failed: Option<String> = None;
+    let pinned_seconds = best_seconds(3, Duration::from_millis(100), || {
+        let copied = target
+            .copy_from_pinned(0, &pinned, 0..LEN, gpu.copy_stream())
+            .and_then(|event| event.synchronize());
+        if let Err(e) = copied {
+            failed = Some(what(&e));
+        }
+    });
+    let pageable_seconds = best_seconds(3, Duration::from_millis(100), || {
+        if let Err(e) = target.copy_from_host(0, &pageable) {
+            failed = Some(what(&e));
+        }
+    });
+    let (m, k, n) = (2048, 4096, 4096);
+    let gemm = (|| -> Result<f64, String> {
+        let x = random_tensor(&[m, k], 7)?
+            .to_dtype(DType::BF16)
+            .map_err(|e| what(&e))?;
+        let w = random_tensor(&[n, k], 8)?
+            .to_dtype(DType::BF16)
+            .map_err(|e| what(&e))?;
+        let (x, w) = (
+            x.to_gpu(gpu).map_err(|e| what(&e))?,
+            w.to_gpu(gpu).map_err(|e| what(&e))?,
+        );
+        let mut failed = None;
+        let seconds = best_seconds(3, Duration::from_millis(100), || {
+            let done = ops::linear(&x, &w, None)
+                .map_err(|e| what(&e))
+                .and_then(|_| gpu.synchronize().map_err(|e| what(&e)));
+            if let Err(e) = done {
+                failed = Some(e);
+            }
+        });
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(2.0 * (m * k * n) as f64 / seconds),
+        }
+    })();
+    if let Some(e) = failed {
+        return Err(e);
+    }
+    Ok(GpuRates {
+        ordinal: gpu.ordinal() as u32,
+        pinned_h2d_bytes_per_second: LEN as f64 / pinned_seconds,
+        pageable_h2d_bytes_per_second: LEN as f64 / pageable_seconds,
+        gemm_flops: gemm.ok(),
+        // Right after this process created the context, on an otherwise
+        // idle GPU, what is not free is the context.
+        context_bytes: memory.total.saturating_sub(memory.free),
+    })
+}
+
+/// Blocks and tensors per block of the dispatch calibration model.
+const BLOCKS: usize = 8;
+const TENSORS: usize = 4;
+
+/// Seconds per tensor that a block's weights cost the dispatcher on the
+/// CPU: entering, handing out and leaving blocks of a small model whose
+/// weights are resident, then disk-offloaded (used in place through the
+/// mapping, as a decoder's are), in `folder`.
+fn dispatch_rates(folder: &Path) -> Result<(f64, f64), String> {
+    use bigmodel::dispatch::{Activations, ModelBuilder};
+    use bigmodel::plan::DeviceMap;
+    use bigmodel::{DeviceMapSpec, Options};
+    let what = |e: &dyn std::fmt::Display| format!("calibrating the dispatcher: {e}");
+    let dir = folder.join(format!(".bigmodel-calibrate-model-{}", std::process::id()));
+    let result = (|| -> Result<(f64, f64), String> {
+        std::fs::create_dir_all(&dir).map_err(|e| what(&e))?;
+        let width = 64usize;
+        let len = width * width * 4;
+        let mut entries = serde_json::Map::new();
+        let mut names = Vec::new();
+        for b in 0..BLOCKS {
+            for t in 0..TENSORS {
+                let at = names.len() * len;
+                let name = format!("blocks.{b}.{t}.weight");
+                entries.insert(
+                    name.clone(),
+                    serde_json::json!({"dtype": "F32", "shape": [width, width], "data_offsets": [at, at + len]}),
+                );
+                names.push(name);
+            }
+        }
+        let mut header = serde_json::Value::Object(entries).to_string();
+        while header.len() % 8 != 0 {
+            header.push(' ');
+        }
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(header.as_bytes());
+        bytes.resize(bytes.len() + names.len() * len, 0);
+        bigmodel::shard::write_atomic(&dir.join("model.safetensors"), &bytes)
+            .map_err(|e| what(&e))?;
+        let tree = || -> Result<_, String> {
+            let mut builder = ModelBuilder::new("Calibration");
+            let list = builder
+                .module(ModelBuilder::ROOT, "blocks", "ModuleList")
+                .map_err(|e| what(&e))?;
+            for b in 0..BLOCKS {
+                let block = builder
+                    .module(list, &b.to_string(), "Block")
+                    .map_err(|e| what(&e))?;
+                for t in 0..TENSORS {
+                    builder
+                        .linear(block, &t.to_string(), width, width, false, DType::F32)
+                        .map_err(|e| what(&e))?;
+                }
+            }
+            builder.build().map_err(|e| what(&e))
+        };
+        let seconds_per_tensor = |place: &str| -> Result<f64, String> {
+            let map = DeviceMap::from_json(&serde_json::json!({"blocks": place}))
+                .map_err(|e| what(&e))?;
+            let options = Options {
+                device_map: Some(DeviceMapSpec::Map(map)),
+                offload_folder: Some(dir.join("offload")),
+                ..Options::default()
+            };
+            let devices = std::sync::Arc::new(DeviceSet::cpu_only());
+            let model = bigmodel::load_checkpoint_and_dispatch(tree()?, &dir, devices, &options)
+                .map_err(|e| what(&e))?;
+            let mut failed = None;
+            let pass = || -> Result<(), String> {
+                for b in 0..BLOCKS {
+                    let mut block = model
+                        .enter(&format!("blocks.{b}"), Activations::default())
+                        .map_err(|e| what(&e))?;
+                    for t in 0..TENSORS {
+                        black_box(block.weight(&format!("{t}.weight")).map_err(|e| what(&e))?);
+                    }
+                    block.exit(Activations::default()).map_err(|e| what(&e))?;
+                }
+                Ok(())
+            };
+            let seconds = best_seconds(3, Duration::from_millis(100), || {
+                if let Err(e) = pass() {
+                    failed = Some(e);
+                }
+            });
+            match failed {
+                Some(e) => Err(e),
+                None => Ok(seconds / (BLOCKS * TENSORS) as f64),
+            }
+        };
+        let resident = seconds_per_tensor("cpu")?;
+        let offloaded = seconds_per_tensor("disk")?;
+        Ok((resident, offloaded))
+    })();
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
+/// Calibrates this machine, the disk at `offload_folder`.
+pub fn calibrate(offload_folder: &Path) -> Result<Calibration, String> {
+    let devices = DeviceSet::probe();
+    let mut gpus = Vec::new();
+    for gpu in devices.gpus() {
+        if gpu.kind() == GpuKind::Cuda {
+            gpus.push(gpu_rates(&devices, gpu)?);
+        }
+    }
+    let host = devices
+        .memory_info()
+        .map_err(|e| format!("calibrating: reading host memory: {e}"))?
+        .host;
+    let (resident_tensor, offloaded_tensor) = dispatch_rates(offload_folder)?;
+    let mut disk = disk_rates(offload_folder)?;
+    disk.mapped_tensor_seconds = offloaded_tensor;
+    Ok(Calibration {
+        cpu: CpuRates {
+            tensor_seconds: resident_tensor,
+            ..cpu_rates()?
+        },
+        host_available_bytes: host.available,
+        disk: Some(disk),
+        gpus,
+    })
+}

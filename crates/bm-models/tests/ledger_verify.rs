@@ -1,0 +1,109 @@
+//! The memory ledger and its dry run (`bigmodel::verify_ledger`) on
+//! host-emulated GPUs: a plan that passes the dry run generates the
+//! declared number of tokens without running out of memory, every GPU's
+//! peak stays within its ledger, and a budget shrunk by the activation
+//! peak fails the dry run before anything is loaded.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use bigmodel::device::DeviceSet;
+use bigmodel::plan::config::HfConfig;
+use bigmodel::plan::hf::tree_from_config;
+use bigmodel::plan::{Compat, Device, LedgerItem, MaxMemory, PlanOptions, Workload, plan_with};
+use bigmodel::{DeviceMapSpec, Options, verify_ledger};
+use bm_models::{GenerateOptions, open_causal_lm};
+use bm_tensor::DType;
+
+fn tiny_llama() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-llama")
+}
+
+const KIB: u64 = 1 << 10;
+
+#[test]
+fn a_verified_plan_generates_within_its_ledger_and_a_smaller_budget_fails_the_dry_run() {
+    let config = tiny_llama().join("config.json");
+    let hf = HfConfig::parse(&std::fs::read_to_string(&config).unwrap(), &config).unwrap();
+    let model = tree_from_config(&hf).unwrap();
+    let prompt: Vec<u32> = (1..=8).collect();
+    let new_tokens = 32;
+    let workload = Workload {
+        batch: 1,
+        prompt_len: prompt.len() as u64,
+        max_seq_len: (prompt.len() + new_tokens) as u64,
+        all_logits: false,
+    };
+    let budgets = [(Device::Gpu(0), 200 * KIB), (Device::Gpu(1), 200 * KIB)];
+    let max_memory =
+        MaxMemory::new(budgets.iter().copied().chain([(Device::Cpu, 64 << 20)])).unwrap();
+    let mut options = PlanOptions {
+        overheads: bigmodel::overheads(&max_memory),
+        max_memory,
+        max_memory_from_user: true,
+        no_split: model.no_split.clone(),
+        prefetch_depth: 1,
+        ..PlanOptions::default()
+    };
+    model
+        .runtime_charges(&workload, true, DType::F32)
+        .apply(&mut options);
+    let plan = plan_with(&model.tree, &options, Compat::Auto).unwrap();
+    let ledger = &plan.ledger;
+    assert!(
+        ledger.get(Device::Gpu(0), LedgerItem::Activations) > 0,
+        "{ledger:?}"
+    );
+    assert!(
+        plan.device_map.iter().any(|(_, d)| d == Device::Gpu(1)),
+        "the plan uses both GPUs: {:?}",
+        plan.device_map
+    );
+    let capacities = [200 * KIB, 200 * KIB];
+    let devices = Arc::new(DeviceSet::emulated(&capacities));
+    assert_eq!(verify_ledger(ledger, &devices).unwrap(), []);
+    // The dry run freed what it allocated.
+    assert!(devices.gpus().iter().all(|g| g.live_bytes() == 0));
+
+    let offload = tempfile::tempdir().unwrap();
+    let run_options = Options {
+        device_map: Some(DeviceMapSpec::Map(plan.device_map.clone())),
+        offload_folder: Some(offload.path().to_path_buf()),
+        ..Options::default()
+    };
+    let dispatched = open_causal_lm(tiny_llama(), devices.clone(), &run_options).unwrap();
+    let generation = dispatched
+        .model
+        .generate_ids(
+            &prompt,
+            &GenerateOptions {
+                max_new_tokens: new_tokens,
+                stop_tokens: Vec::new(),
+                keep_prompt_logits: false,
+            },
+        )
+        .unwrap();
+    assert_eq!(generation.tokens.len(), new_tokens);
+    for (i, gpu) in devices.gpus().iter().enumerate() {
+        let d = Device::Gpu(i as u32);
+        assert!(
+            gpu.peak_bytes() <= ledger.total(d),
+            "GPU {i}: peak {} over the ledger's {}",
+            gpu.peak_bytes(),
+            ledger.total(d)
+        );
+    }
+
+    // GPU 0 with exactly the ledger fits; less by the activation peak does
+    // not, and the dry run says by how much before anything is loaded.
+    let exact = ledger.total(Device::Gpu(0));
+    let peak = ledger.get(Device::Gpu(0), LedgerItem::Activations);
+    let fits = DeviceSet::emulated(&[exact, capacities[1]]);
+    assert_eq!(verify_ledger(ledger, &fits).unwrap(), []);
+    let short = DeviceSet::emulated(&[exact - peak, capacities[1]]);
+    let shortfalls = verify_ledger(ledger, &short).unwrap();
+    assert_eq!(shortfalls.len(), 1, "{shortfalls:?}");
+    assert_eq!(shortfalls[0].device, Device::Gpu(0));
+    assert_eq!(shortfalls[0].short_by(), peak);
+    assert!(shortfalls[0].to_string().starts_with("0 is short by"));
+}
