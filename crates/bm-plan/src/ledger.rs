@@ -259,6 +259,13 @@ pub struct ModelShape {
     pub layers: u64,
     /// MLP layout.
     pub mlp: MlpKind,
+    /// Queries, keys and values come from one fused projection and are
+    /// split (Phi-3, GPT-2).
+    pub fused_qkv: bool,
+    /// Queries and keys are rotated (rotary families).
+    pub rotary: bool,
+    /// Each sub-block's output is normed again (Gemma 2).
+    pub post_norms: bool,
     /// A decoder (KV cache, logits); false for encoders.
     pub decoder: bool,
 }
@@ -282,6 +289,9 @@ impl ModelShape {
             vocab: config.vocab_size as u64,
             layers: config.num_layers as u64,
             mlp,
+            fused_qkv: matches!(config.family, Family::Phi3 | Family::Gpt2),
+            rotary: config.family.is_rotary(),
+            post_norms: config.family == Family::Gemma2,
             decoder: config.family != Family::Bert,
         }
     }
@@ -312,36 +322,52 @@ impl ModelShape {
     /// The transient peak of one block's forward pass over the first pass's
     /// `n = batch·prompt_len` rows, in bytes of `element`.
     ///
-    /// With `H` the hidden width, `I` the MLP width, `Q = heads·head_dim`
-    /// and `K = kv_heads·head_dim`, the buffers alive at once are:
+    /// The CPU kernels (and bm-models' block code) keep every intermediate
+    /// tensor of a block until the block returns, so the peak is the sum of
+    /// what the block creates up to its largest step. With `H` the hidden
+    /// width, `I` the MLP width, `Q = heads·head_dim` and
+    /// `K = kv_heads·head_dim`, per row:
     ///
-    /// * attention: the block's input, its norm and the attention output
-    ///   projection (`3H`), `q`, `k`, `v` and the rotated `q` and `k`
-    ///   (`2Q + 3K`: rotation keeps the originals until the block's
-    ///   statement ends), the per-head outputs and their concatenation
-    ///   (`2Q`), and
-    ///   one score row of `max_seq_len` f32 per head;
-    /// * MLP: the input, the residual sum and its norm (`3H`), then for a
-    ///   gated MLP `gate`, `act(gate)`, `up` and their product (`4I`), for
-    ///   Phi-3's fused one the fused output, its two halves, `act` and the
-    ///   product (`6I`), for GPT-2/BERT's `fc` and `act(fc)` (`2I`).
+    /// * held from attention on: the block's input and its norm (`2H`),
+    ///   `q`, `k`, `v` (`Q + 2K`), for a fused projection its output too
+    ///   (`Q + 2K`), for rotary families the rotated `q` and `k` (`Q + K`);
+    /// * attention adds the per-head outputs and their concatenation
+    ///   (`2Q`) and one f32 score row of `max_seq_len` per head;
+    /// * the MLP step adds the attention output (`Q`), its projection, the
+    ///   residual sum and its norm (`3H`, one more `H` with Gemma 2's post
+    ///   norms), then for a gated MLP `gate`, `act(gate)`, `up` and their
+    ///   product (`4I`), for Phi-3's fused one the fused output, its halves,
+    ///   `act` and the product (`6I`), for GPT-2/BERT's `fc` and `act(fc)`
+    ///   (`2I`).
     ///
-    /// The peak is the larger phase. Checked against a counting allocator
-    /// around a real forward in bm-models' `tests/activation_peak.rs`.
+    /// The peak is the larger step. Checked against the peak a counting
+    /// allocator measures around a real layer forward on the CPU in
+    /// bm-models' `tests/activation_peak.rs` (BERT's encoder layer is
+    /// charged the same, unmeasured).
     pub fn activation_peak(&self, w: &Workload, element: u64) -> u64 {
         let (h, i) = (self.hidden, self.intermediate);
         let q = self.heads * self.head_dim;
         let k = self.kv_heads * self.head_dim;
-        let attention = 3 * h + 4 * q + 3 * k;
-        let mlp = 3 * h
+        let held = 2 * h
+            + (q + 2 * k)
+            + if self.fused_qkv { q + 2 * k } else { 0 }
+            + if self.rotary { q + k } else { 0 };
+        let attention = held + 2 * q;
+        let mlp = held
+            + q
+            + 3 * h
+            + if self.post_norms { h } else { 0 }
             + match self.mlp {
                 MlpKind::Gated => 4 * i,
                 MlpKind::FusedGated => 6 * i,
                 MlpKind::Plain => 2 * i,
             };
-        let rows = w.rows().saturating_mul(attention.max(mlp) * element);
         let scores = self.heads.saturating_mul(w.max_seq_len).saturating_mul(4);
-        rows.saturating_add(scores)
+        let attention = w
+            .rows()
+            .saturating_mul(attention * element)
+            .saturating_add(scores);
+        w.rows().saturating_mul(mlp * element).max(attention)
     }
 
     /// The embedding's output: `n × H`.
@@ -396,6 +422,9 @@ mod tests {
             vocab: 32000,
             layers: 32,
             mlp: MlpKind::Gated,
+            fused_qkv: false,
+            rotary: true,
+            post_norms: false,
             decoder: true,
         }
     }
@@ -411,8 +440,9 @@ mod tests {
         let s = llama_7b();
         // 2 · 4096 · 4096 tokens · 2 bytes = 64 MiB per layer, 2 GiB in all.
         assert_eq!(s.kv_bytes_per_layer(&w, 2), 64 << 20);
-        // MLP phase: 3·4096 + 4·11008 = 56320 elements per row.
-        assert_eq!(s.activation_peak(&w, 2), 4096 * 56320 * 2 + 32 * 4096 * 4);
+        // MLP step: input, norm, q, k, v, rotated q and k (7·4096), the
+        // attention output, projection, sum and norm (4·4096), 4·11008.
+        assert_eq!(s.activation_peak(&w, 2), 4096 * (11 * 4096 + 4 * 11008) * 2);
         assert_eq!(s.logits_bytes(&w), 32000 * 4);
         let all = Workload {
             all_logits: true,
