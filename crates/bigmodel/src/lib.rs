@@ -173,6 +173,7 @@ pub fn load_checkpoint_and_dispatch(
     devices: Arc<DeviceSet>,
     options: &Options,
 ) -> Result<Model, Error> {
+    let mut prefetch_depth = options.prefetch_depth();
     let map = match &options.device_map {
         None => None,
         Some(DeviceMapSpec::Map(m)) => Some(m.clone()),
@@ -191,7 +192,10 @@ pub fn load_checkpoint_and_dispatch(
                 prefetch_depth: options.prefetch_depth(),
                 ..PlanOptions::default()
             };
-            Some(bm_plan::plan_with(&tree, &plan_options, options.planner)?.device_map)
+            let plan = bm_plan::plan_with(&tree, &plan_options, options.planner)?;
+            // Stream no more than the plan made room for.
+            prefetch_depth = plan.prefetch_depth;
+            Some(plan.device_map)
         }
     };
     let map = match (map, options.experts_on) {
@@ -219,7 +223,7 @@ pub fn load_checkpoint_and_dispatch(
             skip_keys: options.skip_keys.clone(),
             preload_module_classes: options.preload_module_classes.clone(),
             force_hooks: options.force_hooks,
-            prefetch_depth: options.prefetch_depth(),
+            prefetch_depth,
             ..DispatchOptions::default()
         };
         bm_dispatch::dispatch_model(&model, &map, &dispatch)?;

@@ -66,11 +66,14 @@ fn a_layers_measured_peak_is_within_the_ledgers_formula() {
     decoder
         .forward(&weights, &prompt, &mut cache, Logits::Last)
         .unwrap();
-    let x = decoder.embed(&weights, &prompt, 0).unwrap();
-    let mut layer_cache = bm_models::ops::LayerCache::new();
+    let positions: Vec<usize> = (0..prompt.len()).collect();
+    let x = decoder.embed(&weights, &prompt, &positions).unwrap();
+    let mut cache = decoder.new_cache();
     let before = LIVE.load(Ordering::SeqCst);
     PEAK.store(before, Ordering::SeqCst);
-    let out = decoder.layer(&weights, 0, &x, &mut layer_cache).unwrap();
+    let out = decoder
+        .layer(&weights, 0, &x, &positions, &mut cache)
+        .unwrap();
     let measured = PEAK.load(Ordering::SeqCst) - before;
     drop(out);
     // The formula counts the layer's input, held by the caller here.

@@ -34,7 +34,7 @@ fn a_verified_plan_generates_within_its_ledger_and_a_smaller_budget_fails_the_dr
         max_seq_len: (prompt.len() + new_tokens) as u64,
         all_logits: false,
     };
-    let budgets = [(Device::Gpu(0), 200 * KIB), (Device::Gpu(1), 200 * KIB)];
+    let budgets = [(Device::Gpu(0), 300 * KIB), (Device::Gpu(1), 300 * KIB)];
     let max_memory =
         MaxMemory::new(budgets.iter().copied().chain([(Device::Cpu, 64 << 20)])).unwrap();
     let mut options = PlanOptions {
@@ -59,7 +59,7 @@ fn a_verified_plan_generates_within_its_ledger_and_a_smaller_budget_fails_the_dr
         "the plan uses both GPUs: {:?}",
         plan.device_map
     );
-    let capacities = [200 * KIB, 200 * KIB];
+    let capacities = [300 * KIB, 300 * KIB];
     let devices = Arc::new(DeviceSet::emulated(&capacities));
     assert_eq!(verify_ledger(ledger, &devices).unwrap(), []);
     // The dry run freed what it allocated.
@@ -69,6 +69,7 @@ fn a_verified_plan_generates_within_its_ledger_and_a_smaller_budget_fails_the_dr
     let run_options = Options {
         device_map: Some(DeviceMapSpec::Map(plan.device_map.clone())),
         offload_folder: Some(offload.path().to_path_buf()),
+        prefetch_depth: Some(plan.prefetch_depth),
         ..Options::default()
     };
     let dispatched = open_causal_lm(tiny_llama(), devices.clone(), &run_options).unwrap();
@@ -79,7 +80,7 @@ fn a_verified_plan_generates_within_its_ledger_and_a_smaller_budget_fails_the_dr
             &GenerateOptions {
                 max_new_tokens: new_tokens,
                 stop_tokens: Vec::new(),
-                keep_prompt_logits: false,
+                ..GenerateOptions::default()
             },
         )
         .unwrap();

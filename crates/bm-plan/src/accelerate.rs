@@ -684,6 +684,7 @@ pub fn infer_auto_device_map(
         info,
         trace,
         ledger: Default::default(),
+        prefetch_depth: options.prefetch_depth,
     }
 }
 

@@ -559,7 +559,8 @@ pub fn plan(tree: &ModuleTree, options: &PlanOptions) -> Result<Plan, Error> {
         if filled.needed_reserve <= reserve && filled.needed_peak <= offloaded_peak {
             let exec_holds_nothing =
                 filled.largest_offloaded.is_some() && !filled.device_of_item.contains(&exec);
-            if depth > 0 && (exec_holds_nothing || reserve > caps[exec]) {
+            let exec_overflows = reserve.saturating_add(offloaded_peak) > caps[exec];
+            if depth > 0 && (exec_holds_nothing || exec_overflows) {
                 if options.explain {
                     trace.push(format!(
                         "room to prefetch {depth} offloaded layer(s) leaves {} nothing of its own: planning with prefetch depth {}",
@@ -637,9 +638,14 @@ pub fn plan(tree: &ModuleTree, options: &PlanOptions) -> Result<Plan, Error> {
         depth,
         options,
     );
-    if reserve > caps[exec] {
+    if reserve.saturating_add(offloaded_peak) > caps[exec] {
+        let peak = if offloaded_peak > 0 {
+            format!(" and their activation peak {}", human_bytes(offloaded_peak))
+        } else {
+            String::new()
+        };
         return Err(Error::DoesNotFit(format!(
-            "the streaming reserve on {} (the offloaded unit running and {depth} prefetched, with the runtime bytes, such as KV cache, of every offloaded unit) needs {}, more than its {}: offloaded layers could not run there",
+            "the streaming reserve on {} (the offloaded unit running and {depth} prefetched, with the runtime bytes, such as KV cache, of every offloaded unit) needs {}{peak}, more than its {}: offloaded layers could not run there",
             devices[exec],
             reserve_bytes(reserve),
             human_bytes(caps[exec])
@@ -667,6 +673,7 @@ pub fn plan(tree: &ModuleTree, options: &PlanOptions) -> Result<Plan, Error> {
         info: Vec::new(),
         trace,
         ledger,
+        prefetch_depth: depth,
     })
 }
 

@@ -332,6 +332,11 @@ pub struct Plan {
     /// What each device must hold to run the plan (auto planner; empty for
     /// Accelerate's, which keeps no ledger).
     pub ledger: Ledger,
+    /// The prefetch depth the plan holds streaming room for (the auto
+    /// planner lowers the asked depth when its room would leave the
+    /// execution device nothing); dispatch with it so the run streams no
+    /// more than the plan made room for.
+    pub prefetch_depth: usize,
 }
 
 impl Plan {

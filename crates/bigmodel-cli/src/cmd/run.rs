@@ -501,7 +501,7 @@ fn verified_map(
     devices: &DeviceSet,
     workload: Workload,
     new_tokens: usize,
-) -> Result<DeviceMap, String> {
+) -> Result<(DeviceMap, usize), String> {
     use bigmodel::plan::config::HfConfig;
     use bigmodel::plan::{Compat, PlanOptions};
     let in_dir = |e: &dyn std::fmt::Display| format!("{}: {e}", dir.display());
@@ -534,17 +534,17 @@ fn verified_map(
     model
         .runtime_charges(&workload, on_gpu, options.dtype.unwrap_or(model.dtype))
         .apply(&mut plan_options);
-    let (map, ledger) = match &options.device_map {
+    let (map, ledger, depth) = match &options.device_map {
         Some(DeviceMapSpec::Map(map)) => {
             let ledger = bigmodel::plan::auto::ledger(&model.tree, map, &plan_options)
                 .map_err(|e| in_dir(&e))?;
-            (map.clone(), ledger)
+            (map.clone(), ledger, plan_options.prefetch_depth)
         }
         Some(DeviceMapSpec::Strategy(mode)) => {
             plan_options.mode = *mode;
             let plan = bigmodel::plan::plan_with(&model.tree, &plan_options, Compat::Auto)
                 .map_err(|e| in_dir(&e))?;
-            (plan.device_map, plan.ledger)
+            (plan.device_map, plan.ledger, plan.prefetch_depth)
         }
         None => return Err("--verify needs a device map or a strategy".into()),
     };
@@ -560,7 +560,7 @@ fn verified_map(
         ));
     }
     eprintln!("--verify: fits (the ledger was allocated on every GPU and freed)");
-    Ok(map)
+    Ok((map, depth))
 }
 
 /// Runs the command.
@@ -616,8 +616,9 @@ pub fn run(args: Args) -> CmdResult {
         // The flag, else generate's default (the folder's
         // generation_config.json is read after loading).
         let new_tokens = args.sampling.max_new_tokens.unwrap_or(16);
-        let map = verified_map(&args.model_dir, &options, &devices, workload, new_tokens)?;
+        let (map, depth) = verified_map(&args.model_dir, &options, &devices, workload, new_tokens)?;
         options.device_map = Some(DeviceMapSpec::Map(map));
+        options.prefetch_depth = Some(depth);
     }
     let (bar, progress) = load_progress_bar(args.json);
     options.load_progress = Some(progress);
