@@ -89,19 +89,17 @@ fn plan_predicts_from_a_calibration_file() {
     assert!(ram_token > 550e-6 && ram_token < 1e-3, "{ram_token}");
     assert!(ram_first >= ram_token, "{ram_first} {ram_token}");
 
-    // All on disk: every offloaded byte is streamed each pass; warm
+    // Mostly on disk: every offloaded byte is streamed each pass; warm
     // mapped tensors cost their hand-off, cold ones the disk read.
-    let on_disk = predicted("cpu=200KB,disk=10MB", &warm);
+    let on_disk = predicted("cpu=220KB,disk=10MB", &warm);
     let streamed = on_disk["predicted"]["bytes_streamed_per_token"]
         .as_u64()
         .unwrap();
     let placed_on_disk = on_disk["device_bytes"]["disk"].as_u64().unwrap();
-    // Every offloaded parameter; the rotary buffers (64 bytes) stay where
-    // the model runs.
-    assert_eq!(streamed, placed_on_disk - 64);
+    assert_eq!(streamed, placed_on_disk);
     let warm_token = on_disk["predicted"]["seconds_per_token"].as_f64().unwrap();
     assert!(warm_token > ram_token, "{warm_token} {ram_token}");
-    let cold_token = predicted("cpu=200KB,disk=10MB", &cold)["predicted"]["seconds_per_token"]
+    let cold_token = predicted("cpu=220KB,disk=10MB", &cold)["predicted"]["seconds_per_token"]
         .as_f64()
         .unwrap();
     // At 10 MB/s, reading the streamed bytes alone takes streamed / 1e7 s.
@@ -187,7 +185,7 @@ fn predicted_seconds_per_token_is_within_30_percent_of_measured_runs() {
     for (label, budget) in [
         ("all in RAM", "cpu=10MB"),
         ("half on disk", "cpu=600KB,disk=10MB"),
-        ("mostly on disk", "cpu=200KB,disk=10MB"),
+        ("mostly on disk", "cpu=220KB,disk=10MB"),
     ] {
         let plan = predicted(budget, &calibration);
         let map = dir.path().join(format!("{}.json", label.replace(' ', "-")));
