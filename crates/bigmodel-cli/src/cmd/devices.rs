@@ -201,15 +201,3 @@ fn calibration_table(c: &bigmodel::plan::Calibration) -> String {
     }
     out
 }
-
-#[cfg(test)]
-mod tests {
-    use super::human;
-
-    #[test]
-    fn human_sizes() {
-        assert_eq!(human(512), "512 B");
-        assert_eq!(human(1536), "1.50 KiB");
-        assert_eq!(human(80 << 30), "80.00 GiB");
-    }
-}
