@@ -730,6 +730,14 @@ fn ledger_of(
     ledger
 }
 
+/// The module a unit is or belongs to.
+fn unit_module(tree: &ModuleTree, unit: Node) -> usize {
+    match unit {
+        Node::Module(m) => m,
+        Node::Tensor(t) => tree.tensor(t).module,
+    }
+}
+
 /// The ledger of any device map of `tree` (a user's, or one Accelerate's
 /// planner made) under `options`' runtime charges and overheads: units are
 /// the auto planner's (`options.no_split`), each on the device its first
@@ -762,7 +770,15 @@ pub fn ledger(tree: &ModuleTree, map: &DeviceMap, options: &PlanOptions) -> Resu
     let mut device_of_item = Vec::with_capacity(items.len());
     for item in &items {
         let name = tree.node_name(item.first);
-        let device = match map.device_of(name) {
+        // A unit the map splits (experts placed apart) runs where its
+        // first placed tensor is; its weights are all counted there.
+        let first_tensor = || {
+            tree.tensors()
+                .iter()
+                .filter(|t| tree.is_within(t.module, unit_module(tree, item.first)))
+                .find_map(|t| map.device_of(&t.name))
+        };
+        let device = match map.device_of(name).or_else(first_tensor) {
             Some(d) => d,
             // A weightless module the map need not name runs beside the
             // previous one.
