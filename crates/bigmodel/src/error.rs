@@ -2,6 +2,7 @@
 //! the layer it failed in.
 
 use std::fmt;
+use std::path::PathBuf;
 
 /// Everything that can go wrong in the facade's calls. Each variant keeps
 /// the typed error of the layer that failed, so callers can still match on
@@ -13,6 +14,14 @@ pub enum Error {
     UnknownStrategy(String),
     /// `experts_on` without a `device_map` to place the rest of the model.
     ExpertsWithoutMap,
+    /// The offload folder holds the checkpoint being read: its index and
+    /// `.dat` files would be written beside, or over, the source.
+    OffloadIntoCheckpoint {
+        /// The offload folder as given.
+        folder: PathBuf,
+        /// The checkpoint's file found there.
+        file: PathBuf,
+    },
     /// Reading the machine's memory for default budgets failed.
     Memory(bm_device::Error),
     /// Opening a checkpoint (headers, index, shards) failed.
@@ -40,6 +49,12 @@ impl fmt::Display for Error {
             Error::ExpertsWithoutMap => f.write_str(
                 "`experts_on` needs a `device_map` (a strategy or a map) for the rest of the model",
             ),
+            Error::OffloadIntoCheckpoint { folder, file } => write!(
+                f,
+                "offload folder {} holds the checkpoint being read ({}); offload to another folder",
+                folder.display(),
+                file.display()
+            ),
             Error::Memory(e) => write!(f, "reading the machine's memory: {e}"),
             Error::Shard(e) => e.fmt(f),
             Error::Plan(e) => e.fmt(f),
@@ -66,6 +81,7 @@ impl std::error::Error for Error {
         match self {
             Error::UnknownStrategy(_)
             | Error::ExpertsWithoutMap
+            | Error::OffloadIntoCheckpoint { .. }
             | Error::NoExecutableBatchSize { .. } => None,
             Error::Memory(e) => Some(e),
             Error::Shard(e) => Some(e),

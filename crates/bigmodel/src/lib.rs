@@ -205,6 +205,14 @@ pub fn load_checkpoint_and_dispatch(
     };
     let model = Model::empty(tree, devices)?;
     let checkpoint = bm_shard::Checkpoint::open(checkpoint)?;
+    if let Some(folder) = &options.offload_folder
+        && let Some(file) = checkpoint.file_in_folder(folder)
+    {
+        return Err(Error::OffloadIntoCheckpoint {
+            folder: folder.clone(),
+            file: file.to_path_buf(),
+        });
+    }
     let load = LoadOptions {
         dtype: options.dtype,
         offload_folder: options.offload_folder.clone(),

@@ -87,3 +87,81 @@ fn trees_from_a_pytorch_checkpoint_tie_names_over_one_storage() {
     // tensors: only the two names for the same view are one.
     assert_eq!(tree.tied_names(), [["embed.weight", "lm_head.weight"]]);
 }
+
+/// A checkpoint of `layers` F32 Linear(side, side) layers at `path`, and
+/// its model.
+fn linear_stack(path: &std::path::Path, layers: usize, side: usize) -> ModelBuilder {
+    let mut header = serde_json::Map::new();
+    let mut data = Vec::new();
+    let mut b = ModelBuilder::new("Sequential");
+    for i in 0..layers {
+        b.linear(
+            ModelBuilder::ROOT,
+            &i.to_string(),
+            side,
+            side,
+            false,
+            DType::F32,
+        )
+        .unwrap();
+        let start = data.len();
+        data.extend((0..side * side).flat_map(|k| (k as f32).to_le_bytes()));
+        header.insert(
+            format!("{i}.weight"),
+            serde_json::json!({"dtype": "F32", "shape": [side, side], "data_offsets": [start, data.len()]}),
+        );
+    }
+    let text = serde_json::Value::Object(header).to_string();
+    let mut file = (text.len() as u64).to_le_bytes().to_vec();
+    file.extend_from_slice(text.as_bytes());
+    file.extend_from_slice(&data);
+    std::fs::write(path, file).unwrap();
+    b
+}
+
+#[test]
+fn an_offload_folder_holding_the_checkpoint_is_refused_and_left_as_it_was() {
+    let dir = tempfile::tempdir().unwrap();
+    // A Hugging Face cache layout: the snapshot's file is a link into blobs/.
+    let repo = dir.path().join("models--test--tiny");
+    let blobs = repo.join("blobs");
+    let snapshot = repo.join("snapshots").join("0a1b2c");
+    std::fs::create_dir_all(&blobs).unwrap();
+    std::fs::create_dir_all(&snapshot).unwrap();
+    std::os::unix::fs::symlink("../../blobs/0123abcd", snapshot.join("model.safetensors")).unwrap();
+    let listing = |p: &std::path::Path| {
+        let mut names: Vec<_> = std::fs::read_dir(p)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        names.sort();
+        names
+    };
+    for folder in [&snapshot, &blobs] {
+        let b = linear_stack(&blobs.join("0123abcd"), 2, 8);
+        let before = (listing(&snapshot), listing(&blobs));
+        let options = Options {
+            device_map: Some(DeviceMapSpec::Map(
+                bigmodel::plan::DeviceMap::from_json(&serde_json::json!({"": "disk"})).unwrap(),
+            )),
+            offload_folder: Some(folder.clone()),
+            ..Options::default()
+        };
+        let devices = Arc::new(DeviceSet::emulated(&[]));
+        let Err(err) =
+            load_checkpoint_and_dispatch(b.build().unwrap(), &snapshot, devices, &options)
+        else {
+            panic!("offloading into the checkpoint's folder must be refused");
+        };
+        let message = err.to_string();
+        assert!(
+            message.contains(&folder.display().to_string()) && message.contains("another folder"),
+            "{message}"
+        );
+        assert_eq!(
+            (listing(&snapshot), listing(&blobs)),
+            before,
+            "nothing written"
+        );
+    }
+}

@@ -299,6 +299,37 @@ impl Checkpoint {
         &self.shards
     }
 
+    /// A file of this checkpoint (shard or index) that lives in `folder`,
+    /// either as named or where its link resolves to (a Hugging Face cache
+    /// snapshot's shards are links into `blobs/`); `None` when there is
+    /// none or `folder` does not exist. Writers that must never write
+    /// beside or over what they read (`shard`'s output folder, an offload
+    /// folder) refuse such a folder.
+    pub fn file_in_folder(&self, folder: &Path) -> Option<&Path> {
+        let folder = folder.canonicalize().ok()?;
+        let sources = self
+            .shards
+            .iter()
+            .map(|f| f.path.as_path())
+            .chain(self.index_path());
+        for source in sources {
+            let named_folder = match source.parent() {
+                Some(p) if !p.as_os_str().is_empty() => p,
+                _ => Path::new("."),
+            };
+            let real_folder = source
+                .canonicalize()
+                .ok()
+                .and_then(|p| p.parent().map(Path::to_path_buf));
+            if named_folder.canonicalize().ok().as_deref() == Some(folder.as_path())
+                || real_folder.as_deref() == Some(folder.as_path())
+            {
+                return Some(source);
+            }
+        }
+        None
+    }
+
     /// The format of the file holding a tensor.
     pub fn format_of(&self, name: &str) -> Option<Format> {
         self.position(name)

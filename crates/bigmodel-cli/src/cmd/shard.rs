@@ -347,32 +347,12 @@ pub fn parse_dtype(s: &str) -> Result<DType, String> {
 /// shard's link resolves to (a Hugging Face cache snapshot's shards are
 /// links into `blobs/`), whatever links lead to the output folder.
 pub fn refuse_own_folder(ckpt: &Checkpoint, out_dir: &Path) -> Result<(), String> {
-    let Ok(out) = out_dir.canonicalize() else {
-        return Ok(()); // does not exist yet, so it holds no source file
-    };
-    let sources = ckpt
-        .files()
-        .iter()
-        .map(|f| f.path.as_path())
-        .chain(ckpt.index_path());
-    for source in sources {
-        let named_folder = match source.parent() {
-            Some(p) if !p.as_os_str().is_empty() => p,
-            _ => Path::new("."),
-        };
-        let real_folder = source
-            .canonicalize()
-            .ok()
-            .and_then(|p| p.parent().map(Path::to_path_buf));
-        if named_folder.canonicalize().ok().as_deref() == Some(out.as_path())
-            || real_folder.as_deref() == Some(out.as_path())
-        {
-            return Err(format!(
-                "{} holds the checkpoint being read ({}); write to another folder",
-                out_dir.display(),
-                source.display()
-            ));
-        }
+    match ckpt.file_in_folder(out_dir) {
+        Some(source) => Err(format!(
+            "{} holds the checkpoint being read ({}); write to another folder",
+            out_dir.display(),
+            source.display()
+        )),
+        None => Ok(()),
     }
-    Ok(())
 }
