@@ -13,31 +13,7 @@ fn auto_map_over_an_emulated_gpu_cpu_and_disk() {
     let dir = tempfile::tempdir().unwrap();
     let side = 64;
     let layers = 6;
-    let mut header = serde_json::Map::new();
-    let mut data = Vec::new();
-    let mut b = ModelBuilder::new("Sequential");
-    for i in 0..layers {
-        b.linear(
-            ModelBuilder::ROOT,
-            &i.to_string(),
-            side,
-            side,
-            false,
-            DType::F32,
-        )
-        .unwrap();
-        let start = data.len();
-        data.extend((0..side * side).flat_map(|k| (k as f32).to_le_bytes()));
-        header.insert(
-            format!("{i}.weight"),
-            serde_json::json!({"dtype": "F32", "shape": [side, side], "data_offsets": [start, data.len()]}),
-        );
-    }
-    let text = serde_json::Value::Object(header).to_string();
-    let mut file = (text.len() as u64).to_le_bytes().to_vec();
-    file.extend_from_slice(text.as_bytes());
-    file.extend_from_slice(&data);
-    std::fs::write(dir.path().join("model.safetensors"), file).unwrap();
+    let b = linear_stack(&dir.path().join("model.safetensors"), layers, side);
 
     let layer = (side * side * 4) as u64;
     let options = Options {
