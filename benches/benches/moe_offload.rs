@@ -14,7 +14,6 @@
 //! their ratios, measured in the same run. `BM_BENCH_MOE_LAYERS` changes the
 //! layer count (e.g. 2 for a quick run).
 
-use std::io::Write;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
@@ -22,6 +21,7 @@ use std::time::Instant;
 use bigmodel::device::DeviceSet;
 use bigmodel::plan::{Device, DeviceMap};
 use bigmodel::{DeviceMapSpec, Options};
+use bigmodel_benches::safetensors_f32;
 use bm_models::{CausalLm, Dispatched, Logits, WeightSource, open_causal_lm};
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use serde_json::json;
@@ -74,43 +74,7 @@ fn write_model(dir: &Path, layers: usize) {
     tensors.push(("model.norm.weight".to_string(), vec![HIDDEN]));
     tensors.push(("lm_head.weight".to_string(), vec![VOCAB, HIDDEN]));
 
-    let mut header = serde_json::Map::new();
-    let mut offset = 0usize;
-    for (name, shape) in &tensors {
-        let len = 4 * shape.iter().product::<usize>();
-        header.insert(
-            name.clone(),
-            json!({"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + len]}),
-        );
-        offset += len;
-    }
-    let mut header = serde_json::Value::Object(header).to_string();
-    while !header.len().is_multiple_of(8) {
-        header.push(' ');
-    }
-    let file = std::fs::File::create(dir.join("model.safetensors")).unwrap();
-    let mut out = std::io::BufWriter::new(file);
-    out.write_all(&(header.len() as u64).to_le_bytes()).unwrap();
-    out.write_all(header.as_bytes()).unwrap();
-    let mut state = 0x2545_f491_4f6c_dd1du64;
-    for (name, shape) in &tensors {
-        let numel: usize = shape.iter().product();
-        let norm = name.ends_with("norm.weight");
-        let mut values = Vec::with_capacity(4 * numel);
-        for _ in 0..numel {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            let v = if norm {
-                1.0f32
-            } else {
-                ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.1
-            };
-            values.extend_from_slice(&v.to_le_bytes());
-        }
-        out.write_all(&values).unwrap();
-    }
-    out.flush().unwrap();
+    safetensors_f32::write_random(&dir.join("model.safetensors"), &tensors).unwrap();
     let config = json!({
         "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "dtype": "float32",
         "vocab_size": VOCAB, "hidden_size": HIDDEN, "intermediate_size": EXPERT_WIDTH,

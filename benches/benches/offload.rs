@@ -20,7 +20,6 @@
 //! bm-models' CUDA compute; they print why they are skipped.
 //! `BM_BENCH_OFFLOAD_LAYERS` changes the layer count (e.g. 4 for a quick run).
 
-use std::io::Write;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
@@ -80,29 +79,7 @@ fn write_model(dir: &Path, layers: usize) {
     tensors.push(("model.norm.weight".to_string(), vec![HIDDEN]));
     tensors.push(("lm_head.weight".to_string(), vec![VOCAB, HIDDEN]));
 
-    let file = std::fs::File::create(dir.join("model.safetensors")).unwrap();
-    let mut out = std::io::BufWriter::new(file);
-    out.write_all(&safetensors_f32::header(&tensors, &[]))
-        .unwrap();
-    let mut state = 0x2545_f491_4f6c_dd1du64;
-    for (name, shape) in &tensors {
-        let numel: usize = shape.iter().product();
-        let norm = name.ends_with("norm.weight");
-        let mut values = Vec::with_capacity(4 * numel);
-        for _ in 0..numel {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            let v = if norm {
-                1.0f32
-            } else {
-                ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.1
-            };
-            values.extend_from_slice(&v.to_le_bytes());
-        }
-        out.write_all(&values).unwrap();
-    }
-    out.flush().unwrap();
+    safetensors_f32::write_random(&dir.join("model.safetensors"), &tensors).unwrap();
     let config = json!({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "dtype": "float32",
         "vocab_size": VOCAB, "hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE,

@@ -1,5 +1,6 @@
 //! Safetensors files of F32 tensors stored back to back in order: the
-//! header every bench input shares, and sparse files (a header and a hole,
+//! header every bench input shares, models of fixed pseudo-random values for
+//! the decode benches, and sparse files (a header and a hole,
 //! for measuring what opening a huge checkpoint costs without the disk).
 
 use std::fs;
@@ -20,6 +21,34 @@ pub fn layers(count: usize, bytes_each: u64) -> Vec<Tensor> {
             )
         })
         .collect()
+}
+
+/// Writes a safetensors file at `path` holding `tensors` with small
+/// pseudo-random values (a fixed xorshift sequence, so every run reads the
+/// same model), norm weights (`*norm.weight`) at 1.0, as the model benches
+/// need a model whose activations stay finite.
+pub fn write_random(path: &Path, tensors: &[Tensor]) -> io::Result<()> {
+    let mut out = io::BufWriter::new(fs::File::create(path)?);
+    out.write_all(&header(tensors, &[]))?;
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    for (name, shape) in tensors {
+        let numel: usize = shape.iter().product();
+        let norm = name.ends_with("norm.weight");
+        let mut values = Vec::with_capacity(4 * numel);
+        for _ in 0..numel {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let v = if norm {
+                1.0f32
+            } else {
+                ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.1
+            };
+            values.extend_from_slice(&v.to_le_bytes());
+        }
+        out.write_all(&values)?;
+    }
+    out.flush()
 }
 
 /// Bytes of the tensors' data.
