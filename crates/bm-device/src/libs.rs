@@ -35,6 +35,12 @@
 //!
 //! cudarc is built with `cuda-13000`, whose candidate names include both
 //! `.so.13` and `.so.12`, which is why only these two majors are looked for.
+//! cudarc asks for the bare `libnvrtc.so` first, though, and a bare name
+//! matches no SONAME: where the loader knows a `libnvrtc.so` (a toolkit's
+//! development link), cudarc takes that file rather than ours. So once a
+//! library answers through cudarc, [`in_use`] asks the loader which object
+//! holds the symbol cudarc resolved, and [`check_major`] refuses a major
+//! newer than the driver's, whichever file it came from.
 
 use std::ffi::{CStr, CString, OsString, c_char, c_int, c_void};
 use std::path::{Path, PathBuf};
@@ -441,6 +447,82 @@ unsafe extern "C" {
     fn dlerror() -> *mut c_char;
     fn dlinfo(handle: *mut c_void, request: c_int, info: *mut c_void) -> c_int;
     fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *mut c_void;
+    fn dladdr(address: *const c_void, info: *mut DlInfo) -> c_int;
+}
+
+/// glibc's `Dl_info` (`<dlfcn.h>`).
+#[repr(C)]
+struct DlInfo {
+    dli_fname: *const c_char,
+    dli_fbase: *mut c_void,
+    dli_sname: *const c_char,
+    dli_saddr: *mut c_void,
+}
+
+/// The file of the loaded object whose mapping holds `address` (a code
+/// address, taken as a number: it is only looked up), as the loader
+/// recorded it.
+pub fn object_holding(address: usize) -> Option<PathBuf> {
+    let mut info = DlInfo {
+        dli_fname: std::ptr::null(),
+        dli_fbase: std::ptr::null_mut(),
+        dli_sname: std::ptr::null(),
+        dli_saddr: std::ptr::null_mut(),
+    };
+    // SAFETY: dladdr never dereferences the address: it only looks it up
+    // in the loader's tables and fills `info`.
+    if unsafe { dladdr(address as *const c_void, &mut info) } == 0 || info.dli_fname.is_null() {
+        return None;
+    }
+    // SAFETY: dli_fname is a NUL-terminated path owned by the loader.
+    let name = unsafe { CStr::from_ptr(info.dli_fname) };
+    Some(PathBuf::from(name.to_string_lossy().into_owned()))
+}
+
+/// The library cudarc actually calls, given the address of a symbol it
+/// resolved: `ours` when that is the object we loaded, else the file the
+/// loader gave cudarc by name.
+pub fn in_use(ours: &LoadedLibrary, cudarc_symbol: usize) -> LoadedLibrary {
+    let same = |a: &Path, b: &Path| match (a.canonicalize(), b.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => a == b,
+    };
+    match object_holding(cudarc_symbol) {
+        Some(path) if !same(&path, &ours.path) => LoadedLibrary {
+            library: ours.library,
+            path,
+            by_loader: true,
+        },
+        _ => ours.clone(),
+    }
+}
+
+/// Refuses a library whose CUDA major (as it reports its own version) is
+/// newer than the driver's: what a newer NVRTC compiles, the driver cannot
+/// load, and a newer cuBLAS does not start.
+pub fn check_major(
+    library: &LoadedLibrary,
+    version_major: u32,
+    driver_major: Option<u32>,
+) -> std::result::Result<(), String> {
+    match driver_major {
+        Some(driver) if version_major > driver => {
+            let remedy = if library.by_loader {
+                format!(
+                    "; the dynamic loader gave it for a bare name: take its folder off \
+                     LD_LIBRARY_PATH, or install a driver of CUDA {version_major}"
+                )
+            } else {
+                String::new()
+            };
+            Err(format!(
+                "{} in use is {} (CUDA {version_major}), newer than the driver (CUDA {driver}){remedy}",
+                library.library.stem(),
+                library.path.display(),
+            ))
+        }
+        _ => Ok(()),
+    }
 }
 
 const RTLD_NOW: c_int = 2;
@@ -863,6 +945,58 @@ mod tests {
             path.to_string_lossy().contains("libc"),
             "{}",
             path.display()
+        );
+    }
+
+    #[test]
+    fn the_object_holding_a_symbol_is_the_file_that_defines_it() {
+        // dlopen lives in libc (glibc 2.34+) or libdl: either way a loaded
+        // shared object, never our own executable.
+        let address = dlopen as *const () as usize;
+        let libc = object_holding(address).unwrap();
+        assert!(libc.to_string_lossy().contains(".so"), "{libc:?}");
+        let ours = LoadedLibrary {
+            library: CudaLibrary::Nvrtc,
+            path: libc.clone(),
+            by_loader: false,
+        };
+        assert_eq!(in_use(&ours, address), ours);
+        let elsewhere = LoadedLibrary {
+            path: PathBuf::from("/nowhere/libnvrtc.so.13"),
+            ..ours.clone()
+        };
+        let used = in_use(&elsewhere, address);
+        assert_eq!((used.path, used.by_loader), (libc, true));
+    }
+
+    #[test]
+    fn a_library_newer_than_the_driver_is_refused_naming_the_file() {
+        let by_name = LoadedLibrary {
+            library: CudaLibrary::Nvrtc,
+            path: PathBuf::from("/usr/local/cuda-14/lib64/libnvrtc.so"),
+            by_loader: true,
+        };
+        let e = check_major(&by_name, 14, Some(13)).unwrap_err();
+        for part in [
+            "libnvrtc",
+            "cuda-14/lib64/libnvrtc.so",
+            "CUDA 14",
+            "CUDA 13",
+            "LD_LIBRARY_PATH",
+        ] {
+            assert!(e.contains(part), "{part} missing from: {e}");
+        }
+        assert!(check_major(&by_name, 13, Some(13)).is_ok());
+        assert!(check_major(&by_name, 12, Some(13)).is_ok());
+        assert!(check_major(&by_name, 14, None).is_ok());
+        let ours = LoadedLibrary {
+            by_loader: false,
+            ..by_name
+        };
+        assert!(
+            !check_major(&ours, 14, Some(13))
+                .unwrap_err()
+                .contains("LD_LIBRARY_PATH")
         );
     }
 }

@@ -89,8 +89,16 @@ pub(crate) fn nvrtc() -> std::result::Result<Nvrtc, String> {
                 unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) }
                     .result()
                     .map_err(|e| format!("nvrtcVersion: {e:?}"))?;
+                // SAFETY: cudarc's library is open (nvrtcVersion went
+                // through it); this only looks a symbol up.
+                let symbol =
+                    unsafe { nvrtc_sys::culib().get::<unsafe extern "C" fn()>(b"nvrtcVersion") }
+                        .ok()
+                        .map(|s| *s as usize);
+                let library = symbol.map_or_else(|| library.clone(), |s| libs::in_use(&library, s));
+                libs::check_major(&library, major.max(0) as u32, driver_major())?;
                 Ok(Nvrtc {
-                    library: library.clone(),
+                    library,
                     version: (major, minor),
                 })
             })
@@ -131,8 +139,16 @@ pub(crate) fn cublas() -> std::result::Result<Cublas, String> {
                         .result()
                         .map_err(|e| format!("cublasGetProperty: {e}"))?;
                 }
+                // SAFETY: as for NVRTC: a symbol lookup in cudarc's open library.
+                let symbol = unsafe {
+                    blas_sys::culib().get::<unsafe extern "C" fn()>(b"cublasGetProperty")
+                }
+                .ok()
+                .map(|s| *s as usize);
+                let library = symbol.map_or_else(|| library.clone(), |s| libs::in_use(&library, s));
+                libs::check_major(&library, parts[0].max(0) as u32, driver_major())?;
                 Ok(Cublas {
-                    library: library.clone(),
+                    library,
                     version: format!("{}.{}.{}", parts[0], parts[1], parts[2]),
                 })
             })
