@@ -259,6 +259,18 @@ fn hostile_inputs_across_every_command_are_clear_errors() {
             .success()
     );
 
+    // A model folder whose config.json is a FIFO: `run --verify` plans
+    // from the config before anything else reads it.
+    let fifo_config = edited_copy(&llama, &p("fifo-config"), |_| {});
+    std::fs::remove_file(fifo_config.join("config.json")).unwrap();
+    assert!(
+        Command::new("mkfifo")
+            .arg(fifo_config.join("config.json"))
+            .status()
+            .unwrap()
+            .success()
+    );
+
     let usize_max = usize::MAX.to_string();
     let u64_over = "99999999999999999999999";
     let two_55 = (1u64 << 55).to_string();
@@ -469,6 +481,11 @@ fn hostile_inputs_across_every_command_are_clear_errors() {
                 &fifo,
             ]),
             expect: err(&["fifo.json", "FIFO"]),
+        },
+        Case {
+            name: "run --verify on a folder whose config.json is a FIFO",
+            args: os(&[&"run", &fifo_config, &"--prompt-ids", &"1", &"--verify"]),
+            expect: err(&["config.json", "FIFO"]),
         },
         Case {
             name: "--max-memory with an empty size",

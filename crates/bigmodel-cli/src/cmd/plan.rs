@@ -1,5 +1,6 @@
 //! `bigmodel plan`: where each module of a model goes.
 
+use super::{parse_json, read_json, read_text};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
@@ -111,21 +112,6 @@ impl Source {
             Source::Config(m) => &m.tree,
         }
     }
-}
-
-fn read_text(path: &Path) -> Result<String, String> {
-    // A regular file only: reading a FIFO would wait for a writer.
-    let bytes = bigmodel::shard::read_regular(path).map_err(|e| format!("cannot read {e}"))?;
-    String::from_utf8(bytes)
-        .map_err(|e| format!("{} is not valid JSON: not UTF-8 ({e})", path.display()))
-}
-
-fn parse_json(path: &Path, text: &str) -> Result<serde_json::Value, String> {
-    serde_json::from_str(text).map_err(|e| format!("{} is not valid JSON: {e}", path.display()))
-}
-
-fn read_json(path: &Path) -> Result<serde_json::Value, String> {
-    parse_json(path, &read_text(path)?)
 }
 
 /// The model a parsed config.json describes; errors name `file` and the key.

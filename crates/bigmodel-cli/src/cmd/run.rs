@@ -506,8 +506,7 @@ fn verified_map(
     use bigmodel::plan::{Compat, PlanOptions};
     let in_dir = |e: &dyn std::fmt::Display| format!("{}: {e}", dir.display());
     let config = dir.join("config.json");
-    let text = std::fs::read_to_string(&config)
-        .map_err(|e| format!("cannot read {}: {e}", config.display()))?;
+    let text = super::read_text(&config)?;
     let hf = HfConfig::parse(&text, &config).map_err(|e| e.to_string())?;
     let model = bigmodel::plan::hf::tree_from_config(&hf).map_err(|e| e.to_string())?;
     let (max_memory, from_user) = match &options.max_memory {

@@ -98,10 +98,7 @@ fn write_quantized_config(
     dtype: Option<DType>,
 ) -> CmdResult {
     let path = folder.join("config.json");
-    let text =
-        std::fs::read_to_string(&path).map_err(|e| format!("reading {}: {e}", path.display()))?;
-    let mut config: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut config = super::read_json(&path)?;
     let Some(object) = config.as_object_mut() else {
         return Err(format!("{}: not a JSON object", path.display()).into());
     };
