@@ -89,6 +89,30 @@ pub(crate) fn probe() -> Result<Probe> {
             ),
         });
     }
+    // cudarc asks for the bare `libcuda.so` first, which the loader may
+    // answer with another file (a toolkit's stub on LD_LIBRARY_PATH):
+    // failures then name the file cudarc calls.
+    // SAFETY: cudarc's library is open (checked above); a symbol lookup.
+    let in_use = unsafe { sys::culib().get::<unsafe extern "C" fn()>(b"cuDriverGetVersion") }
+        .ok()
+        .map_or_else(|| driver.clone(), |s| libs::in_use(&driver, *s as usize));
+    let other_file = |e: Error| match e {
+        Error::Driver {
+            operation,
+            device,
+            message,
+        } if in_use.path != driver.path => Error::Driver {
+            operation,
+            device,
+            message: format!(
+                "{message} (cudarc calls {}, which the loader gave for the bare name \
+                 libcuda.so, not {})",
+                in_use.path.display(),
+                driver.path.display()
+            ),
+        },
+        e => e,
+    };
     let attempt = std::panic::catch_unwind(|| -> Result<Probe> {
         let mut driver_version = 0;
         // SAFETY: writes one int.
@@ -122,18 +146,18 @@ pub(crate) fn probe() -> Result<Probe> {
         })
     });
     match attempt {
-        Ok(r) => r,
+        Ok(r) => r.map_err(other_file),
         Err(payload) => {
             let message = payload
                 .downcast_ref::<String>()
                 .cloned()
                 .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
                 .unwrap_or_else(|| "the driver library could not be used".into());
-            Err(Error::Driver {
+            Err(other_file(Error::Driver {
                 operation: "loading the CUDA driver",
                 device: None,
                 message,
-            })
+            }))
         }
     }
 }
