@@ -175,6 +175,165 @@ fn plan_sizes_quantized_layers_packed() {
     );
 }
 
+// A folder transformers saved pre-quantized is planned at the bytes its
+// checkpoint stores, not as the dense model its config.json describes:
+// every tensor but the 4-bit `quant_map` table (bitsandbytes' own, not
+// held) and the JSON quant state, of which the double-quantization offset
+// (4 bytes) is held.
+#[test]
+fn plan_of_a_pre_quantized_folder_counts_its_packed_bytes() {
+    let cpu_bytes = |source: &Path, quantize: Option<&str>| {
+        let mut args = vec![
+            "plan",
+            source.to_str().unwrap(),
+            "--max-memory",
+            "cpu=1GiB",
+            // base/config.json says float16 over float32 weights.
+            "--dtype",
+            "f32",
+            "--json",
+        ];
+        if let Some(q) = quantize {
+            args.extend(["--quantize", q]);
+        }
+        let v = json_of(&bigmodel(&args));
+        v["device_bytes"]["cpu"].as_u64().unwrap()
+    };
+    let dense = cpu_bytes(&base(), None);
+    // base/ stores float16: its tensors in float32.
+    let stored_dense: u64 = read_safetensors(&base().join("model.safetensors"))
+        .values()
+        .map(|(_, shape, _)| 4 * shape.iter().product::<u64>())
+        .sum();
+    // The buffers config.json declares that no checkpoint stores (rotary
+    // frequencies).
+    let buffers = dense - stored_dense;
+    for format in ["nf4", "fp4", "int8"] {
+        let folder = fixture(&format!("tiny-llama-bnb/{format}"));
+        let stored: u64 = read_safetensors(&folder.join("model.safetensors"))
+            .iter()
+            .map(|(name, (_, _, bytes))| {
+                if name.ends_with(".quant_map") && !name.ends_with(".nested_quant_map")
+                    || name.contains(".quant_state.")
+                    || name.ends_with(".weight_format")
+                {
+                    0
+                } else if name.ends_with(".nested_absmax") {
+                    bytes.len() as u64 + 4
+                } else {
+                    bytes.len() as u64
+                }
+            })
+            .sum();
+        let planned = cpu_bytes(&folder, None);
+        assert_eq!(planned, stored + buffers, "{format}");
+        assert!(planned < dense, "{format}: {planned} vs dense {dense}");
+        // The same as planning the dense folder with that format.
+        if format != "nf4" {
+            assert_eq!(planned, cpu_bytes(&base(), Some(format)), "{format}");
+        }
+        let err = failure(&bigmodel(&[
+            "plan",
+            folder.to_str().unwrap(),
+            "--quantize",
+            "nf4",
+        ]));
+        assert!(err.contains("already quantized"), "{err}");
+    }
+    // Its sizes come from the checkpoint: without one it is an error.
+    let config_only = tempfile::tempdir().unwrap();
+    std::fs::copy(
+        fixture("tiny-llama-bnb/nf4/config.json"),
+        config_only.path().join("config.json"),
+    )
+    .unwrap();
+    let err = failure(&bigmodel(&[
+        "plan",
+        config_only.path().to_str().unwrap(),
+        "--max-memory",
+        "cpu=1GiB",
+    ]));
+    assert!(
+        err.contains("quantization_config") && err.contains("pre-quantized"),
+        "{err}"
+    );
+}
+
+// transformers' `llm_int8_enable_fp32_cpu_offload`: with a device map, the
+// modules it offloads stay dense; planned and loaded alike.
+#[test]
+fn fp32_cpu_offload_keeps_offloaded_layers_dense() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = base();
+    let map = disk_map(dir.path());
+    let disk_bytes = |extra: &[&str]| {
+        let mut args = vec![
+            "plan",
+            base.to_str().unwrap(),
+            "--device-map",
+            map.to_str().unwrap(),
+            "--json",
+        ];
+        args.extend(extra);
+        let v = json_of(&bigmodel(&args));
+        v["device_bytes"]["disk"].as_u64().unwrap()
+    };
+    let dense = disk_bytes(&[]);
+    let packed = disk_bytes(&["--quantize", "int8"]);
+    let kept = disk_bytes(&["--quantize", "int8", "--fp32-cpu-offload"]);
+    assert!(packed < dense, "{packed} vs {dense}");
+    assert_eq!(kept, dense);
+    // Loaded so: the run's logits are the dense model's, bit for bit (the
+    // only quantized layer is offloaded, the head is skipped).
+    let logits = |extra: &[&str], name: &str| {
+        let dump = dir.path().join(name);
+        let mut args = vec![
+            "run",
+            base.to_str().unwrap(),
+            "--prompt-ids",
+            "1,5,9",
+            "--max-new-tokens",
+            "1",
+            "--device-map",
+            map.to_str().unwrap(),
+            "--offload-folder",
+        ];
+        let offload = dir.path().join(format!("offload-{name}"));
+        args.push(offload.to_str().unwrap());
+        args.extend(["--dump-logits", dump.to_str().unwrap(), "--json"]);
+        args.extend(extra);
+        json_of(&bigmodel(&args));
+        read_safetensors(&dump)["logits"].2.clone()
+    };
+    assert_eq!(
+        logits(
+            &["--quantize", "int8", "--fp32-cpu-offload"],
+            "kept.safetensors"
+        ),
+        logits(&[], "dense.safetensors")
+    );
+    // A strategy cannot say what it would offload.
+    let err = failure(&bigmodel(&[
+        "plan",
+        base.to_str().unwrap(),
+        "--quantize",
+        "int8",
+        "--fp32-cpu-offload",
+        "--max-memory",
+        "cpu=1GiB",
+    ]));
+    assert!(
+        err.contains("llm_int8_enable_fp32_cpu_offload needs a device map"),
+        "{err}"
+    );
+    let err = failure(&bigmodel(&[
+        "plan",
+        base.to_str().unwrap(),
+        "--fp32-cpu-offload",
+    ]));
+    assert!(err.contains("--quantize"), "{err}");
+}
+
 // transformers saved fp4/ and int8/ after loading base/ in float32 with
 // that BitsAndBytesConfig: `shard --quantize --dtype f32` writes the same
 // tensors, bit for bit, and a config transformers reads back.

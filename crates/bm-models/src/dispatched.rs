@@ -383,19 +383,11 @@ fn dispatch(
     if options.no_split_module_classes.is_empty() {
         options.no_split_module_classes = no_split;
     }
-    let quantized = match (quantize, probe.prequantized()) {
-        (Some(_), Some(_)) => {
-            return Err(Error::Config {
-                path: dir.join("config.json"),
-                key: "quantization_config".into(),
-                message: "the folder is already quantized with bitsandbytes; load it without \
-                          quantize options"
-                    .into(),
-            });
-        }
-        (Some(q), None) => Some(packed::quantize_on_load(Some(dir), &tree, q, dtype)?),
-        (None, _) => packed::saved_quantized(probe, &tree)?,
+    let map = match &options.device_map {
+        Some(bigmodel::DeviceMapSpec::Map(map)) => Some(map),
+        _ => None,
     };
+    let quantized = packed::packed_for_load(dir, Some(probe), &tree, quantize, dtype, map)?;
     let (tree, packed) = match quantized {
         Some((tree, packed)) => {
             let packed = Arc::new(packed);

@@ -81,7 +81,7 @@ pub use family::{
 };
 pub use generate::{BatchSize, Batched, Conversation, GenerateOptions, Generation};
 pub use generation_config::GenerationConfig;
-pub use packed::{OwnedEntry, SaveQuantized, quantized_tree};
+pub use packed::{OwnedEntry, SaveQuantized, load_tree};
 pub use quant_config::{BnbCheckpoint, QuantizeOptions};
 pub use sampling::Sampling;
 pub use text::TextTokenizer;

@@ -11,8 +11,8 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 
-use bigmodel::plan::ModuleTree;
 use bigmodel::plan::quant::{QuantScheme, quantize_tree};
+use bigmodel::plan::{Device, DeviceMap, ModuleTree};
 use bigmodel::tensor::{DType, HostBuffer, TensorMeta};
 use bm_compute::HostBytes;
 use bm_compute::quant::{QuantFormat, QuantizedTensor, quantize};
@@ -68,29 +68,40 @@ pub(crate) fn scheme(format: QuantFormat) -> QuantScheme {
     }
 }
 
-/// A module tree with the linear weights `options` quantize in packed
-/// form, as [`open_causal_lm_quantized`](crate::open_causal_lm_quantized)
-/// loads them: what `bigmodel plan --quantize` plans. `dir` is the model's
-/// folder, whose config.json says what the default `skip_modules` spare
-/// (the output head, and the embedding tied to it), if there is one.
-pub fn quantized_tree(
-    dir: Option<&Path>,
-    tree: &ModuleTree,
-    options: &QuantizeOptions,
-) -> Result<ModuleTree, Error> {
-    quantize_on_load(dir, tree, options, DType::F32).map(|(tree, _)| tree)
+/// Which modules `llm_int8_enable_fp32_cpu_offload` keeps unquantized:
+/// those whose weight `map` puts on the CPU or disk (its longest matching
+/// key, as [`DeviceMap::device_of`], with the keys read once).
+fn offloaded_by(map: &DeviceMap) -> impl Fn(&str) -> bool + '_ {
+    let keys: HashMap<&str, Device> = map.iter().collect();
+    move |module: &str| {
+        let weight = format!("{module}.weight");
+        let mut prefix = weight.as_str();
+        let device = loop {
+            if let Some(d) = keys.get(prefix) {
+                break Some(*d);
+            }
+            match prefix.rfind('.') {
+                Some(i) => prefix = &prefix[..i],
+                None => break keys.get("").copied(),
+            }
+        };
+        device.is_some_and(|d| !d.is_gpu())
+    }
 }
 
 /// `tree` with the linear weights `options` quantize in packed form (the
 /// modules `skip_modules`, by default the output head and what is tied
-/// to it, and `keep_in_fp32_modules` stay dense), and what the dispatched
-/// model needs to produce and read them. `dtype` is what the weights are
-/// quantized from.
+/// to it, and `keep_in_fp32_modules` stay dense, and with
+/// `llm_int8_enable_fp32_cpu_offload` those `map` offloads), and what the
+/// dispatched model needs to produce and read them. `dtype` is what the
+/// weights are quantized from; `map` is the device map given, `None` for
+/// a strategy.
 pub(crate) fn quantize_on_load(
     dir: Option<&Path>,
     tree: &ModuleTree,
     options: &QuantizeOptions,
     dtype: DType,
+    map: Option<&DeviceMap>,
 ) -> Result<(ModuleTree, PackedWeights), Error> {
     if let Some(d) = options.compute_dtype {
         crate::ops::check_compute_dtype("4-bit compute dtype", d)?;
@@ -101,10 +112,43 @@ pub(crate) fn quantize_on_load(
         .unwrap_or_else(|| quant_config::default_skip_modules(dir));
     let skip = ModuleFilter::new("skip_modules", &skip)?;
     let fp32 = ModuleFilter::new("keep_in_fp32_modules", &options.keep_in_fp32_modules)?;
+    let offloaded: Box<dyn Fn(&str) -> bool + '_> =
+        match (options.llm_int8_enable_fp32_cpu_offload, map) {
+            (false, _) => Box::new(|_: &str| false),
+            (true, Some(map)) => Box::new(offloaded_by(map)),
+            (true, None) => {
+                return Err(Error::BadOperands {
+                    op: "quantize",
+                    message: "llm_int8_enable_fp32_cpu_offload needs a device map (as in \
+                          transformers): with a strategy, what the planner offloads depends on \
+                          what is quantized"
+                        .into(),
+                });
+            }
+        };
     let format = options.format;
-    let (tree, replaced) = quantize_tree(tree, |module| {
-        (!skip.matches(module) && !fp32.matches(module)).then_some(scheme(format))
-    })?;
+    let kept_offloaded = std::cell::Cell::new(false);
+    let quantized = quantize_tree(tree, |module| {
+        if skip.matches(module) || fp32.matches(module) {
+            return None;
+        }
+        if offloaded(module) {
+            kept_offloaded.set(true);
+            return None;
+        }
+        Some(scheme(format))
+    });
+    let (tree, replaced) = match quantized {
+        // Nothing left to quantize (the error about the whole model, not
+        // one weight) because the map offloads it: the dense model, as
+        // transformers loads it then.
+        Err(bigmodel::plan::Error::NotQuantizable { what, .. })
+            if what == "(model)" && kept_offloaded.get() =>
+        {
+            (tree.clone(), Vec::new())
+        }
+        other => other?,
+    };
     let weights = replaced
         .into_iter()
         .map(|w| {
@@ -128,7 +172,8 @@ pub(crate) fn quantize_on_load(
 }
 
 /// `tree` with the weights a pre-quantized folder stores quantized in
-/// packed form, each in its own format; `None` for a dense folder.
+/// packed form, each in its own format and at the size its checkpoint
+/// holds; `None` for a dense folder.
 pub(crate) fn saved_quantized(
     folder: &FolderWeights,
     tree: &ModuleTree,
@@ -178,6 +223,80 @@ pub(crate) fn saved_quantized(
             compute_dtype,
         },
     )))
+}
+
+/// The one decision of what loading holds packed: the weights a
+/// pre-quantized `folder` stores quantized, or those `quantize` quantizes
+/// while loading (both at once is refused), each declared in `tree` at its
+/// packed size; `None` when nothing is. `folder` is the opened folder
+/// (`None` when it is not pre-quantized and need not be opened); `dtype`
+/// what weights are quantized from; `map` the device map given.
+pub(crate) fn packed_for_load(
+    dir: &Path,
+    folder: Option<&FolderWeights>,
+    tree: &ModuleTree,
+    quantize: Option<&QuantizeOptions>,
+    dtype: DType,
+    map: Option<&DeviceMap>,
+) -> Result<Option<(ModuleTree, PackedWeights)>, Error> {
+    let prequantized = folder.filter(|f| f.prequantized().is_some());
+    match (quantize, prequantized) {
+        (Some(_), Some(_)) => Err(Error::Config {
+            path: dir.join("config.json"),
+            key: "quantization_config".into(),
+            message: "the folder is already quantized with bitsandbytes; load it without \
+                      quantize options"
+                .into(),
+        }),
+        (Some(q), None) => quantize_on_load(Some(dir), tree, q, dtype, map).map(Some),
+        (None, Some(f)) => saved_quantized(f, tree),
+        (None, None) => Ok(None),
+    }
+}
+
+/// The module tree loading `dir` plans and dispatches, from `tree` (read
+/// from its config.json): a pre-quantized folder's linear weights at the
+/// packed sizes its checkpoint stores, or with `quantize` those it
+/// quantizes while loading (with `llm_int8_enable_fp32_cpu_offload`, not
+/// those `map` offloads); `tree` itself otherwise. What `bigmodel plan`
+/// plans, so that a plan and its ledger are what loading holds. `dir`
+/// `None` (a lone config.json) spares the default skip modules' head only
+/// and cannot be pre-quantized.
+pub fn load_tree(
+    dir: Option<&Path>,
+    tree: &ModuleTree,
+    quantize: Option<&QuantizeOptions>,
+    map: Option<&DeviceMap>,
+) -> Result<ModuleTree, Error> {
+    let Some(dir) = dir else {
+        return match quantize {
+            Some(q) => Ok(quantize_on_load(None, tree, q, DType::F32, map)?.0),
+            None => Ok(tree.clone()),
+        };
+    };
+    let config = dir.join("config.json");
+    let prequantized = config.is_file()
+        && quant_config::read_bnb_checkpoint(&crate::config::read_keys(&config)?)?.is_some();
+    let folder = match prequantized {
+        true => Some(FolderWeights::open(dir, None).map_err(|e| match e {
+            Error::MissingWeights { .. } => Error::Config {
+                path: config.clone(),
+                key: "quantization_config".into(),
+                message: format!(
+                    "the model is pre-quantized, and its packed sizes are read from its \
+                     checkpoint: {e}"
+                ),
+            },
+            e => e,
+        })?),
+        false => None,
+    };
+    Ok(
+        match packed_for_load(dir, folder.as_ref(), tree, quantize, DType::F32, map)? {
+            Some((tree, _)) => tree,
+            None => tree.clone(),
+        },
+    )
 }
 
 impl PackedWeights {
@@ -279,7 +398,7 @@ impl SaveQuantized {
         }
         let hf = crate::config::read_config(dir, crate::SUPPORTED_DECODERS)?;
         let tree = bigmodel::plan::hf::tree_from_config(&hf)?.tree;
-        let (_, packed) = quantize_on_load(Some(dir), &tree, options, DType::F32)?;
+        let (_, packed) = quantize_on_load(Some(dir), &tree, options, DType::F32, None)?;
         Ok(SaveQuantized {
             packed,
             options: options.clone(),

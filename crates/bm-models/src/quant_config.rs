@@ -32,6 +32,14 @@ pub struct QuantizeOptions {
     pub skip_modules: Option<Vec<String>>,
     /// Modules kept in float32 and unquantized (`keep_in_fp32_modules`).
     pub keep_in_fp32_modules: Vec<String>,
+    /// transformers' `llm_int8_enable_fp32_cpu_offload`: the modules a
+    /// given device map puts on the CPU or disk stay unquantized, loaded
+    /// in the load dtype (F32 unless one is asked for), and only the
+    /// GPU-placed ones are quantized. As in transformers it needs a device
+    /// map (a strategy is refused: which modules the planner offloads
+    /// depends on what is quantized). Off, bigmodel quantizes offloaded
+    /// modules too and runs them with its CPU kernels.
+    pub llm_int8_enable_fp32_cpu_offload: bool,
 }
 
 impl QuantizeOptions {
@@ -56,6 +64,7 @@ impl QuantizeOptions {
             compute_dtype: Some(DType::F32),
             skip_modules: None,
             keep_in_fp32_modules: Vec::new(),
+            llm_int8_enable_fp32_cpu_offload: false,
         })
     }
 }

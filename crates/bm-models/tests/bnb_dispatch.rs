@@ -13,8 +13,8 @@ use bigmodel::plan::{DeviceMap, ModuleSizes, SizeOptions};
 use bigmodel::{DeviceMapSpec, Options};
 use bm_compute::quant::{FourBitType, QuantFormat};
 use bm_models::{
-    CausalLm, Dispatched, FolderWeights, Logits, QuantizeOptions, WeightSource, open_causal_lm,
-    open_causal_lm_quantized, quantized_tree,
+    CausalLm, Dispatched, FolderWeights, Logits, QuantizeOptions, WeightSource, load_tree,
+    open_causal_lm, open_causal_lm_quantized,
 };
 use bm_tensor::DType;
 use safetensors::SafeTensors;
@@ -193,6 +193,31 @@ fn pre_quantized_folders_load_under_a_device_map_without_options() {
         assert_eq!(d.weights.streamed_bytes() - before, layer, "{format}");
         let diff = max_diff(&ours, &want(&reference, format, 0));
         assert!(diff <= 1e-3, "{format}: {diff}");
+        // What `bigmodel plan` plans is the tree loading dispatched: every
+        // tensor at the size the checkpoint stores.
+        let config = bigmodel::plan::config::HfConfig::from_value(
+            serde_json::from_slice(&std::fs::read(fixture(format).join("config.json")).unwrap())
+                .unwrap(),
+            fixture(format).join("config.json"),
+        )
+        .unwrap();
+        let dense_tree = bigmodel::plan::hf::tree_from_config(&config).unwrap().tree;
+        let planned = load_tree(Some(&fixture(format)), &dense_tree, None, None).unwrap();
+        let sizes = |t: &bigmodel::plan::ModuleTree| {
+            t.tensors()
+                .iter()
+                .map(|t| (t.name.clone(), t.meta.clone()))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(sizes(&planned), sizes(d.weights.model().tree()), "{format}");
+        let err = load_tree(
+            Some(&fixture(format)),
+            &dense_tree,
+            Some(&options("nf4")),
+            None,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("already quantized"), "{err}");
         // Quantizing a folder that is already quantized is refused.
         let err = open_causal_lm_quantized(
             fixture(format),
@@ -226,8 +251,8 @@ fn planning_quantized_sizes_linear_weights_packed_and_names_what_cannot_be() {
         )
         .total()
     };
-    let nf4 = quantized_tree(Some(&fixture("base")), &tree, &options("nf4")).unwrap();
-    let int8 = quantized_tree(Some(&fixture("base")), &tree, &options("int8")).unwrap();
+    let nf4 = load_tree(Some(&fixture("base")), &tree, Some(&options("nf4")), None).unwrap();
+    let int8 = load_tree(Some(&fixture("base")), &tree, Some(&options("int8")), None).unwrap();
     assert!(total(&nf4) < total(&int8) && total(&int8) < total(&tree));
     // The head stays dense by default; naming no skip quantizes it too.
     let head = |t: &bigmodel::plan::ModuleTree| match t.find("lm_head.weight") {
@@ -237,13 +262,97 @@ fn planning_quantized_sizes_linear_weights_packed_and_names_what_cannot_be() {
     assert_eq!(head(&nf4), head(&tree));
     let mut all = options("nf4");
     all.skip_modules = Some(Vec::new());
-    assert_eq!(head(&quantized_tree(None, &tree, &all).unwrap()), DType::U8);
+    assert_eq!(
+        head(&load_tree(None, &tree, Some(&all), None).unwrap()),
+        DType::U8
+    );
     let mut none = options("nf4");
     none.skip_modules = Some(vec!["model".into(), "lm_head".into()]);
-    let err = quantized_tree(None, &tree, &none).unwrap_err();
+    let err = load_tree(None, &tree, Some(&none), None).unwrap_err();
     assert!(
         err.to_string()
             .contains("all 8 Linear/Conv1D weights are kept unquantized"),
         "{err}"
     );
+}
+
+/// transformers' `llm_int8_enable_fp32_cpu_offload`: with a device map,
+/// the modules it puts on the CPU or disk stay unquantized (in the load
+/// dtype), the GPU-placed ones are quantized; a strategy is refused.
+#[test]
+fn fp32_cpu_offload_keeps_offloaded_modules_dense() {
+    let reference = reference();
+    let offload = tempfile::tempdir().unwrap();
+    let map = json!({
+        "model.embed_tokens": "cpu", "model.layers.0.self_attn": 0,
+        "model.layers.0.mlp": "disk", "model.layers.0.input_layernorm": 0,
+        "model.layers.0.post_attention_layernorm": 0, "model.norm": "cpu",
+        "model.rotary_emb": "cpu", "lm_head": "cpu",
+    });
+    let on_gpu = |folder: &str| Options {
+        device_map: Some(DeviceMapSpec::Map(DeviceMap::from_json(&map).unwrap())),
+        ..disk_options(&offload.path().join(folder))
+    };
+    for format in ["int8", "nf4"] {
+        let mut o = options(format);
+        o.llm_int8_enable_fp32_cpu_offload = true;
+        let devices = || Arc::new(DeviceSet::emulated(&[1 << 30]));
+        let d = open_causal_lm_quantized(fixture("base"), devices(), &on_gpu(format), &o).unwrap();
+        let tree = d.weights.model().tree();
+        let dtype = |name: &str| match tree.find(name) {
+            Some(bigmodel::plan::Node::Tensor(id)) => tree.tensor(id).meta.dtype,
+            other => panic!("{name}: {other:?}"),
+        };
+        for proj in ["q_proj", "k_proj", "v_proj", "o_proj"] {
+            let name = format!("model.layers.0.self_attn.{proj}.weight");
+            assert_eq!(dtype(&name), DType::U8, "{format} {name}");
+        }
+        for proj in ["gate_proj", "up_proj", "down_proj"] {
+            let name = format!("model.layers.0.mlp.{proj}.weight");
+            // Dense: declared in config.json's dtype (loaded in F32).
+            assert_eq!(dtype(&name), DType::F16, "{format} {name}");
+        }
+        // The plan `bigmodel plan --device-map` makes is this tree.
+        let config = bigmodel::plan::config::HfConfig::from_value(
+            serde_json::from_slice(&std::fs::read(fixture("base").join("config.json")).unwrap())
+                .unwrap(),
+            fixture("base").join("config.json"),
+        )
+        .unwrap();
+        let dense_tree = bigmodel::plan::hf::tree_from_config(&config).unwrap().tree;
+        let map = DeviceMap::from_json(&map).unwrap();
+        let planned = load_tree(Some(&fixture("base")), &dense_tree, Some(&o), Some(&map)).unwrap();
+        assert_eq!(planned.tensors().len(), tree.tensors().len());
+        for (a, b) in planned.tensors().iter().zip(tree.tensors()) {
+            assert_eq!((&a.name, &a.meta), (&b.name, &b.meta));
+        }
+        // It runs (the emulated GPU's layers compute on the host) as the
+        // model whose MLP is skipped by name does, bit for bit.
+        let mut skipped = options(format);
+        skipped.skip_modules = Some(vec!["lm_head".into(), "model.layers.0.mlp".into()]);
+        let by_name =
+            open_causal_lm_quantized(fixture("base"), devices(), &on_gpu("by-name"), &skipped)
+                .unwrap();
+        let ids = prompt(&reference, 0);
+        let ours = logits(&d.model, &d.weights, &ids);
+        let expected = logits(&by_name.model, &by_name.weights, &ids);
+        assert_eq!(
+            ours.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            expected.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            "{format}"
+        );
+        let diff = max_diff(&ours, &want(&reference, format, 0));
+        println!("{format}: attention quantized only, max |diff| vs all quantized {diff:e}");
+        // A strategy cannot say which modules it would offload.
+        let strategy = Options {
+            device_map: Some(DeviceMapSpec::Strategy(bigmodel::plan::Mode::Auto)),
+            ..on_gpu("strategy")
+        };
+        let err = open_causal_lm_quantized(fixture("base"), devices(), &strategy, &o).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("llm_int8_enable_fp32_cpu_offload needs a device map"),
+            "{err}"
+        );
+    }
 }

@@ -43,6 +43,11 @@ pub struct Args {
     /// --quantize` loads them: packed codes and quant state).
     #[arg(long, value_name = "nf4|fp4|int8")]
     quantize: Option<String>,
+    /// With --quantize and a --device-map file: the modules the map puts on
+    /// `cpu` or `disk` stay unquantized (transformers'
+    /// `llm_int8_enable_fp32_cpu_offload`).
+    #[arg(long, requires = "quantize")]
+    fp32_cpu_offload: bool,
     /// Keep the buffers of offloaded modules offloaded.
     #[arg(long)]
     offload_buffers: bool,
@@ -219,29 +224,42 @@ pub fn run(args: Args) -> CmdResult {
         return Err("--fallback-allocation applies to --compat accelerate only".into());
     }
 
-    let quantize = super::run::parse_quantize(args.quantize.as_deref())?;
+    let quantize = super::run::parse_quantize(args.quantize.as_deref(), args.fp32_cpu_offload)?;
     let source = load_source(&args.source)?;
-    let quantized = match &quantize {
-        Some(q) => {
-            let folder = if args.source.is_dir() {
-                Some(args.source.as_path())
-            } else {
-                args.source.parent()
-            };
-            let config_folder = folder.filter(|f| f.join("config.json").is_file());
-            Some(
-                bm_models::quantized_tree(config_folder, source.tree(), q)
-                    .map_err(|e| format!("{}: {e}", args.source.display()))?,
-            )
+    let custom_map = match custom_map {
+        Some(path) => {
+            let doc = read_json(&path)?;
+            let map = DeviceMap::from_json(&doc).map_err(|e| format!("{}: {e}", path.display()))?;
+            Some((path, map))
         }
         None => None,
     };
-    let tree = quantized.as_ref().unwrap_or(source.tree());
+    // The tree loading would dispatch: packed where a pre-quantized
+    // checkpoint stores weights packed, or where --quantize packs them.
+    let folder = if args.source.is_dir() {
+        Some(args.source.as_path())
+    } else {
+        args.source.parent()
+    };
+    let config_folder = folder.filter(|f| f.join("config.json").is_file());
+    let loaded = match (&source, &quantize) {
+        (Source::Config(_), _) | (_, Some(_)) => Some(
+            bm_models::load_tree(
+                config_folder,
+                source.tree(),
+                quantize.as_ref(),
+                custom_map.as_ref().map(|(_, map)| map),
+            )
+            .map_err(|e| format!("{}: {e}", args.source.display()))?,
+        ),
+        _ => None,
+    };
+    let tree = loaded.as_ref().unwrap_or(source.tree());
 
-    if let Some(path) = custom_map {
+    if let Some((path, map)) = custom_map {
         return check_custom_map(
             tree,
-            &path,
+            (&path, map),
             dtype,
             experts_on,
             args.json,
@@ -505,14 +523,12 @@ fn print_ledger(ledger: &Ledger, budgets: &MaxMemory, workload: Option<&Workload
 
 fn check_custom_map(
     tree: &ModuleTree,
-    path: &Path,
+    (path, map): (&Path, DeviceMap),
     dtype: Option<DType>,
     experts_on: Option<Device>,
     json: bool,
     parameters: u64,
 ) -> CmdResult {
-    let doc = read_json(path)?;
-    let map = DeviceMap::from_json(&doc).map_err(|e| format!("{}: {e}", path.display()))?;
     let warnings = check_device_map(tree, &map).map_err(|e| format!("{}: {e}", path.display()))?;
     for w in &warnings {
         eprintln!("warning: {w}");

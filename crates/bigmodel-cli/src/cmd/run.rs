@@ -76,6 +76,11 @@ pub struct Args {
     /// saved pre-quantized by bitsandbytes loads quantized without it.
     #[arg(long, value_name = "nf4|fp4|int8")]
     quantize: Option<String>,
+    /// With --quantize and a --device-map file: the modules the map puts on
+    /// `cpu` or `disk` stay unquantized, in the load dtype (transformers'
+    /// `llm_int8_enable_fp32_cpu_offload`).
+    #[arg(long, requires = "quantize")]
+    fp32_cpu_offload: bool,
     /// Write the first forward's logits (F32, [prompt_len, vocab]) to this
     /// safetensors file, as tensor `logits` (one prompt only).
     #[arg(long)]
@@ -274,10 +279,18 @@ fn read_device_map(path: &Path) -> Result<DeviceMap, String> {
 }
 
 /// `--quantize`: nf4, fp4 or int8, with bitsandbytes' and transformers'
-/// defaults.
-pub fn parse_quantize(text: Option<&str>) -> Result<Option<QuantizeOptions>, String> {
-    text.map(|q| QuantizeOptions::named(q).map_err(|e| format!("--quantize: {e}")))
-        .transpose()
+/// defaults; `--fp32-cpu-offload` (clap makes it need `--quantize`) is
+/// transformers' `llm_int8_enable_fp32_cpu_offload`.
+pub fn parse_quantize(
+    text: Option<&str>,
+    fp32_cpu_offload: bool,
+) -> Result<Option<QuantizeOptions>, String> {
+    text.map(|q| {
+        let mut options = QuantizeOptions::named(q).map_err(|e| format!("--quantize: {e}"))?;
+        options.llm_int8_enable_fp32_cpu_offload = fp32_cpu_offload;
+        Ok(options)
+    })
+    .transpose()
 }
 
 /// `--dtype`: f32, f16 or bf16 (or their torch names).
@@ -495,9 +508,12 @@ fn write_logits(path: &Path, shape: &[usize], values: &[f32]) -> Result<(), Stri
 /// `run --verify`: the map this generation runs under (the strategy
 /// planned with the ledger of `workload` grown by `new_tokens`, or the
 /// given map), after its ledger was allocated on `devices` and freed.
+/// Linear weights are planned packed as loading holds them (a
+/// pre-quantized folder, or `quantize`).
 fn verified_map(
     dir: &Path,
     options: &Options,
+    quantize: Option<&QuantizeOptions>,
     devices: &DeviceSet,
     workload: Workload,
     new_tokens: usize,
@@ -509,6 +525,12 @@ fn verified_map(
     let text = super::read_text(&config)?;
     let hf = HfConfig::parse(&text, &config).map_err(|e| e.to_string())?;
     let model = bigmodel::plan::hf::tree_from_config(&hf).map_err(|e| e.to_string())?;
+    let given_map = match &options.device_map {
+        Some(DeviceMapSpec::Map(map)) => Some(map),
+        _ => None,
+    };
+    let tree = bm_models::load_tree(Some(dir), &model.tree, quantize, given_map)
+        .map_err(|e| in_dir(&e))?;
     let (max_memory, from_user) = match &options.max_memory {
         Some(m) => (m.clone(), true),
         None => (
@@ -535,13 +557,13 @@ fn verified_map(
         .apply(&mut plan_options);
     let (map, ledger, depth) = match &options.device_map {
         Some(DeviceMapSpec::Map(map)) => {
-            let ledger = bigmodel::plan::auto::ledger(&model.tree, map, &plan_options)
-                .map_err(|e| in_dir(&e))?;
+            let ledger =
+                bigmodel::plan::auto::ledger(&tree, map, &plan_options).map_err(|e| in_dir(&e))?;
             (map.clone(), ledger, plan_options.prefetch_depth)
         }
         Some(DeviceMapSpec::Strategy(mode)) => {
             plan_options.mode = *mode;
-            let plan = bigmodel::plan::plan_with(&model.tree, &plan_options, Compat::Auto)
+            let plan = bigmodel::plan::plan_with(&tree, &plan_options, Compat::Auto)
                 .map_err(|e| in_dir(&e))?;
             (plan.device_map, plan.ledger, plan.prefetch_depth)
         }
@@ -567,7 +589,7 @@ pub fn run(args: Args) -> CmdResult {
     use std::io::IsTerminal;
 
     let dtype = args.dtype.as_deref().map(parse_dtype).transpose()?;
-    let quantize = parse_quantize(args.quantize.as_deref())?;
+    let quantize = parse_quantize(args.quantize.as_deref(), args.fp32_cpu_offload)?;
     let mut options = args.placement.options(dtype)?;
     options.experts_on = args
         .experts_on
@@ -615,7 +637,14 @@ pub fn run(args: Args) -> CmdResult {
         // The flag, else generate's default (the folder's
         // generation_config.json is read after loading).
         let new_tokens = args.sampling.max_new_tokens.unwrap_or(16);
-        let (map, depth) = verified_map(&args.model_dir, &options, &devices, workload, new_tokens)?;
+        let (map, depth) = verified_map(
+            &args.model_dir,
+            &options,
+            quantize.as_ref(),
+            &devices,
+            workload,
+            new_tokens,
+        )?;
         options.device_map = Some(DeviceMapSpec::Map(map));
         options.prefetch_depth = Some(depth);
     }
