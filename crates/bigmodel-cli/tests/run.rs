@@ -273,6 +273,109 @@ fn a_cpu_and_disk_map_streams_weights_and_gives_the_same_tokens() {
     );
 }
 
+/// `--experts-on disk` with a RAM budget too small for the model: the
+/// planner keeps every layer's attention, norms and router in RAM and
+/// refills the room the experts leave with experts, so fewer bytes stream
+/// per token than under the whole-layer plan with its experts moved to
+/// disk (what `--experts-on` did before, and still does to a given map),
+/// and the output is the all-in-RAM output, bit for bit.
+#[test]
+fn experts_on_disk_refills_ram_and_streams_less_with_the_same_output() {
+    for (family, budget) in [
+        ("tiny-mixtral", "cpu=80KB"),
+        ("tiny-qwen2-moe", "cpu=75KB"),
+        ("tiny-qwen3-moe", "cpu=80KB"),
+    ] {
+        let model = fixture(family);
+        let model = model.to_str().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let prompt = ids_arg(&reference_ids_of(Path::new(model), "prompt.2"));
+        let run = |extra: &[&str], dump: &str| {
+            let dump = dir.path().join(dump);
+            let mut args = vec![
+                "run",
+                model,
+                "--prompt-ids",
+                &prompt,
+                "--max-new-tokens",
+                "6",
+                "--dump-logits",
+                dump.to_str().unwrap(),
+                "--json",
+            ];
+            args.extend(extra);
+            let v = json_of(&bigmodel(&args));
+            (v, read_safetensors(&dump).remove(0).2)
+        };
+        let (in_ram, ram_logits) = run(&[], "ram.safetensors");
+        let whole_layers = json_of(&bigmodel(&[
+            "plan",
+            model,
+            "--max-memory",
+            budget,
+            "--json",
+        ]));
+        let map_path = dir.path().join("map.json");
+        std::fs::write(&map_path, whole_layers["device_map"].to_string()).unwrap();
+        let offload = |name: &str| dir.path().join(name).to_str().unwrap().to_string();
+        let (moved, moved_logits) = run(
+            &[
+                "--device-map",
+                map_path.to_str().unwrap(),
+                "--experts-on",
+                "disk",
+                "--offload-folder",
+                &offload("moved"),
+            ],
+            "moved.safetensors",
+        );
+        let (refilled, refilled_logits) = run(
+            &[
+                "--max-memory",
+                budget,
+                "--experts-on",
+                "disk",
+                "--offload-folder",
+                &offload("refilled"),
+            ],
+            "refilled.safetensors",
+        );
+        for (v, logits) in [(&moved, &moved_logits), (&refilled, &refilled_logits)] {
+            assert_eq!(v["generated_ids"], in_ram["generated_ids"], "{family}");
+            assert!(*logits == ram_logits, "{family}: logits differ");
+        }
+        // Some experts kept in RAM beside their layers, some on disk, and
+        // every layer's attention in RAM.
+        let map = refilled["device_map"].as_object().unwrap();
+        let experts = |device: &str| {
+            map.iter()
+                .filter(|(k, v)| k.contains(".experts") && *v == device)
+                .count()
+        };
+        assert!(
+            experts("cpu") > 0 && experts("disk") > 0,
+            "{family}: {map:?}"
+        );
+        assert!(
+            map.iter()
+                .all(|(k, v)| v == "cpu" || k.contains(".experts") || k == "lm_head"),
+            "{family}: {map:?}"
+        );
+        let streamed = |v: &Value| v["bytes_streamed_per_token"].as_u64().unwrap();
+        println!(
+            "{family}: {budget}: {} bytes streamed per token with the experts refilled, {} with whole layers planned and their experts moved",
+            streamed(&refilled),
+            streamed(&moved)
+        );
+        assert!(
+            streamed(&refilled) < streamed(&moved),
+            "{family}: {} !< {}",
+            streamed(&refilled),
+            streamed(&moved)
+        );
+    }
+}
+
 fn fails_with(args: &[&str], needle: &str) {
     let out = bigmodel(args);
     let stderr = String::from_utf8_lossy(&out.stderr);

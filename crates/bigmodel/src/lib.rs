@@ -149,10 +149,13 @@ pub struct Options {
     /// Produces some tensors' bytes while loading (quantize-on-load); the
     /// tree declares them in their produced form.
     pub load_transform: Option<Arc<dyn bm_dispatch::LoadTransform>>,
-    /// Mixture-of-experts models: every experts list on this device (the
-    /// CPU or disk), the rest of the model where the map or plan puts it
-    /// ([`bm_plan::place_experts`]); compute then fetches only the experts
-    /// its router picks. Needs a `device_map`.
+    /// Mixture-of-experts models: experts placed on their own, the ones
+    /// not kept on a fast device on this one (the CPU or disk); compute
+    /// then fetches only the offloaded experts its router picks. With a
+    /// strategy, bigmodel's planner places the rest of every layer first
+    /// and refills the room left with experts ([`PlanOptions::experts_on`]);
+    /// with a map (or Accelerate's planner) every experts list moves here
+    /// ([`bm_plan::place_experts`]). Needs a `device_map`.
     pub experts_on: Option<bm_plan::Device>,
 }
 
@@ -190,6 +193,7 @@ pub fn load_checkpoint_and_dispatch(
                 mode: *mode,
                 offload_buffers: options.offload_buffers,
                 prefetch_depth: options.prefetch_depth(),
+                experts_on: options.experts_on,
                 ..PlanOptions::default()
             };
             let plan = bm_plan::plan_with(&tree, &plan_options, options.planner)?;
@@ -198,10 +202,12 @@ pub fn load_checkpoint_and_dispatch(
             Some(plan.device_map)
         }
     };
-    let map = match (map, options.experts_on) {
-        (Some(map), Some(device)) => Some(bm_plan::place_experts(&tree, &map, device)?),
-        (None, Some(_)) => return Err(Error::ExpertsWithoutMap),
-        (map, None) => map,
+    let map = match (&options.device_map, map, options.experts_on) {
+        (Some(DeviceMapSpec::Map(_)), Some(map), Some(device)) => {
+            Some(bm_plan::place_experts(&tree, &map, device)?)
+        }
+        (_, None, Some(_)) => return Err(Error::ExpertsWithoutMap),
+        (_, map, _) => map,
     };
     let model = Model::empty(tree, devices)?;
     let checkpoint = bm_shard::Checkpoint::open(checkpoint)?;

@@ -30,13 +30,16 @@
 
 use crate::Error;
 use crate::device::{Device, MaxMemory};
+use crate::experts::expert_lists;
 use crate::ledger::{Ledger, LedgerItem};
 use crate::plan::{DeviceMap, Mode, Plan, PlanOptions};
 use crate::size::human_bytes;
 use crate::sizes::{ModuleSizes, SizeOptions, SizeRule};
 use crate::tree::{ModuleTree, Node};
 
-/// A group of units placed together (a unit plus its tied partners).
+/// A group of units placed together (a unit plus its tied partners; with
+/// `experts_on`, also the parts of a no-split module split around its
+/// experts).
 struct Item {
     first: Node,
     /// The tied partners, if any: most items have none, and a `Vec` per
@@ -49,6 +52,12 @@ struct Item {
     logits: u64,
     /// Transient bytes while it executes.
     peak: u64,
+    /// One expert of an experts list, placed on its own (`experts_on`).
+    expert: bool,
+    /// The item whose offloaded bytes stream with this one's: for an
+    /// expert, the rest of its layer (its *home*, the item of the nearest
+    /// non-expert unit before it); for any other item, itself.
+    group: usize,
 }
 
 impl Item {
@@ -57,32 +66,72 @@ impl Item {
     }
 }
 
+/// The modules `experts_on` places on their own: `expert[m]` for every
+/// expert (a child of an experts list, [`expert_lists`]), `holds[m]` for
+/// every experts list and module above one.
+struct ExpertModules {
+    expert: Vec<bool>,
+    holds: Vec<bool>,
+}
+
+impl ExpertModules {
+    fn of(tree: &ModuleTree) -> ExpertModules {
+        let n = tree.modules().len();
+        let (mut expert, mut holds) = (vec![false; n], vec![false; n]);
+        for list in expert_lists(tree) {
+            for &c in &tree.module(list).children {
+                expert[c] = true;
+            }
+            let mut at = Some(list);
+            while let Some(m) = at.filter(|&m| !holds[m]) {
+                holds[m] = true;
+                at = tree.module(m).parent;
+            }
+        }
+        ExpertModules { expert, holds }
+    }
+}
+
 fn items_of(tree: &ModuleTree, sizes: &ModuleSizes, options: &PlanOptions) -> Vec<Item> {
-    // Units in traversal order.
+    let experts = options.experts_on.map(|_| ExpertModules::of(tree));
+    let is_expert = |m: usize| experts.as_ref().is_some_and(|e| e.expert[m]);
+    let holds_experts = |m: usize| experts.as_ref().is_some_and(|e| e.holds[m]);
+    // Units in traversal order. With `experts_on`, every expert is a unit,
+    // and a no-split module holding experts is split down to them: its
+    // other units (the *owner*'s rest) are joined again below.
     let mut units: Vec<Node> = Vec::new();
-    let mut stack: Vec<Node> = vec![Node::Module(0)];
-    while let Some(node) = stack.pop() {
+    let mut owner_of_unit: Vec<Option<usize>> = Vec::new();
+    let mut stack: Vec<(Node, Option<usize>)> = vec![(Node::Module(0), None)];
+    while let Some((node, owner)) = stack.pop() {
         match node {
             Node::Module(m) => {
                 let module = tree.module(m);
-                let leaf = module.children.is_empty() || options.no_split.contains(&module.class);
+                let no_split = options.no_split.contains(&module.class);
+                let leaf =
+                    module.children.is_empty() || is_expert(m) || (no_split && !holds_experts(m));
                 if leaf {
                     units.push(node);
+                    owner_of_unit.push(owner);
                     continue;
                 }
+                let owner = owner.or(no_split.then_some(m));
                 for t in module.buffers.iter().rev() {
-                    stack.push(Node::Tensor(*t));
+                    stack.push((Node::Tensor(*t), owner));
                 }
                 for c in module.children.iter().rev() {
-                    stack.push(Node::Module(*c));
+                    stack.push((Node::Module(*c), owner));
                 }
                 for t in module.params.iter().rev() {
-                    stack.push(Node::Tensor(*t));
+                    stack.push((Node::Tensor(*t), owner));
                 }
             }
-            Node::Tensor(_) => units.push(node),
+            Node::Tensor(_) => {
+                units.push(node);
+                owner_of_unit.push(owner);
+            }
         }
     }
+    let unit_is_expert = |u: usize| matches!(units[u], Node::Module(m) if is_expert(m));
     // The unit holding each module and tensor.
     let mut unit_of_module = vec![usize::MAX; tree.modules().len()];
     let mut unit_of_tensor = vec![usize::MAX; tree.tensors().len()];
@@ -113,6 +162,11 @@ fn items_of(tree: &ModuleTree, sizes: &ModuleSizes, options: &PlanOptions) -> Ve
         }
         i
     }
+    fn join(parent: &mut [usize], a: usize, b: usize) {
+        let (a, b) = (root(parent, a), root(parent, b));
+        let (lo, hi) = if a < b { (a, b) } else { (b, a) };
+        parent[hi] = lo;
+    }
     for group in tree.tied_groups() {
         let mut members = group
             .iter()
@@ -120,9 +174,25 @@ fn items_of(tree: &ModuleTree, sizes: &ModuleSizes, options: &PlanOptions) -> Ve
             .filter(|u| *u != usize::MAX);
         if let Some(first) = members.next() {
             for u in members {
-                let (a, b) = (root(&mut parent, first), root(&mut parent, u));
-                let (lo, hi) = if a < b { (a, b) } else { (b, a) };
-                parent[hi] = lo;
+                join(&mut parent, first, u);
+            }
+        }
+    }
+    // The rest of a no-split module split around its experts stays one
+    // item; the nearest non-expert unit before an expert is its home.
+    let mut first_of_owner: Vec<(usize, usize)> = Vec::new();
+    let mut home_unit = vec![None; units.len()];
+    let mut last_plain = None;
+    for u in 0..units.len() {
+        if unit_is_expert(u) {
+            home_unit[u] = last_plain;
+            continue;
+        }
+        last_plain = Some(u);
+        if let Some(owner) = owner_of_unit[u] {
+            match first_of_owner.iter().rev().find(|(o, _)| *o == owner) {
+                Some(&(_, first)) => join(&mut parent, first, u),
+                None => first_of_owner.push((owner, u)),
             }
         }
     }
@@ -161,6 +231,11 @@ fn items_of(tree: &ModuleTree, sizes: &ModuleSizes, options: &PlanOptions) -> Ve
         let r = root(&mut parent, i);
         if item_of_root[r] == usize::MAX {
             item_of_root[r] = items.len();
+            // The home's item came first: the home unit is before this one.
+            let group = match home_unit[i] {
+                Some(h) => item_of_root[root(&mut parent, h)],
+                None => items.len(),
+            };
             items.push(Item {
                 first: *unit,
                 partners: Vec::new(),
@@ -169,11 +244,18 @@ fn items_of(tree: &ModuleTree, sizes: &ModuleSizes, options: &PlanOptions) -> Ve
                 kv: 0,
                 logits: 0,
                 peak: 0,
+                expert: unit_is_expert(i),
+                group,
             });
         } else {
             items[item_of_root[r]].partners.push(*unit);
         }
         let item = &mut items[item_of_root[r]];
+        // An expert tied to anything else is placed as that is.
+        if !unit_is_expert(i) && item.expert {
+            item.expert = false;
+            item.group = item_of_root[r];
+        }
         item.bytes = item.bytes.saturating_add(sizes.of(*unit));
         item.kv = item.kv.saturating_add(kv[i]);
         item.logits = item.logits.saturating_add(logits[i]);
@@ -199,7 +281,11 @@ struct Fill {
     /// The largest activation peak of the offloaded units, which run on
     /// the execution device.
     needed_peak: u64,
+    /// The largest offloaded streaming group (by its item).
     largest_offloaded: Option<usize>,
+    /// Experts that found no room on the `experts_on` device and went to
+    /// a slower one: how many, and their bytes.
+    experts_spilled: (usize, u64),
 }
 
 /// True when `d` computes the units placed on it: a GPU, or the execution
@@ -223,14 +309,68 @@ struct Streaming {
     peak: u64,
 }
 
-/// Fills devices in order with `caps` (bytes usable per device), holding
-/// back the streaming reserve. Returns the item that fits nowhere on
-/// failure.
+/// What streaming the items at `offloaded` (indices into `items`) needs on
+/// the execution device: the bytes of the `1 + prefetch_depth` largest
+/// streaming groups (one running, the next ones prefetched; a layer split
+/// around its experts is one group, as the prompt of a pass may hold all
+/// of its offloaded experts at once), and the largest group.
+fn streamed_bytes(
+    items: &[Item],
+    offloaded: impl Iterator<Item = usize>,
+    prefetch_depth: usize,
+) -> (u64, Option<usize>) {
+    let mut group_bytes: Vec<Option<u64>> = vec![None; items.len()];
+    for i in offloaded {
+        let g = &mut group_bytes[items[i].group];
+        *g = Some(g.unwrap_or(0).saturating_add(items[i].bytes));
+    }
+    let mut largest: Option<(usize, u64)> = None;
+    let mut sizes = Vec::new();
+    for (g, bytes) in group_bytes.into_iter().enumerate() {
+        let Some(bytes) = bytes else { continue };
+        if largest.is_none_or(|(_, l)| bytes > l) {
+            largest = Some((g, bytes));
+        }
+        sizes.push(bytes);
+    }
+    let in_flight = prefetch_depth.saturating_add(1).min(sizes.len());
+    if in_flight > 0 {
+        sizes.select_nth_unstable_by(in_flight - 1, |a, b| b.cmp(a));
+    }
+    let streamed = sizes[..in_flight]
+        .iter()
+        .fold(0u64, |sum, b| sum.saturating_add(*b));
+    (streamed, largest.map(|(g, _)| g))
+}
+
+/// Why [`fill`] put an item where it did (for `--explain`).
+enum Why {
+    /// The device being filled.
+    InOrder,
+    /// An earlier, faster device that still has room.
+    BackFill,
+    /// A later device: the one being filled has no room for it.
+    SkippedAhead,
+    /// An expert on the device that computes the rest of its layer.
+    BesideItsLayer,
+    /// An expert on the `experts_on` device.
+    ExpertsOn,
+    /// An expert on a device slower than the full `experts_on` one.
+    ExpertsOnFull,
+}
+
+/// Fills devices with `caps` (bytes usable per device), holding back the
+/// streaming reserve: every item but the experts in traversal order, the
+/// devices in order, then (with `experts_on`, the index of its device when
+/// it has a budget) each expert beside the rest of its layer when that
+/// computes and has room, else on the `experts_on` device, else on a
+/// slower one. Returns the item that fits nowhere on failure.
 fn fill(
     items: &[Item],
     devices: &[Device],
     caps: &[u64],
     streaming: Streaming,
+    experts_on: Option<usize>,
     trace: &mut Option<&mut Vec<String>>,
     tree: &ModuleTree,
 ) -> Result<Fill, (usize, Vec<u64>)> {
@@ -245,8 +385,10 @@ fn fill(
     // The largest activation peak of what each device executes.
     let mut peak = vec![0u64; n];
     peak[exec] = offloaded_peak;
-    let mut device_of_item = Vec::with_capacity(items.len());
+    let mut device_of_item = vec![usize::MAX; items.len()];
+    let mut experts_spilled = (0usize, 0u64);
     let mut pointer = 0usize;
+    let mut previous = None;
     let room = |d: usize, used: &[u64], peak: &[u64]| -> u64 {
         let cap = if d == exec {
             caps[d].saturating_sub(reserve)
@@ -267,37 +409,72 @@ fn fill(
             item.bytes
         }
     };
-    for (i, item) in items.iter().enumerate() {
+    // Experts come last: the rest of every layer first claims the fast
+    // devices, experts fill the room left.
+    let plain = (0..items.len()).filter(|&i| !items[i].expert);
+    let experts = (0..items.len()).filter(|&i| items[i].expert);
+    for i in plain.chain(experts) {
+        let item = &items[i];
         // Weightless units (dropout, activations) stay with their neighbour.
         if item.bytes == 0 && item.runtime == 0 && item.peak == 0 {
-            device_of_item.push(device_of_item.last().copied().unwrap_or(pointer));
+            device_of_item[i] = previous.unwrap_or(pointer);
             continue;
         }
         let fits = |d: usize| need(item, d, &peak) <= room(d, &used, &peak);
-        let ahead = (pointer..n).find(|&d| fits(d));
-        let behind = (0..pointer).find(|&d| fits(d));
-        let chosen = match (behind, ahead) {
-            (Some(b), Some(a)) if tier(devices[b]) < tier(devices[a]) => b,
-            (_, Some(a)) => a,
-            (Some(b), None) => b,
-            (None, None) => return Err((i, used)),
+        let (chosen, why) = if item.expert {
+            let home = Some(device_of_item[item.group])
+                .filter(|&h| item.group != i && executes(devices, exec, h));
+            // Offloaded: the `experts_on` device, else a slower tier.
+            let slower = |d: &usize| {
+                experts_on.is_some_and(|t| *d != t && tier(devices[*d]) > tier(devices[t]))
+            };
+            let offloaded = experts_on.into_iter().chain((0..n).filter(slower));
+            let Some(chosen) = home.into_iter().chain(offloaded).find(|&d| fits(d)) else {
+                return Err((i, used));
+            };
+            let why = if Some(chosen) == home {
+                Why::BesideItsLayer
+            } else if Some(chosen) == experts_on {
+                Why::ExpertsOn
+            } else {
+                experts_spilled.0 += 1;
+                experts_spilled.1 = experts_spilled.1.saturating_add(item.bytes);
+                Why::ExpertsOnFull
+            };
+            (chosen, why)
+        } else {
+            let ahead = (pointer..n).find(|&d| fits(d));
+            let behind = (0..pointer).find(|&d| fits(d));
+            let chosen = match (behind, ahead) {
+                (Some(b), Some(a)) if tier(devices[b]) < tier(devices[a]) => b,
+                (_, Some(a)) => a,
+                (Some(b), None) => b,
+                (None, None) => return Err((i, used)),
+            };
+            let why = match chosen.cmp(&pointer) {
+                std::cmp::Ordering::Less => Why::BackFill,
+                std::cmp::Ordering::Equal => Why::InOrder,
+                std::cmp::Ordering::Greater => Why::SkippedAhead,
+            };
+            (chosen, why)
         };
         if let Some(trace) = trace.as_deref_mut() {
-            let name = item_name(tree, item);
-            let why = if chosen < pointer {
-                " (back-fill: a faster device still has room)".to_string()
-            } else if chosen > pointer {
-                format!(
+            let why = match why {
+                Why::InOrder => String::new(),
+                Why::BackFill => " (back-fill: a faster device still has room)".into(),
+                Why::SkippedAhead => format!(
                     " ({} has {} free, needs {})",
                     devices[pointer],
                     human_bytes(room(pointer, &used, &peak)),
                     human_bytes(need(item, pointer, &peak))
-                )
-            } else {
-                String::new()
+                ),
+                Why::BesideItsLayer => " (expert, beside the rest of its layer)".into(),
+                Why::ExpertsOn => " (expert, no room beside its layer)".into(),
+                Why::ExpertsOnFull => " (expert, the experts-on device is full)".into(),
             };
             trace.push(format!(
-                "{name}: {} -> {}{why}",
+                "{}: {} -> {}{why}",
+                item_name(tree, item),
                 human_bytes(need(item, chosen, &peak)),
                 devices[chosen]
             ));
@@ -308,42 +485,30 @@ fn fill(
         } else {
             used[chosen] = used[chosen].saturating_add(item.bytes);
         }
-        device_of_item.push(chosen);
-        if chosen > pointer && used[pointer] > 0 {
+        device_of_item[i] = chosen;
+        previous = Some(chosen);
+        if !item.expert && chosen > pointer && used[pointer] > 0 {
             pointer = chosen;
         }
     }
     // What the execution device must hold back for streaming: the largest
-    // units executed from a slower tier (the running one plus those being
+    // groups executed from a slower tier (the running one plus those being
     // prefetched), plus the runtime bytes of all of them.
-    let mut largest_offloaded = None;
+    let offloaded = || (0..items.len()).filter(|&i| !executes(devices, exec, device_of_item[i]));
     let mut runtime = 0u64;
     let mut needed_peak = 0u64;
-    let mut offloaded_sizes = Vec::new();
-    for (i, item) in items.iter().enumerate() {
-        let d = device_of_item[i];
-        if !executes(devices, exec, d) {
-            runtime = runtime.saturating_add(item.runtime);
-            needed_peak = needed_peak.max(item.peak);
-            offloaded_sizes.push(item.bytes);
-            if largest_offloaded.is_none_or(|l: usize| item.bytes > items[l].bytes) {
-                largest_offloaded = Some(i);
-            }
-        }
+    for i in offloaded() {
+        runtime = runtime.saturating_add(items[i].runtime);
+        needed_peak = needed_peak.max(items[i].peak);
     }
-    let in_flight = prefetch_depth.saturating_add(1).min(offloaded_sizes.len());
-    if in_flight > 0 {
-        offloaded_sizes.select_nth_unstable_by(in_flight - 1, |a, b| b.cmp(a));
-    }
-    let streamed = offloaded_sizes[..in_flight]
-        .iter()
-        .fold(0u64, |sum, b| sum.saturating_add(*b));
+    let (streamed, largest_offloaded) = streamed_bytes(items, offloaded(), prefetch_depth);
     Ok(Fill {
         device_of_item,
         // Saturated, it exceeds every device: an error below.
         needed_reserve: streamed.saturating_add(runtime),
         needed_peak,
         largest_offloaded,
+        experts_spilled,
     })
 }
 
@@ -419,10 +584,16 @@ pub fn plan(tree: &ModuleTree, options: &PlanOptions) -> Result<Plan, Error> {
         },
     );
     let items = items_of(tree, &sizes, options);
+    if options.experts_on.is_some() && !items.iter().any(|i| i.expert) {
+        return Err(Error::NoExperts);
+    }
     let mut devices: Vec<Device> = options.max_memory.devices().collect();
     if !devices.contains(&Device::Disk) {
         devices.push(Device::Disk);
     }
+    let experts_on = options
+        .experts_on
+        .and_then(|t| devices.iter().position(|d| *d == t));
     let mut caps: Vec<u64> = Vec::with_capacity(devices.len());
     for &d in &devices {
         let budget = match (d, options.max_memory.get(d)) {
@@ -544,6 +715,7 @@ pub fn plan(tree: &ModuleTree, options: &PlanOptions) -> Result<Plan, Error> {
                     prefetch_depth: depth,
                     peak: offloaded_peak,
                 },
+                experts_on,
                 &mut t,
                 tree,
             )
@@ -652,6 +824,12 @@ pub fn plan(tree: &ModuleTree, options: &PlanOptions) -> Result<Plan, Error> {
         )));
     }
     let mut warnings = Vec::new();
+    if let (Some(t), (spilled @ 1.., bytes)) = (options.experts_on, filled.experts_spilled) {
+        warnings.push(format!(
+            "experts on {t}: {spilled} expert(s) ({}) found no room there and went to a slower device",
+            human_bytes(bytes)
+        ));
+    }
     let mut unknown: Vec<&str> = options
         .no_split
         .iter()
@@ -699,15 +877,9 @@ fn ledger_of(
 ) -> Ledger {
     let mut ledger = Ledger::default();
     let mut peak = vec![0u64; devices.len()];
-    let mut offloaded = Vec::new();
     for (item, &d) in items.iter().zip(device_of_item) {
         ledger.add(devices[d], LedgerItem::Weights, item.bytes);
-        let runs_on = if executes(devices, exec, d) {
-            d
-        } else {
-            offloaded.push(item.bytes);
-            exec
-        };
+        let runs_on = if executes(devices, exec, d) { d } else { exec };
         ledger.add(devices[runs_on], LedgerItem::KvCache, item.kv);
         ledger.add(devices[runs_on], LedgerItem::Logits, item.logits);
         peak[runs_on] = peak[runs_on].max(item.peak);
@@ -715,11 +887,8 @@ fn ledger_of(
     for (d, p) in devices.iter().zip(peak) {
         ledger.add(*d, LedgerItem::Activations, p);
     }
-    let in_flight = (1 + prefetch_depth).min(offloaded.len());
-    offloaded.sort_unstable_by(|a, b| b.cmp(a));
-    let streamed = offloaded[..in_flight]
-        .iter()
-        .fold(0u64, |a, b| a.saturating_add(*b));
+    let offloaded = (0..items.len()).filter(|&i| !executes(devices, exec, device_of_item[i]));
+    let (streamed, _) = streamed_bytes(items, offloaded, prefetch_depth);
     ledger.add(devices[exec], LedgerItem::Streaming, streamed);
     for &(d, item, bytes) in &options.overheads {
         ledger.add(d, item, bytes);

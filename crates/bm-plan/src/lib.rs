@@ -69,10 +69,26 @@ pub use tree::{
     Module, ModuleId, ModuleTree, ModuleTreeBuilder, Node, Tensor, TensorId, TensorKind,
 };
 
-/// Plans `tree` with the chosen planner.
+/// Plans `tree` with the chosen planner. With `experts_on`, bigmodel's
+/// planner places the experts itself (refilling the room they leave);
+/// Accelerate's plans whole layers and the experts are moved afterwards.
 pub fn plan_with(tree: &ModuleTree, options: &PlanOptions, compat: Compat) -> Result<Plan, Error> {
-    match compat {
-        Compat::Accelerate => accelerate::plan(tree, options),
-        Compat::Auto => auto::plan(tree, options),
+    match (compat, options.experts_on) {
+        (Compat::Accelerate, Some(device)) => {
+            let mut plan = accelerate::plan(tree, options)?;
+            plan.device_map = place_experts(tree, &plan.device_map, device)?;
+            let sizes = ModuleSizes::compute(
+                tree,
+                &SizeOptions {
+                    dtype: options.dtype,
+                    special_dtypes: options.special_dtypes.clone(),
+                    rule: SizeRule::Accelerate,
+                },
+            );
+            plan.device_bytes = plan.device_map.bytes_per_device(tree, &sizes);
+            Ok(plan)
+        }
+        (Compat::Accelerate, None) => accelerate::plan(tree, options),
+        (Compat::Auto, _) => auto::plan(tree, options),
     }
 }

@@ -8,6 +8,7 @@ use bm_tensor::DType;
 use crate::Error;
 use crate::device::{Device, MaxMemory};
 use crate::ledger::{Ledger, LedgerItem};
+use crate::sizes::ModuleSizes;
 use crate::tree::{ModuleId, ModuleTree, Node};
 
 /// How budgets are shared out, as `device_map=` spells it in Accelerate.
@@ -93,6 +94,15 @@ pub struct PlanOptions {
     /// workspace, CUDA context), measured or known by the caller: taken off
     /// the device's budget and listed in the ledger (auto planner).
     pub overheads: Vec<(Device, LedgerItem, u64)>,
+    /// Mixture-of-experts models (`--experts-on`, llama.cpp's
+    /// `--n-cpu-moe`): every expert is placed on its own. The auto planner
+    /// places the rest of every layer first, then each expert beside the
+    /// rest of its layer while that device computes and has room, then on
+    /// this device (the CPU or disk), then a slower one
+    /// ([`crate::auto`]); Accelerate's planner places whole layers and
+    /// the experts are moved here afterwards ([`crate::place_experts`]).
+    /// The ledger of any map counts experts as the units they then are.
+    pub experts_on: Option<Device>,
 }
 
 /// A device per module (or tensor), in traversal order.
@@ -155,17 +165,24 @@ impl DeviceMap {
 
     /// The device a tensor or module resolves to: its longest matching key.
     pub fn device_of(&self, name: &str) -> Option<Device> {
+        longest_key(&self.iter().collect(), name)
+    }
+
+    /// Bytes per device under this map, in device order: each tensor of
+    /// `tree` where its longest key puts it, at its size in `sizes`.
+    pub fn bytes_per_device(&self, tree: &ModuleTree, sizes: &ModuleSizes) -> Vec<(Device, u64)> {
         let keys: HashMap<&str, Device> = self.iter().collect();
-        let mut prefix = name;
-        loop {
-            if let Some(d) = keys.get(prefix) {
-                return Some(*d);
-            }
-            match prefix.rfind('.') {
-                Some(i) => prefix = &prefix[..i],
-                None => return keys.get("").copied(),
+        let mut bytes: Vec<(Device, u64)> = Vec::new();
+        for (i, t) in tree.tensors().iter().enumerate() {
+            if let Some(d) = longest_key(&keys, &t.name) {
+                match bytes.iter_mut().find(|(x, _)| *x == d) {
+                    Some((_, b)) => *b = b.saturating_add(sizes.tensor[i]),
+                    None => bytes.push((d, sizes.tensor[i])),
+                }
             }
         }
+        bytes.sort();
+        bytes
     }
 
     /// Accelerate's `clean_device_map`: every set of at least two keys under
@@ -283,6 +300,21 @@ impl DeviceMap {
 
 /// The path of positions from the root to `name`, where a module's slots are
 /// its params, then its children, then its buffers.
+/// The device of the longest of `keys` that is `name` or a dotted prefix
+/// of it (`""` covers everything).
+fn longest_key(keys: &HashMap<&str, Device>, name: &str) -> Option<Device> {
+    let mut prefix = name;
+    loop {
+        if let Some(d) = keys.get(prefix) {
+            return Some(*d);
+        }
+        match prefix.rfind('.') {
+            Some(i) => prefix = &prefix[..i],
+            None => return keys.get("").copied(),
+        }
+    }
+}
+
 fn traversal_key(tree: &ModuleTree, name: &str) -> Option<Vec<usize>> {
     let node = tree.find(name)?;
     let mut path = Vec::new();

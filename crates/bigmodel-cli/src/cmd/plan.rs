@@ -74,8 +74,10 @@ pub struct Args {
     /// default planner keeps room for them on the execution device.
     #[arg(long, default_value_t = 1)]
     prefetch_depth: usize,
-    /// Mixture-of-experts models: put every layer's experts on `cpu` or
-    /// `disk`, everything else as planned.
+    /// Mixture-of-experts models: place experts on their own. The rest of
+    /// every layer is placed first, then experts fill the room left beside
+    /// their layers, the others go to `cpu` or `disk` (with --compat
+    /// accelerate or a map: every expert goes there).
     #[arg(long, value_name = "cpu|disk")]
     experts_on: Option<String>,
     /// Print the planner's decisions and the per-device ledger.
@@ -303,6 +305,7 @@ pub fn run(args: Args) -> CmdResult {
         },
         explain: args.explain,
         prefetch_depth: args.prefetch_depth,
+        experts_on,
         ..PlanOptions::default()
     };
     if let Some(workload) = &workload {
@@ -342,13 +345,8 @@ pub fn run(args: Args) -> CmdResult {
         None => bigmodel::overheads(&options.max_memory),
     };
     let mut plan = bigmodel::plan::plan_with(tree, &options, compat)?;
-    if let Some(device) = experts_on {
-        plan.device_map = bigmodel::plan::place_experts(tree, &plan.device_map, device)?;
-        plan.device_bytes = device_bytes(tree, &plan.device_map, dtype);
-    }
-    // Accelerate's planner keeps no ledger, and placing experts moves
-    // weights: the ledger of the final map.
-    if compat == Compat::Accelerate || experts_on.is_some() {
+    // Accelerate's planner keeps no ledger: the ledger of its map.
+    if compat == Compat::Accelerate {
         plan.ledger = bigmodel::plan::auto::ledger(tree, &plan.device_map, &options)?;
     }
     let predicted = match &calibration {
@@ -538,7 +536,16 @@ fn check_custom_map(
         None => map,
     };
     let plan = Plan {
-        device_bytes: device_bytes(tree, &map, dtype),
+        device_bytes: map.bytes_per_device(
+            tree,
+            &ModuleSizes::compute(
+                tree,
+                &SizeOptions {
+                    dtype,
+                    ..SizeOptions::default()
+                },
+            ),
+        ),
         device_map: map,
         ..Plan::default()
     };
@@ -552,28 +559,6 @@ fn check_custom_map(
 
 /// The plan as a table; `parameters` is the model's count (a quantized
 /// tree holds packed bytes, not parameters).
-/// Bytes per device under `map`, in device order.
-fn device_bytes(tree: &ModuleTree, map: &DeviceMap, dtype: Option<DType>) -> Vec<(Device, u64)> {
-    let sizes = ModuleSizes::compute(
-        tree,
-        &SizeOptions {
-            dtype,
-            ..SizeOptions::default()
-        },
-    );
-    let mut bytes: Vec<(Device, u64)> = Vec::new();
-    for (i, t) in tree.tensors().iter().enumerate() {
-        if let Some(d) = map.device_of(&t.name) {
-            match bytes.iter_mut().find(|(x, _)| *x == d) {
-                Some((_, b)) => *b += sizes.tensor[i],
-                None => bytes.push((d, sizes.tensor[i])),
-            }
-        }
-    }
-    bytes.sort();
-    bytes
-}
-
 fn print_table(tree: &ModuleTree, plan: &Plan, dtype: Option<DType>, parameters: u64) {
     let total: u64 = plan.device_bytes.iter().map(|(_, b)| b).sum();
     let sizes = ModuleSizes::compute(

@@ -60,9 +60,11 @@ pub struct Args {
     batch_size: Option<String>,
     #[command(flatten)]
     placement: PlacementArgs,
-    /// Mixture-of-experts models: put every layer's experts on `cpu` or
-    /// `disk` (disk needs --offload-folder), everything else as planned;
-    /// only the experts the router picks are then read.
+    /// Mixture-of-experts models: place experts on their own. With a
+    /// strategy, the rest of every layer is placed first, then experts
+    /// fill the room left beside their layers, the others go to `cpu` or
+    /// `disk` (disk needs --offload-folder); with a map, every expert goes
+    /// there. Only the offloaded experts the router picks are then read.
     #[arg(long, value_name = "cpu|disk")]
     experts_on: Option<String>,
     /// The dtype weights are loaded and computed in: f32, f16, bf16.
@@ -548,6 +550,7 @@ fn verified_map(
         no_split: model.no_split.clone(),
         dtype: options.dtype,
         prefetch_depth: options.prefetch_depth(),
+        experts_on: options.experts_on,
         ..PlanOptions::default()
     };
     let on_gpu = max_memory.gpus().any(|(_, b)| b > 0);
@@ -557,9 +560,15 @@ fn verified_map(
         .apply(&mut plan_options);
     let (map, ledger, depth) = match &options.device_map {
         Some(DeviceMapSpec::Map(map)) => {
+            let map = match options.experts_on {
+                Some(device) => {
+                    bigmodel::plan::place_experts(&tree, map, device).map_err(|e| in_dir(&e))?
+                }
+                None => map.clone(),
+            };
             let ledger =
-                bigmodel::plan::auto::ledger(&tree, map, &plan_options).map_err(|e| in_dir(&e))?;
-            (map.clone(), ledger, plan_options.prefetch_depth)
+                bigmodel::plan::auto::ledger(&tree, &map, &plan_options).map_err(|e| in_dir(&e))?;
+            (map, ledger, plan_options.prefetch_depth)
         }
         Some(DeviceMapSpec::Strategy(mode)) => {
             plan_options.mode = *mode;
@@ -645,7 +654,9 @@ pub fn run(args: Args) -> CmdResult {
             workload,
             new_tokens,
         )?;
+        // The verified map places the experts already.
         options.device_map = Some(DeviceMapSpec::Map(map));
+        options.experts_on = None;
         options.prefetch_depth = Some(depth);
     }
     let (bar, progress) = load_progress_bar(args.json);
