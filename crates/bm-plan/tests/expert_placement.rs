@@ -217,9 +217,10 @@ fn budgets_no_split_and_ties_hold_for_every_budget() {
     for gpu in (0..=1500).step_by(25) {
         for experts_on in [Device::Cpu, Device::Disk] {
             let opts = options(mm(&[("0", gpu), ("cpu", 600)]), Some(experts_on));
-            let Ok(p) = auto::plan(&tree, &opts) else {
+            // The smallest budgets cannot hold a layer and its streaming room.
+            if auto::plan(&tree, &opts).is_err() {
                 continue;
-            };
+            }
             let p = plan(&tree, &opts);
             planned += 1;
             let map = &p.device_map;
