@@ -330,14 +330,15 @@ pub(crate) fn rotary(
 /// sequence b at position i), and sequence b attends to no position before
 /// `first[b]` (its left padding). Grouped-query attention: query head h
 /// reads kv head h / (heads / kv_heads). Scores are `q · k` times
-/// `scores.scale`, soft-capped when asked. A query that sees no key (a
-/// padding row) gets zeros.
+/// `scores.scale`, soft-capped when asked, plus `bias[(h * s + i) * t + j]`
+/// when a bias is given (query i of head h, key j). A query that sees no
+/// key (a padding row) gets zeros.
 pub(crate) fn attention(
     q: &[f32],
     keys: &[f32],
     values: &[f32],
     heads: Heads,
-    (mask, scores): (Mask, Scores),
+    (mask, scores, bias): (Mask, Scores, Option<&[f32]>),
     first: &[usize],
     out: &mut [f32],
 ) {
@@ -351,7 +352,8 @@ pub(crate) fn attention(
     let rows = q.len() / q_width;
     let s = rows / batch;
     let t = keys.len() / (kv_width * batch);
-    let past = t - s;
+    // Only causal masks look at positions, and they have s <= t.
+    let past = t.saturating_sub(s);
     let group = nh / nkv;
     let Scores { scale, softcap } = scores;
     let per_head: Vec<Vec<f32>> = (0..nh)
@@ -378,8 +380,12 @@ pub(crate) fn attention(
                 row.extend((lo..hi).map(|j| {
                     let kj = &keys[key(j)..][..hd];
                     let score = qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * scale;
-                    match softcap {
+                    let score = match softcap {
                         Some(cap) => soft_cap(score, cap),
+                        None => score,
+                    };
+                    match bias {
+                        Some(bias) => score + bias[(h * s + i) * t + j],
                         None => score,
                     }
                 }));

@@ -645,6 +645,40 @@ pub fn attention_with(
     mask: Mask,
     scores: Scores,
 ) -> Result<Tensor, Error> {
+    attend(q, cache, heads, (mask, scores), None)
+}
+
+/// [`attention_with`] with `bias` (`[heads, queries, keys]`: every cached
+/// position, the same for each sequence of the batch) added to the scores
+/// before the softmax: T5's relative position bias. Computed on the host.
+pub fn attention_biased(
+    q: &Tensor,
+    cache: &LayerCache,
+    heads: Heads,
+    (mask, scores): (Mask, Scores),
+    bias: &Tensor,
+) -> Result<Tensor, Error> {
+    let queries = rows_cols(q).0 / cache.batch();
+    let expected = [heads.heads, queries, cache.rows()];
+    if bias.shape() != expected {
+        return Err(bad(
+            "attention",
+            format!(
+                "position bias of shape {:?}, expected {expected:?}",
+                bias.shape()
+            ),
+        ));
+    }
+    attend(q, cache, heads, (mask, scores), Some(bias))
+}
+
+fn attend(
+    q: &Tensor,
+    cache: &LayerCache,
+    heads: Heads,
+    (mask, scores): (Mask, Scores),
+    bias: Option<&Tensor>,
+) -> Result<Tensor, Error> {
     let (rows, width) = rows_cols(q);
     if heads.kv_heads == 0 || heads.heads % heads.kv_heads != 0 {
         return Err(bad(
@@ -672,7 +706,9 @@ pub fn attention_with(
         ));
     }
     let s = rows / batch;
-    if cache.rows() < s {
+    // Every query sees every key under a bidirectional mask (T5's
+    // cross-attention has more decoder queries than encoder keys at times).
+    if mask != Mask::Bidirectional && cache.rows() < s {
         return Err(bad(
             "attention",
             format!("{s} queries but only {} cached positions", cache.rows()),
@@ -693,6 +729,10 @@ pub fn attention_with(
         .iter()
         .map(|p| p.saturating_sub(cache.dropped))
         .collect();
+    let bias = match bias {
+        Some(b) => Some(b.to_host()?.f32_values().into_owned()),
+        None => None,
+    };
     let on_host = |qs: &[f32]| {
         Tensor::build(q.dtype(), q.shape(), |out| {
             cpu::attention(
@@ -700,13 +740,16 @@ pub fn attention_with(
                 &cache.keys,
                 &cache.values,
                 heads,
-                (mask, scores),
+                (mask, scores, bias.as_deref()),
                 &first,
                 out,
             )
         })
     };
     match (&cache.device, q.backend()) {
+        (Some(_), _) if bias.is_some() => Err(Error::NotOnCuda {
+            op: "attention with a position bias",
+        }),
         (Some(kv), _) if scores == Scores::standard(heads.head_dim) => kv.attention(q, heads, mask),
         (Some(_), _) => Err(Error::NotOnCuda {
             op: "attention with a non-standard scale or soft-capping",
@@ -772,6 +815,11 @@ pub fn gelu(x: &Tensor) -> Result<Tensor, Error> {
 /// `gelu_pytorch_tanh`), elementwise.
 pub fn gelu_tanh(x: &Tensor) -> Result<Tensor, Error> {
     unary(x, cpu::gelu_tanh, OnGpu::Missing("gelu_tanh"))
+}
+
+/// ReLU (`max(x, 0)`, NaN kept), elementwise.
+pub fn relu(x: &Tensor) -> Result<Tensor, Error> {
+    unary(x, |v| if v < 0.0 { 0.0 } else { v }, OnGpu::Missing("relu"))
 }
 
 /// `cap · tanh(x / cap)` elementwise: soft-capping (Gemma 2's final logits).
@@ -997,6 +1045,52 @@ mod tests {
         // Dimension 0 pairs with dimension 2 at frequency 1.
         assert!((y[0] - 1f32.cos()).abs() < 1e-6 && (y[2] - 1f32.sin()).abs() < 1e-6);
         assert_eq!(y[1], 0.0);
+    }
+
+    #[test]
+    fn a_position_bias_moves_each_heads_attention() {
+        let heads = Heads {
+            heads: 2,
+            kv_heads: 2,
+            head_dim: 1,
+        };
+        let mut cache = LayerCache::new();
+        cache
+            .append(&t(&[2, 2], &[0.; 4]), &t(&[2, 2], &[1., 10., 2., 20.]))
+            .unwrap();
+        // Three queries over two keys (cross-attention); head 0 prefers
+        // key 1 for every query, head 1 key 0 for the first query only.
+        let big = 30.0;
+        let bias = t(
+            &[2, 3, 2],
+            &[0., big, 0., big, 0., big, big, 0., 0., 0., 0., 0.],
+        );
+        let q = t(&[3, 2], &[0.; 6]);
+        let scores = Scores::scaled_by(1.0);
+        let out = attention_biased(&q, &cache, heads, (Mask::Bidirectional, scores), &bias)
+            .unwrap()
+            .to_f32_vec();
+        let want = [2., 10., 2., 15., 2., 15.];
+        for (o, w) in out.iter().zip(want) {
+            assert!((o - w).abs() < 1e-4, "{out:?}");
+        }
+        let err = attention_biased(
+            &q,
+            &cache,
+            heads,
+            (Mask::Bidirectional, scores),
+            &t(&[2, 3, 1], &[0.; 6]),
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("expected [2, 3, 2]"), "{err}");
+        // Causal attention still needs a key per query.
+        assert!(attention(&q, &cache, heads, Mask::Causal).is_err());
+    }
+
+    #[test]
+    fn relu_zeroes_negatives() {
+        let y = relu(&t(&[3], &[-1., 0., 2.5])).unwrap().to_f32_vec();
+        assert_eq!(y, [0., 0., 2.5]);
     }
 
     #[test]
