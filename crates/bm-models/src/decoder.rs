@@ -192,10 +192,24 @@ impl KvCache {
             .collect()
     }
 
+    /// Empty caches of `layers` layers for one sequence.
+    pub(crate) fn with_layers(layers: usize) -> KvCache {
+        KvCache {
+            layers: (0..layers).map(|_| LayerCache::new()).collect(),
+            pads: vec![0],
+            charges: (0..layers).map(|_| None).collect(),
+        }
+    }
+
+    /// Layer `index`'s cache, to append to.
+    pub(crate) fn layer_mut(&mut self, index: usize) -> &mut LayerCache {
+        &mut self.layers[index]
+    }
+
     /// Makes layer `index`'s cache hold its bytes of `gpu`'s budget when
     /// `gpu` is emulated (growing the hold by doubling, so it is taken
     /// rarely).
-    fn charge(&mut self, index: usize, gpu: &Gpu) -> Result<(), Error> {
+    pub(crate) fn charge(&mut self, index: usize, gpu: &Gpu) -> Result<(), Error> {
         if gpu.kind() != GpuKind::Emulated {
             return Ok(());
         }
@@ -680,7 +694,7 @@ impl CausalLm {
     ) -> Result<CausalLm, Error> {
         let dir = dir.as_ref().to_path_buf();
         let tokenizer = TextTokenizer::open_in(&dir, None)?;
-        let generation = GenerationConfig::from_dir(&dir, &config)?;
+        let generation = GenerationConfig::from_dir(&dir, &config.eos_token_ids)?;
         Ok(CausalLm {
             decoder: Decoder::new(config, dtype)?,
             weights,

@@ -25,10 +25,11 @@ use bigmodel::tensor::{DType, HostBuffer};
 use crate::config::read_config;
 use crate::packed::{self, PackedWeights};
 use crate::quant_config::QuantizeOptions;
+use crate::seq2seq::stored_dtype;
 use crate::weights::{FolderWeights, LinearWeight, WeightLayout, WeightSource};
 use crate::{
     CausalLm, DecoderConfig, EncoderConfig, Error, SUPPORTED_DECODERS, SUPPORTED_ENCODERS,
-    SentenceEmbedder, Tensor, ops,
+    SUPPORTED_SEQ2SEQ, SentenceEmbedder, Seq2SeqLm, T5Config, Tensor, ops,
 };
 use bm_compute::{HostBytes, is_compute_dtype};
 
@@ -403,18 +404,37 @@ fn dispatch(
 /// A config whose number of layers disagrees with the checkpoint is an
 /// error naming the key: loading 9000 configured layers over a checkpoint
 /// of 3 would plan and dispatch them all before failing, and 1 over 3
-/// would silently drop layers. Layer `i` is present when the tensor that
-/// comes first in layer 0 is present under `<layers>.i`.
+/// would silently drop layers. Checks the planned repeated blocks (a
+/// decoder's layers, BERT's, T5's decoder blocks) against the family's
+/// layer key.
 fn check_layer_count(
     hf: &HfConfig,
     planned: &bigmodel::plan::hf::HfModel,
     weights: &FolderWeights,
 ) -> Result<(), Error> {
+    let layers: Vec<&str> = planned
+        .layers
+        .iter()
+        .map(|&m| planned.tree.module(m).name.as_str())
+        .collect();
+    check_stack(hf, hf.family.layers_key(), planned, &layers, weights)
+}
+
+/// [`check_layer_count`] for one stack of blocks (`layers`, named
+/// `<stem>.0`, `<stem>.1`, ...), configured by `key`. Block `i` is present
+/// when the tensor that comes first in block 0 is present under
+/// `<stem>.i`.
+fn check_stack(
+    hf: &HfConfig,
+    key: &str,
+    planned: &bigmodel::plan::hf::HfModel,
+    layers: &[&str],
+    weights: &FolderWeights,
+) -> Result<(), Error> {
     let tree = &planned.tree;
-    let Some(&first) = planned.layers.first() else {
+    let Some(&first) = layers.first() else {
         return Ok(());
     };
-    let first = tree.module(first).name.as_str();
     let (Some(stem), Some(suffix)) = (
         first.strip_suffix(".0"),
         tree.state_dict().into_iter().find_map(|t| {
@@ -428,11 +448,11 @@ fn check_layer_count(
         return Ok(());
     };
     let tensor_of = |layer: usize| format!("{stem}.{layer}.{suffix}");
-    let layers = |n: usize| match n {
+    let count = |n: usize| match n {
         1 => "1 layer".to_string(),
         n => format!("{n} layers"),
     };
-    let configured = planned.layers.len();
+    let configured = layers.len();
     // Counting stops one past the configured layers: enough to tell.
     let held = (0..=configured)
         .take_while(|&i| weights.contains(&tensor_of(i)))
@@ -440,13 +460,13 @@ fn check_layer_count(
     let message = if held > configured {
         format!(
             "{}, but the checkpoint holds more (it has {})",
-            layers(configured),
+            count(configured),
             tensor_of(configured)
         )
     } else if held < configured {
         format!(
             "{}, but the checkpoint holds {held} (it has no {})",
-            layers(configured),
+            count(configured),
             tensor_of(held)
         )
     } else {
@@ -454,7 +474,7 @@ fn check_layer_count(
     };
     Err(Error::Config {
         path: hf.file().to_path_buf(),
-        key: hf.family.layers_key().to_string(),
+        key: key.to_string(),
         message,
     })
 }
@@ -510,6 +530,52 @@ fn open_decoder(
         quantize,
     )?;
     let model = CausalLm::with_weights(dir, config, dtype, Box::new(weights.clone()))?;
+    Ok(Dispatched { model, weights })
+}
+
+/// Opens the T5 folder `dir` (config.json, safetensors, optional
+/// tokenizer.json) over a dispatched model, as [`open_causal_lm`] does for
+/// decoders: the module tree from config.json (the head tied to `shared`
+/// unless the checkpoint has its own `lm_head.weight`), every tensor where
+/// `options` puts it, hooks on every map entry. Computes in
+/// `options.dtype`, or in the stored dtype of `shared`.
+pub fn open_seq2seq_lm(
+    dir: impl AsRef<Path>,
+    devices: Arc<DeviceSet>,
+    options: &bigmodel::Options,
+) -> Result<Dispatched<Seq2SeqLm>, Error> {
+    let dir = dir.as_ref();
+    let mut hf = read_config(dir, SUPPORTED_SEQ2SEQ)?;
+    let probe = FolderWeights::open(dir, None)?;
+    let config = T5Config::from_config(&hf)?.tie_to(&probe);
+    hf.tie_word_embeddings = config.tie_word_embeddings;
+    let dtype = options.dtype.unwrap_or_else(|| stored_dtype(&probe));
+    let planned = bigmodel::plan::hf::tree_from_config(&hf)?;
+    let encoder: Vec<String> = (0..config.encoder_layers)
+        .map(|i| format!("encoder.block.{i}"))
+        .collect();
+    let encoder: Vec<&str> = encoder.iter().map(String::as_str).collect();
+    check_stack(&hf, "num_layers", &planned, &encoder, &probe)?;
+    let decoder_key = match hf.keys.get("num_decoder_layers") {
+        Some(_) => "num_decoder_layers",
+        None => "num_layers",
+    };
+    let decoder: Vec<&str> = planned
+        .layers
+        .iter()
+        .map(|&m| planned.tree.module(m).name.as_str())
+        .collect();
+    check_stack(&hf, decoder_key, &planned, &decoder, &probe)?;
+    let weights = dispatch(
+        dir,
+        &probe,
+        (planned.tree, planned.no_split),
+        devices,
+        options,
+        dtype,
+        None,
+    )?;
+    let model = Seq2SeqLm::with_weights(dir, config, dtype, Box::new(weights.clone()))?;
     Ok(Dispatched { model, weights })
 }
 

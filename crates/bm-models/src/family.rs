@@ -11,11 +11,32 @@ use crate::config::{found, read_config, unsupported};
 use crate::ops::{self, Heads, Scores};
 use crate::{Error, Tensor};
 
+/// The decoder families' `model_type`s, for the lists below.
+macro_rules! decoder_types {
+    () => {
+        "llama, mistral, qwen2, qwen3, gemma2, phi3, gpt2, mixtral, qwen2_moe, qwen3_moe"
+    };
+}
+
+/// The decoder families' classes, for the lists below.
+macro_rules! decoder_classes {
+    () => {
+        "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, \
+         Gemma2ForCausalLM, Phi3ForCausalLM, GPT2LMHeadModel, MixtralForCausalLM, \
+         Qwen2MoeForCausalLM, Qwen3MoeForCausalLM"
+    };
+}
+
 /// The decoder architectures this crate runs.
-pub const SUPPORTED_DECODERS: &str = "llama, mistral, qwen2, qwen3, gemma2, phi3, gpt2, \
-     mixtral, qwen2_moe, qwen3_moe (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, \
-     Qwen3ForCausalLM, Gemma2ForCausalLM, Phi3ForCausalLM, GPT2LMHeadModel, MixtralForCausalLM, \
-     Qwen2MoeForCausalLM, Qwen3MoeForCausalLM)";
+pub const SUPPORTED_DECODERS: &str = concat!(decoder_types!(), " (", decoder_classes!(), ")");
+
+/// The architectures this crate generates text with: the decoders and T5.
+pub const SUPPORTED_GENERATORS: &str = concat!(
+    decoder_types!(),
+    ", t5 (",
+    decoder_classes!(),
+    ", T5ForConditionalGeneration)"
+);
 
 /// transformers' module names of a decoder family.
 pub(crate) fn names(family: Family) -> Names {
@@ -105,6 +126,8 @@ pub enum Activation {
     Gelu,
     /// `gelu_new` / `gelu_pytorch_tanh`: the tanh approximation.
     GeluTanh,
+    /// `relu` (T5's feed-forward).
+    Relu,
 }
 
 impl Activation {
@@ -114,19 +137,22 @@ impl Activation {
             Activation::Silu => ops::silu(t)?,
             Activation::Gelu => ops::gelu(t)?,
             Activation::GeluTanh => ops::gelu_tanh(t)?,
+            Activation::Relu => ops::relu(t)?,
         })
     }
 
-    fn of(c: &HfConfig) -> Result<Activation, Error> {
+    /// The activation a config names (the key bm-plan read it from).
+    pub(crate) fn of(c: &HfConfig) -> Result<Activation, Error> {
         let (name, key) = &c.activation;
         match name.as_str() {
             "silu" | "swish" => Ok(Activation::Silu),
             "gelu" => Ok(Activation::Gelu),
             "gelu_new" | "gelu_pytorch_tanh" => Ok(Activation::GeluTanh),
+            "relu" => Ok(Activation::Relu),
             other => Err(c.error(
                 key,
                 format!(
-                    "activation {other:?} is not supported (silu, swish, gelu, gelu_new, gelu_pytorch_tanh)"
+                    "activation {other:?} is not supported (silu, swish, gelu, gelu_new, gelu_pytorch_tanh, relu)"
                 ),
             )
             .into()),
@@ -805,7 +831,13 @@ mod tests {
                 .contains("\"scale_attn_by_inverse_layer_idx\": true is not supported"),
             "{err}"
         );
-        let err = parse(qwen(json!({"model_type": "qwen3", "hidden_act": "relu"}))).unwrap_err();
-        assert!(err.to_string().contains("activation \"relu\""), "{err}");
+        let err = parse(qwen(
+            json!({"model_type": "qwen3", "hidden_act": "quick_gelu"}),
+        ))
+        .unwrap_err();
+        assert!(
+            err.to_string().contains("activation \"quick_gelu\""),
+            "{err}"
+        );
     }
 }

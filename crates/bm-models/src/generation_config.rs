@@ -7,7 +7,7 @@ use std::path::Path;
 use bigmodel::plan::config::ConfigKeys;
 
 use crate::config::read_keys;
-use crate::{DecoderConfig, Error, Sampling};
+use crate::{Error, Sampling};
 
 /// The generation defaults of a model folder, as transformers' `generate`
 /// (5.x) settles them: `generation_config.json` when the folder has one,
@@ -28,8 +28,9 @@ pub struct GenerationConfig {
 }
 
 impl GenerationConfig {
-    /// transformers' defaults, with `model`'s end tokens.
-    pub fn defaults(model: &DecoderConfig) -> GenerationConfig {
+    /// transformers' defaults, with the model's end tokens (config.json's
+    /// `eos_token_id`).
+    pub fn defaults(eos_token_ids: &[u32]) -> GenerationConfig {
         GenerationConfig {
             sampling: Sampling {
                 top_k: 50,
@@ -37,7 +38,7 @@ impl GenerationConfig {
             },
             max_new_tokens: None,
             max_length: None,
-            eos_token_ids: model.eos_token_ids.clone(),
+            eos_token_ids: eos_token_ids.to_vec(),
         }
     }
 
@@ -45,10 +46,10 @@ impl GenerationConfig {
     /// [`GenerationConfig::defaults`]. Errors name the file and the key.
     pub fn from_dir(
         dir: impl AsRef<Path>,
-        model: &DecoderConfig,
+        eos_token_ids: &[u32],
     ) -> Result<GenerationConfig, Error> {
         let path = dir.as_ref().join("generation_config.json");
-        let defaults = GenerationConfig::defaults(model);
+        let defaults = GenerationConfig::defaults(eos_token_ids);
         if !path.is_file() {
             return Ok(defaults);
         }
@@ -122,6 +123,7 @@ impl GenerationConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::DecoderConfig;
     use serde_json::{Value, json};
 
     fn model() -> DecoderConfig {
@@ -138,7 +140,7 @@ mod tests {
 
     fn parse(file: Value) -> Result<GenerationConfig, Error> {
         let keys = ConfigKeys::from_value(file, "generation_config.json").unwrap();
-        GenerationConfig::from_keys(&keys, GenerationConfig::defaults(&model()))
+        GenerationConfig::from_keys(&keys, GenerationConfig::defaults(&model().eos_token_ids))
     }
 
     #[test]

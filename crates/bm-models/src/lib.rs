@@ -32,6 +32,12 @@
 //!   folder under a device map, strategy, budgets and offload folder, as
 //!   Accelerate's `load_checkpoint_and_dispatch` does.
 //!
+//! * [`T5`] is the encoder–decoder family (`T5ForConditionalGeneration`):
+//!   blocks `encoder.block.N` and `decoder.block.N` (with the embeddings,
+//!   final norms and `lm_head`) taking weights the same way; [`Seq2SeqLm`]
+//!   and [`open_seq2seq_lm`] open a folder and generate from
+//!   `decoder_start_token_id`, the prompt being the encoder's input.
+//!
 //! The decoder families (`llama`, `mistral`, `qwen2`, `qwen3`, `gemma2`,
 //! `phi3`, `gpt2`, and the mixtures of experts `mixtral`, `qwen2_moe`,
 //! `qwen3_moe`, whose sparse MLPs fetch only the experts their router
@@ -61,6 +67,7 @@ mod packed;
 mod quant_config;
 mod quantized;
 mod sampling;
+mod seq2seq;
 mod text;
 mod weights;
 
@@ -71,18 +78,19 @@ pub use chat::ChatTemplate;
 pub use decoder::{CausalLm, Decoder, KvCache, Logits};
 pub use dispatched::{
     Dispatched, DispatchedWeights, open_causal_lm, open_causal_lm_quantized,
-    open_sentence_embedder, open_sentence_embedder_quantized,
+    open_sentence_embedder, open_sentence_embedder_quantized, open_seq2seq_lm,
 };
 pub use encoder::{Encoder, EncoderConfig, SUPPORTED_ENCODERS, SentenceEmbedder};
 pub use error::Error;
 pub use family::{
     Activation, DecoderConfig, ExpertLayout, LongRope, Mlp, Moe, Norm, Positions, Projections,
-    RopeConfig, SUPPORTED_DECODERS,
+    RopeConfig, SUPPORTED_DECODERS, SUPPORTED_GENERATORS,
 };
 pub use generate::{BatchSize, Batched, Conversation, GenerateOptions, Generation};
 pub use generation_config::GenerationConfig;
 pub use packed::{OwnedEntry, SaveQuantized, load_tree};
 pub use quant_config::{BnbCheckpoint, QuantizeOptions};
 pub use sampling::Sampling;
+pub use seq2seq::{SUPPORTED_SEQ2SEQ, Seq2SeqCache, Seq2SeqLm, T5, T5Config, is_seq2seq};
 pub use text::TextTokenizer;
 pub use weights::{FolderWeights, LinearWeight, WeightLayout, WeightSource};

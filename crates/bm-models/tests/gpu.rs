@@ -11,7 +11,8 @@ use std::sync::{Arc, Mutex};
 
 use bigmodel::device::{DeviceSet, Gpu};
 use bm_models::{
-    Backend, CausalLm, Error, FolderWeights, GenerateOptions, Logits, Tensor, WeightSource,
+    Backend, CausalLm, Error, FolderWeights, GenerateOptions, Logits, Seq2SeqLm, T5Config, Tensor,
+    WeightSource,
 };
 use bm_tensor::DType;
 use safetensors::SafeTensors;
@@ -75,6 +76,8 @@ const FIXTURES: &[(&str, &str, &[u8])] = &[
     fixture_file!("tiny-gemma2", "model.safetensors"),
     fixture_file!("tiny-phi3", "config.json"),
     fixture_file!("tiny-phi3", "model.safetensors"),
+    fixture_file!("tiny-t5", "config.json"),
+    fixture_file!("tiny-t5", "model.safetensors"),
 ];
 
 /// Writes the embedded fixtures into a temporary folder per model.
@@ -212,6 +215,35 @@ fn families_with_ops_missing_on_cuda_refuse_with_a_typed_error() {
             "{model}: {err}"
         );
     }
+}
+
+/// T5's attention adds a position bias, which has no CUDA side yet: with
+/// its weights on a GPU it says so instead of computing.
+#[test]
+fn t5_on_cuda_refuses_with_a_typed_error() {
+    let Some(set) = DeviceSet::cuda_for_gpu_tests() else {
+        return;
+    };
+    let root = fixtures();
+    let dir = root.path().join("tiny-t5");
+    let weights = GpuWeights {
+        folder: FolderWeights::open(&dir, Some(DType::F32)).unwrap(),
+        gpu: set.gpu(0).unwrap().clone(),
+        cache: Mutex::new(HashMap::new()),
+    };
+    let config = T5Config::from_dir(&dir).unwrap().tie_to(&weights.folder);
+    let lm = Seq2SeqLm::with_weights(&dir, config, DType::F32, Box::new(weights)).unwrap();
+    let options = GenerateOptions {
+        max_new_tokens: 1,
+        ..GenerateOptions::default()
+    };
+    let err = lm
+        .generate_ids(&[5, 6, 7], &options, &mut |_| {})
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::Compute(bm_compute::Error::NotOnCuda { .. })),
+        "{err}"
+    );
 }
 
 /// The tiny Llama loaded through dispatch with GPU 0 as the execution

@@ -3,7 +3,7 @@
 //! under an all-CPU map, a CPU + disk map and a host-emulated multi-device
 //! map, bit for bit the same under all three and as the plain in-memory
 //! run; the tiny BERT and (with BM_MINILM_DIR) all-MiniLM-L6-v2 with half
-//! their layers on disk.
+//! their layers on disk; the tiny T5s (both stacks) the same way.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -13,7 +13,7 @@ use bigmodel::plan::DeviceMap;
 use bigmodel::{DeviceMapSpec, Options};
 use bm_models::{
     CausalLm, Dispatched, Error, FolderWeights, GenerateOptions, Logits, SentenceEmbedder,
-    open_causal_lm, open_sentence_embedder,
+    Seq2SeqLm, open_causal_lm, open_sentence_embedder, open_seq2seq_lm,
 };
 use bm_tensor::DType;
 use safetensors::SafeTensors;
@@ -282,6 +282,68 @@ fn every_family_matches_transformers_and_is_bit_identical_under_every_placement(
             assert_eq!(
                 weights.streamed_bytes() > 0,
                 *label != "all-cpu",
+                "{model} {label}"
+            );
+        }
+    }
+}
+
+/// T5: the first decoder step's logits and greedy tokens under the same
+/// three placements (both stacks' blocks hooked, the later ones and the
+/// head streamed from disk), against transformers and bit for bit the
+/// in-memory run.
+#[test]
+fn t5_matches_transformers_and_is_bit_identical_under_every_placement() {
+    for model in ["tiny-t5", "tiny-t5-relu"] {
+        let dir = fixture(model);
+        let reference = std::fs::read(dir.join("reference.safetensors")).unwrap();
+        let in_memory = Seq2SeqLm::open(&dir, Some(DType::F32)).unwrap();
+        let offload = tempfile::tempdir().unwrap();
+        let units = units(&dir);
+        for block in in_memory.model().block_names() {
+            assert!(units.contains(&block), "{model}: {block} not in {units:?}");
+        }
+        let first_step = |lm: &Seq2SeqLm, prompt: &[u32]| -> Vec<f32> {
+            let t5 = lm.model();
+            let mut cache = t5.new_cache(t5.encode(lm.weights(), prompt).unwrap());
+            let start = t5.config().decoder_start_token_id;
+            t5.decode(lm.weights(), &[start], &mut cache)
+                .unwrap()
+                .to_f32_vec()
+        };
+        for (label, devices, options) in family_placements(&units, offload.path()) {
+            let Dispatched { model: lm, weights } =
+                open_seq2seq_lm(&dir, devices, &options).unwrap();
+            for prompt in 0..4 {
+                let prompt_ids = ids(&reference, &format!("prompt.{prompt}"));
+                let logits = first_step(&lm, &prompt_ids);
+                let want = floats(&reference, &format!("logits.{prompt}"));
+                let diff = logits
+                    .iter()
+                    .zip(&want)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0f32, f32::max);
+                assert!(diff <= 1e-4, "{model} {label} prompt {prompt}: {diff}");
+                let expected = first_step(&in_memory, &prompt_ids);
+                assert_eq!(
+                    bits(&logits),
+                    bits(&expected),
+                    "{model} {label} prompt {prompt}"
+                );
+                let generated = ids(&reference, &format!("generated.{prompt}"));
+                let options = GenerateOptions {
+                    max_new_tokens: generated.len(),
+                    ..GenerateOptions::default()
+                };
+                let tokens = lm
+                    .generate_ids(&prompt_ids, &options, &mut |_| {})
+                    .unwrap()
+                    .tokens;
+                assert_eq!(tokens, generated, "{model} {label} prompt {prompt}");
+            }
+            assert_eq!(
+                weights.streamed_bytes() > 0,
+                label != "all-cpu",
                 "{model} {label}"
             );
         }
