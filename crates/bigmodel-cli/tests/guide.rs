@@ -19,6 +19,7 @@
 //! | `tiny-bert/`                 | `crates/bm-models/tests/fixtures/tiny-bert/`         |
 //! | `Mixtral-8x7B-v0.1/config.json` | `crates/bm-plan/tests/fixtures/configs/mixtral-8x7b.json` |
 //! | `tiny-mixtral/`              | `crates/bm-models/tests/fixtures/tiny-mixtral/`      |
+//! | `tiny-t5/`                   | `crates/bm-models/tests/fixtures/tiny-t5/`           |
 //! | `old-model/`                 | `crates/bm-shard/tests/fixtures/torch/tiny-llama/`   |
 //! | `evil/pytorch_model.bin`     | `crates/bm-shard/tests/fixtures/torch/bad/malicious_system.bin` |
 //! | `partial-map.json`           | the map the guide prints next to the command         |
@@ -181,6 +182,10 @@ fn guide_folder() -> tempfile::TempDir {
     copy_dir(
         &fixtures("bm-models").join("tiny-mixtral"),
         &root.join("tiny-mixtral"),
+    );
+    copy_dir(
+        &fixtures("bm-models").join("tiny-t5"),
+        &root.join("tiny-t5"),
     );
     let torch = fixtures("bm-shard").join("torch");
     copy_dir(&torch.join("tiny-llama"), &root.join("old-model"));

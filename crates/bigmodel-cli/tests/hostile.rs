@@ -247,6 +247,19 @@ fn hostile_inputs_across_every_command_are_clear_errors() {
     });
     let llama_1 = edited_copy(&llama, &p("llama-1"), |c| c["num_hidden_layers"] = json!(1));
     let gpt2 = tiny_gpt2();
+    // T5 folders: no decoder start, a feed-forward not run, a config whose
+    // sizes disagree with the tensors, more decoder blocks than stored.
+    let t5 = fixture("../bm-models/tests/fixtures/tiny-t5");
+    let t5_no_start = edited_copy(&t5, &p("t5-no-start"), |c| {
+        c.as_object_mut().unwrap().remove("decoder_start_token_id");
+    });
+    let t5_swiglu = edited_copy(&t5, &p("t5-swiglu"), |c| {
+        c["feed_forward_proj"] = json!("gated-quick_gelu")
+    });
+    let t5_d_ff = edited_copy(&t5, &p("t5-d-ff"), |c| c["d_ff"] = json!(40));
+    let t5_3_decoder = edited_copy(&t5, &p("t5-3-decoder"), |c| {
+        c["num_decoder_layers"] = json!(3)
+    });
     let not_a_folder = write(&p("offload-is-a-file"), b"x");
     let disk_map = write(&p("disk-map.json"), json!({"": "disk"}).to_string());
     // Opening a FIFO for reading waits for a writer: it must be refused.
@@ -524,6 +537,30 @@ fn hostile_inputs_across_every_command_are_clear_errors() {
             name: "a config with 1 layer over a checkpoint of 3",
             args: os(&[&"run", &llama_1, &"--prompt-ids", &"1"]),
             expect: err(&["config.json", "num_hidden_layers", "model.layers.1."]),
+        },
+        Case {
+            name: "a T5 config without decoder_start_token_id",
+            args: os(&[&"run", &t5_no_start, &"--prompt-ids", &"5,6"]),
+            expect: err(&["config.json", "decoder_start_token_id", "missing"]),
+        },
+        Case {
+            name: "a T5 feed-forward activation not implemented",
+            args: os(&[&"run", &t5_swiglu, &"--prompt-ids", &"5,6"]),
+            expect: err(&["config.json", "feed_forward_proj", "quick_gelu"]),
+        },
+        Case {
+            name: "a T5 config whose d_ff disagrees with the tensors",
+            args: os(&[&"run", &t5_d_ff, &"--prompt-ids", &"5,6"]),
+            expect: err(&[
+                "encoder.block.0.layer.1.DenseReluDense.wi_0.weight",
+                "40",
+                "32",
+            ]),
+        },
+        Case {
+            name: "a T5 config with 3 decoder blocks over a checkpoint of 2",
+            args: os(&[&"run", &t5_3_decoder, &"--prompt-ids", &"5,6"]),
+            expect: err(&["config.json", "num_decoder_layers", "decoder.block.2."]),
         },
         Case {
             name: "--max-new-tokens 2^64-1 reserves nothing up front",

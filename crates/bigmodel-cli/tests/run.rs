@@ -556,3 +556,89 @@ fn run_verify_plans_with_the_generation_ledger_and_runs_under_it() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && stderr.contains("GPU"), "{stderr}");
 }
+
+/// `run` on a T5 folder: the prompt is the encoder's input, the decoder
+/// generates from `decoder_start_token_id`; `--dump-logits` writes the
+/// first decoder step's logits, `[1, vocab]`. The same under a CPU + disk
+/// map that streams the decoder from disk.
+#[test]
+fn t5_takes_the_prompt_as_encoder_input() {
+    for model in ["tiny-t5", "tiny-t5-relu"] {
+        let dir = fixture(model);
+        let prompt = ids_arg(&reference_ids_of(&dir, "prompt.3"));
+        let want = reference_ids_of(&dir, "generated.3");
+        let (want_shape, want_logits) = reference_of(&dir, "logits.3");
+        let out_dir = tempfile::tempdir().unwrap();
+        let disk_map = out_dir.path().join("map.json");
+        std::fs::write(
+            &disk_map,
+            json!({
+                "shared": "cpu", "encoder": "cpu", "decoder.embed_tokens": "cpu",
+                "decoder.block": "disk", "decoder.final_layer_norm": "cpu",
+                "decoder.dropout": "cpu", "lm_head": "disk",
+            })
+            .to_string(),
+        )
+        .unwrap();
+        let offload = out_dir.path().join("offload");
+        let mut dumps = Vec::new();
+        for (label, placement) in [
+            ("all-cpu", vec![]),
+            (
+                "cpu+disk",
+                vec![
+                    "--device-map",
+                    disk_map.to_str().unwrap(),
+                    "--offload-folder",
+                    offload.to_str().unwrap(),
+                ],
+            ),
+        ] {
+            let dump = out_dir.path().join(format!("{label}.safetensors"));
+            let mut args = vec![
+                "run",
+                dir.to_str().unwrap(),
+                "--prompt-ids",
+                &prompt,
+                "--max-new-tokens",
+                "8",
+                "--json",
+                "--dump-logits",
+                dump.to_str().unwrap(),
+            ];
+            args.extend(placement);
+            let doc = json_of(&bigmodel(&args));
+            let ids: Vec<u64> = doc["generated_ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap())
+                .collect();
+            assert_eq!(ids, want, "{model} {label}");
+            let streamed = doc["bytes_streamed_per_token"].as_u64().unwrap();
+            assert_eq!(streamed > 0, label == "cpu+disk", "{model} {label}");
+            let [(name, shape, bytes)] = read_safetensors(&dump).try_into().unwrap();
+            assert_eq!((name.as_str(), &shape), ("logits", &want_shape), "{model}");
+            let diff = floats(&bytes)
+                .iter()
+                .zip(floats(&want_logits))
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(diff <= 1e-4, "{model} {label}: {diff}");
+            dumps.push(bytes);
+        }
+        assert_eq!(dumps[0], dumps[1], "{model}: placements differ");
+    }
+    // Flags a T5 folder does not take are refused before loading.
+    fails_with(
+        &[
+            "run",
+            fixture("tiny-t5").to_str().unwrap(),
+            "--prompt-ids",
+            "5",
+            "--batch-size",
+            "2",
+        ],
+        "--batch-size is not supported for an encoder-decoder (t5) model",
+    );
+}

@@ -1,5 +1,6 @@
 //! `bigmodel run`: load a decoder folder under a device map and generate
-//! from one prompt or many (batched, greedy or sampled).
+//! from one prompt or many (batched, greedy or sampled); or a T5 folder,
+//! each prompt the encoder's input, generated one at a time.
 //!
 //! Also home of what `embed` and `demo` share: turning the placement flags
 //! into the facade's options, the device-map table, and the peak resident
@@ -16,8 +17,9 @@ use bigmodel::plan::{DeviceMap, MaxMemory, Mode, Workload, human_bytes};
 use bigmodel::tensor::DType;
 use bigmodel::{DeviceMapSpec, Options};
 use bm_models::{
-    BatchSize, CausalLm, ChatTemplate, DispatchedWeights, GenerateOptions, Generation,
+    BatchSize, Batched, CausalLm, ChatTemplate, DispatchedWeights, GenerateOptions, Generation,
     GenerationConfig, QuantizeOptions, Sampling, open_causal_lm, open_causal_lm_quantized,
+    open_seq2seq_lm,
 };
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::{Value, json};
@@ -32,9 +34,9 @@ use super::CmdResult;
         .args(["prompt", "prompt_ids", "prompts_file"])
 ))]
 pub struct Args {
-    /// An HF decoder folder: config.json, safetensors or PyTorch .bin weights
-    /// (single or sharded), optionally tokenizer.json and
-    /// generation_config.json.
+    /// An HF decoder or T5 folder: config.json, safetensors or PyTorch .bin
+    /// weights (single or sharded), optionally tokenizer.json and
+    /// generation_config.json. A T5 prompt is the encoder's input.
     model_dir: PathBuf,
     /// A prompt as text (needs the folder's tokenizer.json); repeat for
     /// several prompts, generated together.
@@ -83,8 +85,9 @@ pub struct Args {
     /// `llm_int8_enable_fp32_cpu_offload`).
     #[arg(long, requires = "quantize")]
     fp32_cpu_offload: bool,
-    /// Write the first forward's logits (F32, [prompt_len, vocab]) to this
-    /// safetensors file, as tensor `logits` (one prompt only).
+    /// Write the first forward's logits (F32, [prompt_len, vocab]; T5: the
+    /// first decoder step's, [1, vocab]) to this safetensors file, as tensor
+    /// `logits` (one prompt only).
     #[arg(long)]
     dump_logits: Option<PathBuf>,
     /// Before loading, plan with the ledger of this generation (the prompt,
@@ -617,6 +620,11 @@ pub fn run(args: Args) -> CmdResult {
     }
     // Checked before loading, so a typo costs nothing.
     parse_batch_size(args.batch_size.as_deref(), count, false)?;
+    let seq2seq = bm_models::is_seq2seq(&args.model_dir)
+        .map_err(|e| format!("{}: {e}", args.model_dir.display()))?;
+    if seq2seq {
+        refuse_seq2seq_flags(&args)?;
+    }
 
     let template = match args.chat {
         true if texts.is_none() => {
@@ -658,6 +666,9 @@ pub fn run(args: Args) -> CmdResult {
         options.device_map = Some(DeviceMapSpec::Map(map));
         options.experts_on = None;
         options.prefetch_depth = Some(depth);
+    }
+    if seq2seq {
+        return run_seq2seq(&args, options, devices, texts, ids);
     }
     let (bar, progress) = load_progress_bar(args.json);
     options.load_progress = Some(progress);
@@ -728,12 +739,8 @@ pub fn run(args: Args) -> CmdResult {
     if stream {
         text_stream.finish();
     }
-    let passes: Vec<f64> = batched.batch_seconds.iter().flatten().copied().collect();
-    let streamed_per_token =
-        (weights.streamed_bytes() - streamed_before) / (passes.len().max(1) as u64);
-    let generations = &batched.generations;
     let max_positions = lm.decoder().config().max_positions;
-    for (i, g) in generations.iter().enumerate() {
+    for (i, g) in batched.generations.iter().enumerate() {
         if let (Some(room), Some(max)) = (g.capped_to, max_positions) {
             eprintln!(
                 "note: prompt {}: at most {room} new tokens, the room left in the model's {max} positions (max_position_embeddings)",
@@ -743,21 +750,153 @@ pub fn run(args: Args) -> CmdResult {
     }
     let texts_out: Option<Vec<String>> = match lm.tokenizer() {
         Some(_) => Some(
-            generations
+            batched
+                .generations
                 .iter()
                 .map(|g| lm.decode(&g.tokens))
                 .collect::<Result<_, _>>()?,
         ),
         None => None,
     };
+    report(
+        &args,
+        &batched,
+        texts_out,
+        Loaded {
+            weights,
+            load_seconds,
+            streamed: weights.streamed_bytes() - streamed_before,
+            seed: SamplingArgs::reported_seed(&generate.sampling),
+        },
+    )
+}
 
+/// The flags an encoder–decoder (T5) folder does not take.
+fn refuse_seq2seq_flags(args: &Args) -> Result<(), String> {
+    let given = [
+        ("--chat", args.chat),
+        ("--quantize", args.quantize.is_some()),
+        ("--experts-on", args.experts_on.is_some()),
+        ("--batch-size", args.batch_size.is_some()),
+    ];
+    match given.iter().find(|(_, on)| *on) {
+        Some((flag, _)) => Err(format!(
+            "{}: {flag} is not supported for an encoder-decoder (t5) model: its prompts run \
+             one at a time, each as the encoder's input",
+            args.model_dir.display()
+        )),
+        None => Ok(()),
+    }
+}
+
+/// `run` on an encoder–decoder (T5) folder: each prompt is the encoder's
+/// input and the decoder generates from `decoder_start_token_id`, one
+/// prompt at a time; `--dump-logits` writes the first decoder step's
+/// logits (`[1, vocab]`).
+fn run_seq2seq(
+    args: &Args,
+    mut options: Options,
+    devices: Arc<DeviceSet>,
+    texts: Option<Vec<String>>,
+    ids: Vec<Vec<u32>>,
+) -> CmdResult {
+    let (bar, progress) = load_progress_bar(args.json);
+    options.load_progress = Some(progress);
+    let started = Instant::now();
+    let dispatched = open_seq2seq_lm(&args.model_dir, devices, &options)
+        .map_err(|e| format!("{}: {e}", args.model_dir.display()))?;
+    let load_seconds = started.elapsed().as_secs_f64();
+    bar.finish_and_clear();
+    let lm = &dispatched.model;
+    let weights = &dispatched.weights;
+    let prompts: Vec<Vec<u32>> = match &texts {
+        Some(texts) => texts
+            .iter()
+            .map(|t| lm.encode(t))
+            .collect::<Result<_, _>>()?,
+        None => ids,
+    };
+    let config = lm.generation_config();
+    // transformers counts the decoder's start token in max_length.
+    let generate = GenerateOptions {
+        max_new_tokens: args.sampling.max_new_tokens(config, 1)?,
+        stop_tokens: config.eos_token_ids.clone(),
+        keep_prompt_logits: args.dump_logits.is_some(),
+        sampling: args.sampling.sampling(config)?,
+        first_stream: 0,
+    };
+    let streamed_before = weights.streamed_bytes();
+    let mut batched = Batched {
+        generations: Vec::with_capacity(prompts.len()),
+        batch_size: 1,
+        batch_seconds: Vec::with_capacity(prompts.len()),
+    };
+    for (i, prompt) in prompts.iter().enumerate() {
+        let options = GenerateOptions {
+            first_stream: i as u64,
+            ..generate.clone()
+        };
+        let generation = lm.generate_ids(prompt, &options, &mut |_| {})?;
+        batched.batch_seconds.push(generation.step_seconds.clone());
+        batched.generations.push(generation);
+    }
+    let texts_out: Option<Vec<String>> = match lm.tokenizer() {
+        Some(_) => Some(
+            batched
+                .generations
+                .iter()
+                .map(|g| lm.decode(&g.tokens))
+                .collect::<Result<_, _>>()?,
+        ),
+        None => None,
+    };
+    report(
+        args,
+        &batched,
+        texts_out,
+        Loaded {
+            weights,
+            load_seconds,
+            streamed: weights.streamed_bytes() - streamed_before,
+            seed: SamplingArgs::reported_seed(&generate.sampling),
+        },
+    )
+}
+
+/// What `run` reports about the load and the streaming of a generation.
+struct Loaded<'a> {
+    weights: &'a DispatchedWeights,
+    load_seconds: f64,
+    /// Bytes streamed while generating.
+    streamed: u64,
+    seed: Option<u64>,
+}
+
+/// Writes `--dump-logits` and prints what `run` generated: one JSON
+/// document with `--json`, else the device map, the tokens and text, and
+/// the timings.
+fn report(
+    args: &Args,
+    batched: &Batched,
+    texts_out: Option<Vec<String>>,
+    loaded: Loaded<'_>,
+) -> CmdResult {
+    let Loaded {
+        weights,
+        load_seconds,
+        streamed,
+        seed,
+    } = loaded;
+    let generations = &batched.generations;
+    let count = generations.len();
+    let passes: Vec<f64> = batched.batch_seconds.iter().flatten().copied().collect();
+    let streamed_per_token = streamed / (passes.len().max(1) as u64);
     if let (Some(path), Some(logits)) = (&args.dump_logits, &generations[0].prompt_logits) {
         write_logits(path, logits.shape(), &logits.to_f32_vec())?;
     }
     let first_forward = passes.first().copied().unwrap_or(0.0);
     let per_token = decode_seconds_per_token(&batched.batch_seconds);
     let peak = peak_host_bytes();
-    let seed = SamplingArgs::reported_seed(&generate.sampling);
     if args.json {
         let tokens: Vec<&Vec<u32>> = generations.iter().map(|g| &g.tokens).collect();
         let mut doc = json!({
