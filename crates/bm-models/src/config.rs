@@ -12,7 +12,9 @@ use crate::Error;
 /// list for the caller) is an unsupported-architecture error.
 pub(crate) fn read_config(dir: &Path, supported: &'static str) -> Result<HfConfig, Error> {
     let path = dir.join("config.json");
-    if !path.is_file() {
+    // A config.json that is there but not a file (a FIFO) is refused by
+    // the reader, naming what it is.
+    if !path.exists() {
         return Err(Error::Io {
             source: std::io::Error::new(
                 std::io::ErrorKind::NotFound,
