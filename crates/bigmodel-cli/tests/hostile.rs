@@ -253,6 +253,7 @@ fn hostile_inputs_across_every_command_are_clear_errors() {
     let t5_no_start = edited_copy(&t5, &p("t5-no-start"), |c| {
         c.as_object_mut().unwrap().remove("decoder_start_token_id");
     });
+    std::fs::remove_file(t5_no_start.join("generation_config.json")).unwrap();
     let t5_swiglu = edited_copy(&t5, &p("t5-swiglu"), |c| {
         c["feed_forward_proj"] = json!("gated-quick_gelu")
     });

@@ -25,6 +25,10 @@ pub struct GenerationConfig {
     pub max_length: Option<usize>,
     /// Tokens that end a sequence (`eos_token_id`, one id or a list).
     pub eos_token_ids: Vec<u32>,
+    /// An encoder–decoder's first decoder token (`decoder_start_token_id`),
+    /// when the file gives one: it overrides config.json's, as in
+    /// transformers' `generate`.
+    pub decoder_start_token_id: Option<u32>,
 }
 
 impl GenerationConfig {
@@ -39,6 +43,7 @@ impl GenerationConfig {
             max_new_tokens: None,
             max_length: None,
             eos_token_ids: eos_token_ids.to_vec(),
+            decoder_start_token_id: None,
         }
     }
 
@@ -98,6 +103,18 @@ impl GenerationConfig {
             max_new_tokens: keys.opt_count("max_new_tokens", usize::MAX)?,
             max_length: keys.opt_count("max_length", usize::MAX)?,
             eos_token_ids: eos,
+            decoder_start_token_id: match keys.token_ids("decoder_start_token_id")?.as_slice() {
+                [] => defaults.decoder_start_token_id,
+                [id] => Some(*id),
+                ids => {
+                    return Err(keys
+                        .error(
+                            "decoder_start_token_id",
+                            format!("{ids:?}: expected one token id"),
+                        )
+                        .into());
+                }
+            },
         })
     }
 

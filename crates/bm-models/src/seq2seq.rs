@@ -67,7 +67,9 @@ pub struct T5Config {
     /// The head is `shared` (`false` when the checkpoint has its own
     /// `lm_head.weight`, which transformers then keeps).
     pub tie_word_embeddings: bool,
-    /// The decoder's first input token.
+    /// The decoder's first input token (`decoder_start_token_id`, else
+    /// `bos_token_id`; generation_config.json's overrides it when the
+    /// model is opened with [`Seq2SeqLm`]).
     pub decoder_start_token_id: u32,
     /// Tokens that end generation (`eos_token_id`).
     pub eos_token_ids: Vec<u32>,
@@ -113,14 +115,19 @@ impl T5Config {
                 )
                 .into());
         }
+        // transformers' generate falls back to bos_token_id.
         let start = match k.token_ids("decoder_start_token_id")?.as_slice() {
+            [] => k.token_ids("bos_token_id")?,
+            ids => ids.to_vec(),
+        };
+        let start = match start.as_slice() {
             [id] => *id,
             [] => {
                 return Err(k
                     .error(
                         "decoder_start_token_id",
-                        "missing: generation starts the decoder from it (T5 uses the pad token, \
-                         usually 0)",
+                        "missing (and no bos_token_id): generation starts the decoder from it \
+                         (T5 uses the pad token, usually 0)",
                     )
                     .into());
             }
@@ -652,6 +659,17 @@ impl Seq2SeqLm {
         let dir = dir.as_ref().to_path_buf();
         let tokenizer = TextTokenizer::open_in(&dir, None)?;
         let generation = GenerationConfig::from_dir(&dir, &config.eos_token_ids)?;
+        let mut config = config;
+        if let Some(start) = generation.decoder_start_token_id {
+            if start as usize >= config.vocab_size {
+                return Err(Error::Config {
+                    path: dir.join("generation_config.json"),
+                    key: "decoder_start_token_id".into(),
+                    message: format!("{start} is not below vocab_size {}", config.vocab_size),
+                });
+            }
+            config.decoder_start_token_id = start;
+        }
         Ok(Seq2SeqLm {
             t5: T5::new(config, dtype)?,
             weights,
@@ -821,6 +839,9 @@ mod tests {
             err.contains("t5/config.json") && err.contains("\"decoder_start_token_id\": missing"),
             "{err}"
         );
+        // transformers' fallback.
+        let c = t5(json!({"decoder_start_token_id": null, "bos_token_id": 3})).unwrap();
+        assert_eq!(c.decoder_start_token_id, 3);
         let err = t5(json!({"decoder_start_token_id": 32}))
             .unwrap_err()
             .to_string();

@@ -153,3 +153,33 @@ fn half_precision_runs_close_to_f32() {
         }
     }
 }
+
+#[test]
+fn generation_config_start_token_overrides_config_json() {
+    let dir = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(fixture("tiny-t5")).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), dir.path().join(entry.file_name())).unwrap();
+    }
+    let generation = dir.path().join("generation_config.json");
+    let edit = |start: u32| {
+        let mut g: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&generation).unwrap()).unwrap();
+        g["decoder_start_token_id"] = start.into();
+        std::fs::write(&generation, g.to_string()).unwrap();
+    };
+    edit(7);
+    let lm = Seq2SeqLm::open(dir.path(), Some(DType::F32)).unwrap();
+    assert_eq!(lm.model().config().decoder_start_token_id, 7);
+    edit(96);
+    let err = Seq2SeqLm::open(dir.path(), Some(DType::F32))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("generation_config.json")
+            && err.contains("\"decoder_start_token_id\"")
+            && err.contains("96 is not below vocab_size 96"),
+        "{err}"
+    );
+}
