@@ -10,12 +10,17 @@
 //! Built without the `cuda` feature the variant exists but no GPU can hold
 //! a compute tensor, so none of this runs.
 
-use bm_device::{AttentionMask, AttentionShape, DeviceBuffer, GemmShape, Gpu, GpuKind};
+use bm_device::{
+    AttentionMask, AttentionShape, DeviceBuffer, DeviceSlice, FourBitParts, GemmShape, Gpu,
+    GpuKind, Int8Parts,
+};
 use bm_tensor::DType;
 
 use crate::ops::{Heads, Mask};
-use crate::quant::QuantizedTensor;
-use crate::quant::tensor::{Data, INV_127, Scales};
+use crate::quant::tensor::{
+    Data, INV_127, INV_127_SQUARED, PackedLayout, QuantFormat, Scales, packed_layout,
+};
+use crate::quant::{QuantizedOnGpu, QuantizedTensor};
 use crate::{Error, Tensor};
 
 /// The GPU of the first operand that lives on one.
@@ -449,30 +454,28 @@ pub(crate) fn dequantize(q: &QuantizedTensor, gpu: &Gpu, dtype: DType) -> Result
                 } => {
                     let mut scales = gpu.alloc(4 * blocks)?;
                     gpu.dequantize_nested_absmax(
-                        &upload(gpu, codes.as_bytes())?,
-                        &upload(gpu, absmax.bytes())?,
-                        &upload(gpu, map.bytes())?,
-                        *offset,
+                        (&upload(gpu, codes.as_bytes())?).into(),
+                        (&upload(gpu, absmax.bytes())?).into(),
+                        (&upload(gpu, map.bytes())?).into(),
+                        (&upload(gpu, &offset.to_le_bytes())?).into(),
                         &mut scales,
                         blocks,
                     )?;
                     scales
                 }
             };
-            let code = fb.kind.code();
-            gpu.dequantize_4bit(
-                &upload(gpu, fb.packed.as_bytes())?,
-                &absmax,
-                &upload(gpu, bytemuck::cast_slice(&code))?,
-                out_buffer(&mut out),
-                dtype,
-                n,
-                fb.blocksize,
-            )?;
+            let codes = upload(gpu, fb.packed.as_bytes())?;
+            let parts = FourBitParts {
+                codes: (&codes).into(),
+                absmax: (&absmax).into(),
+                table: fb.kind.code(),
+                blocksize: fb.blocksize,
+            };
+            gpu.dequantize_4bit(parts, out_buffer(&mut out), dtype, n)?;
         }
         Data::Int8(i) => gpu.dequantize_int8(
-            &upload(gpu, i.codes.as_bytes())?,
-            &upload(gpu, i.scb.bytes())?,
+            (&upload(gpu, i.codes.as_bytes())?).into(),
+            (&upload(gpu, i.scb.bytes())?).into(),
             INV_127,
             out_buffer(&mut out),
             dtype,
@@ -480,5 +483,127 @@ pub(crate) fn dequantize(q: &QuantizedTensor, gpu: &Gpu, dtype: DType) -> Result
             cols,
         )?,
     }
+    Ok(out)
+}
+
+/// A part of `buffer` from byte `offset`.
+fn part(buffer: &DeviceBuffer, offset: usize) -> DeviceSlice<'_> {
+    DeviceSlice { buffer, offset }
+}
+
+/// Rows up to which a 4-bit matmul reads the weight packed (one output a
+/// block); beyond, it dequantizes the weight once for a cuBLAS GEMM.
+const FOUR_BIT_DIRECT_ROWS: usize = 8;
+
+/// `x · wᵀ + bias` for a quantized weight on its GPU (see
+/// [`crate::quant::linear_quantized_on_gpu`]); x `[m, k]`, w `[n, k]`.
+pub(crate) fn linear_quantized(
+    x: &Tensor,
+    w: &QuantizedOnGpu,
+    bias: Option<&Tensor>,
+    (m, k, n): (usize, usize, usize),
+    out_shape: &[usize],
+) -> Result<Tensor, Error> {
+    let packed: &DeviceBuffer = w.bytes.as_ref().as_ref();
+    let gpu = packed.gpu().clone();
+    let dtype = x.dtype();
+    let xs = on_gpu(x, &gpu, dtype)?;
+    let bs = bias.map(|b| on_gpu(b, &gpu, dtype)).transpose()?;
+    let mut out = empty(&gpu, dtype, out_shape)?;
+    let bias_buffer = bs.as_deref().map(buffer);
+    let (kind, blocksize) = match w.format {
+        QuantFormat::Int8 { threshold } => {
+            let PackedLayout::Int8 { scb, codes } = packed_layout(w.format, w.shape) else {
+                unreachable!("an 8-bit format has the 8-bit layout")
+            };
+            let parts = Int8Parts {
+                codes: part(packed, codes.start),
+                scb: part(packed, scb.start),
+                // MatMul8bitLt compares in float16.
+                threshold: (threshold > 0.0).then(|| half::f16::from_f32(threshold).to_f32()),
+                inv_127: INV_127,
+                inv_127_squared: INV_127_SQUARED,
+            };
+            gpu.linear_int8(
+                buffer(&xs),
+                parts,
+                bias_buffer,
+                out_buffer(&mut out),
+                dtype,
+                (m, k, n),
+            )?;
+            return Ok(out);
+        }
+        QuantFormat::FourBit {
+            kind, blocksize, ..
+        } => (kind, blocksize),
+    };
+    let compute = w.compute_dtype.unwrap_or(dtype);
+    let blocks = (n * k).div_ceil(blocksize);
+    // Double quantization: the block scales first, into a temporary.
+    let scales;
+    let (codes, absmax) = match packed_layout(w.format, w.shape) {
+        PackedLayout::FourBit { absmax, codes } => (codes, part(packed, absmax.start)),
+        PackedLayout::Nested {
+            offset,
+            nested,
+            map,
+            absmax_codes,
+            codes,
+        } => {
+            let mut s = gpu.alloc(4 * blocks)?;
+            gpu.dequantize_nested_absmax(
+                part(packed, absmax_codes.start),
+                part(packed, nested.start),
+                part(packed, map.start),
+                part(packed, offset.start),
+                &mut s,
+                blocks,
+            )?;
+            scales = s;
+            (codes, DeviceSlice::from(&scales))
+        }
+        PackedLayout::Int8 { .. } => unreachable!("a 4-bit format has a 4-bit layout"),
+    };
+    let parts = FourBitParts {
+        codes: part(packed, codes.start),
+        absmax,
+        table: kind.code(),
+        blocksize,
+    };
+    if m <= FOUR_BIT_DIRECT_ROWS {
+        gpu.linear_4bit(
+            buffer(&xs),
+            parts,
+            bias_buffer,
+            out_buffer(&mut out),
+            dtype,
+            compute,
+            (m, k, n),
+        )?;
+        return Ok(out);
+    }
+    // Dropped (its free enqueued after the GEMM) before this returns.
+    let mut dense = gpu.alloc(n * k * compute.size_in_bytes())?;
+    gpu.dequantize_4bit(parts, &mut dense, compute, n * k)?;
+    let xc = on_gpu(&xs, &gpu, compute)?;
+    let mut acc = gpu.alloc(m * n * 4)?;
+    gpu.gemm(
+        buffer(&xc),
+        &dense,
+        &mut acc,
+        compute,
+        DType::F32,
+        GemmShape::new(m, n, k),
+    )?;
+    gpu.linear_epilogue(
+        &acc,
+        bias_buffer,
+        out_buffer(&mut out),
+        dtype,
+        compute,
+        m,
+        n,
+    )?;
     Ok(out)
 }

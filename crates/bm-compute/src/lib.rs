@@ -33,7 +33,8 @@
 //!
 //! * [`quant`] holds bitsandbytes' quantized weights (NF4/FP4 4-bit,
 //!   LLM.int8() 8-bit): formats, quantizing, transformers' checkpoint
-//!   layout, and the dequantizing matmul `ops::linear_quantized`.
+//!   layout, and the dequantizing matmul `ops::linear_quantized` (and
+//!   `ops::linear_quantized_on_gpu` for a weight held packed on a GPU).
 //!
 //! Why a crate of its own: the model families and the quantized kernels
 //! grow independently, a framework that brings its own models can use the

@@ -13,7 +13,7 @@ use crate::tensor::is_compute_dtype;
 use crate::{Backend, Error, Tensor, cpu, cuda};
 
 pub use crate::moe::{ExpertSum, Routing, gather_rows, sigmoid_values};
-pub use crate::quant::linear_quantized;
+pub use crate::quant::{linear_quantized, linear_quantized_on_gpu};
 
 /// Attention geometry: query heads, key/value heads (fewer under
 /// grouped-query attention) and the width of one head.

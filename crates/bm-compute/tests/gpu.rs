@@ -263,3 +263,80 @@ fn dequantizing_on_a_gpu_is_the_cpu_dequantization_bit_for_bit() {
         }
     }
 }
+
+#[test]
+fn quantized_matmul_on_a_gpu_matches_the_cpu_kernel() {
+    use bm_compute::quant::{FourBitType, QuantFormat, quantize};
+    let Some(set) = DeviceSet::cuda_for_gpu_tests() else {
+        return;
+    };
+    let gpu = set.gpu(0).unwrap();
+    let four = |kind, blocksize, double_quant| QuantFormat::FourBit {
+        kind,
+        blocksize,
+        double_quant,
+    };
+    let formats = [
+        four(FourBitType::Nf4, 64, false),
+        four(FourBitType::Nf4, 64, true),
+        four(FourBitType::Fp4, 64, false),
+        four(FourBitType::Fp4, 128, true),
+        QuantFormat::Int8 { threshold: 0.0 },
+        QuantFormat::Int8 { threshold: 6.0 },
+    ];
+    // The coarser of two dtypes' precisions: a sum taken in another order
+    // may round once more to the compute dtype.
+    let tolerance = |a: DType, b: DType| {
+        let tol = |d: DType| match d {
+            DType::F32 => 1e-5,
+            DType::F16 => 2e-3,
+            _ => 1.6e-2,
+        };
+        f32::max(tol(a), tol(b))
+    };
+    // k = 75 puts block boundaries and odd nibbles inside rows; 300 x 257
+    // needs two nested scales. m = 1 and 3 read the weight packed, 17
+    // dequantizes it for a GEMM.
+    for [n, k] in [[37, 75], [300, 257]] {
+        for (seed, format) in formats.into_iter().enumerate() {
+            let weight = host(DType::BF16, &[n, k], seed as u32);
+            let mut q = quantize(&weight, format, "w").unwrap();
+            let computes: &[Option<DType>] = match format {
+                QuantFormat::FourBit { .. } => &[None, Some(DType::F32), Some(DType::BF16)],
+                QuantFormat::Int8 { .. } => &[None],
+            };
+            for &compute in computes {
+                q.set_compute_dtype(compute).unwrap();
+                let on_gpu = q.to_gpu(gpu).unwrap();
+                for dtype in [DType::F32, DType::F16, DType::BF16] {
+                    for m in [1, 3, 17] {
+                        let mut xv = values(m * k, 7 + m as u32);
+                        // Outlier columns for LLM.int8(): 3 (one row) and 40.
+                        xv[(m / 2) * k + 3] = 9.0;
+                        xv[40] = -7.5;
+                        let x = Tensor::from_f32(dtype, &[m, k], &xv).unwrap();
+                        let bias = host(dtype, &[n], 11);
+                        let cpu = ops::linear_quantized(&x, &q, Some(&bias)).unwrap();
+                        let xg = x.to_gpu(gpu).unwrap();
+                        let bg = bias.to_gpu(gpu).unwrap();
+                        let got = ops::linear_quantized_on_gpu(&xg, &on_gpu, Some(&bg)).unwrap();
+                        assert!(matches!(got.backend(), Backend::Cuda(0)));
+                        assert_eq!((got.shape(), got.dtype()), (cpu.shape(), cpu.dtype()));
+                        let tol = tolerance(dtype, compute.unwrap_or(dtype));
+                        let (g, c) = (got.to_host().unwrap().to_f32_vec(), cpu.to_f32_vec());
+                        for (i, (a, b)) in g.iter().zip(&c).enumerate() {
+                            assert!(
+                                (a - b).abs() <= tol * (1.0 + b.abs()),
+                                "{format:?} compute {compute:?} x {dtype} m={m} [{n}, {k}] \
+                                 [{i}]: GPU {a}, CPU {b}"
+                            );
+                        }
+                        // A GPU input with a host weight uploads it packed.
+                        let uploaded = ops::linear_quantized(&xg, &q, None).unwrap();
+                        assert!(matches!(uploaded.backend(), Backend::Cuda(0)));
+                    }
+                }
+            }
+        }
+    }
+}

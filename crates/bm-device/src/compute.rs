@@ -10,8 +10,10 @@
 //!   epilogue of a linear layer, embedding gather, RMSNorm, LayerNorm,
 //!   rotary embedding (`rotate_half`), softmax, a fused attention with
 //!   bidirectional, causal or sliding-window masks and grouped-query heads,
-//!   and bitsandbytes' dequantization (4-bit NF4/FP4 with plain or nested
-//!   scales, LLM.int8() rows).
+//!   bitsandbytes' dequantization (4-bit NF4/FP4 with plain or nested
+//!   scales, LLM.int8() rows) and quantized linear layers reading the
+//!   packed weight in place (4-bit, LLM.int8()), whose parts may be
+//!   [`DeviceSlice`]s of one buffer.
 //!   Every kernel computes in f32 and rounds once when storing, the rule
 //!   PyTorch's kernels follow.
 //!
@@ -912,67 +914,173 @@ impl Gpu {
 /// bitsandbytes.
 const NESTED_BLOCK: usize = 256;
 
-/// bitsandbytes' dequantization, the GPU side of bm-compute's `quant`
-/// (whose CPU code is the reference: every value is one f32 multiply,
-/// never fused, rounded once when stored, so results are the CPU's bit for
-/// bit).
+/// Threads per block of the quantized linear kernels (one output a block).
+const QUANT_THREADS: u32 = 128;
+
+/// Most rows of a quantized linear kernel's grid (CUDA's limit on a grid's
+/// second dimension).
+pub const MAX_QUANTIZED_ROWS: usize = 65_535;
+
+/// Part of a device buffer from a byte offset: one of the parts a buffer
+/// holds together (a quantized weight's packed form).
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceSlice<'a> {
+    /// The buffer.
+    pub buffer: &'a DeviceBuffer,
+    /// Where the part starts, in bytes.
+    pub offset: usize,
+}
+
+impl<'a> From<&'a DeviceBuffer> for DeviceSlice<'a> {
+    fn from(buffer: &'a DeviceBuffer) -> Self {
+        DeviceSlice { buffer, offset: 0 }
+    }
+}
+
+impl<'a> DeviceSlice<'a> {
+    /// The kernel argument: the buffer's address plus the offset.
+    fn arg(self) -> Arg<'a> {
+        Arg::BufAt(self.buffer, self.offset)
+    }
+}
+
+/// Fails unless `part` holds `count` elements of `ty`, aligned for `ty`.
+fn need_part(
+    operation: &'static str,
+    part: DeviceSlice<'_>,
+    ty: DType,
+    count: usize,
+) -> Result<()> {
+    if part.offset % ty.size_in_bytes() != 0 {
+        return Err(bad(
+            operation,
+            format!("a {ty} part at byte offset {} is not aligned", part.offset),
+        ));
+    }
+    let len = count.saturating_mul(ty.size_in_bytes());
+    crate::buffer::check_range(operation, part.offset, len, part.buffer.len())
+}
+
+/// A 4-bit (NF4/FP4) weight's parts on a GPU, as bitsandbytes stores them.
+#[derive(Clone, Copy, Debug)]
+pub struct FourBitParts<'a> {
+    /// Two codes a byte over the flattened weight, the first in the high
+    /// nibble: `ceil(n / 2)` bytes.
+    pub codes: DeviceSlice<'a>,
+    /// One f32 scale per block: `ceil(n / blocksize)`.
+    pub absmax: DeviceSlice<'a>,
+    /// The code table: the value of each 4-bit code.
+    pub table: [f32; 16],
+    /// Values per scale.
+    pub blocksize: usize,
+}
+
+impl FourBitParts<'_> {
+    fn check(&self, operation: &'static str, n: usize) -> Result<()> {
+        if self.blocksize == 0 {
+            return Err(bad(operation, "block size 0".into()));
+        }
+        need_part(operation, self.codes, DType::U8, n.div_ceil(2))?;
+        need_part(
+            operation,
+            self.absmax,
+            DType::F32,
+            n.div_ceil(self.blocksize),
+        )
+    }
+}
+
+/// An LLM.int8() weight's parts on a GPU and how its matmul runs.
+#[derive(Clone, Copy, Debug)]
+pub struct Int8Parts<'a> {
+    /// `[out, in]` int8 values.
+    pub codes: DeviceSlice<'a>,
+    /// One f32 absmax per output row (`SCB`).
+    pub scb: DeviceSlice<'a>,
+    /// The outlier threshold as float16 rounds it; `None` quantizes every
+    /// activation column.
+    pub threshold: Option<f32>,
+    /// What a weight value times its `SCB` is multiplied by (1/127 as
+    /// bitsandbytes rounds it).
+    pub inv_127: f32,
+    /// What the integer product times `row_absmax * SCB` is multiplied by
+    /// (1/127² as bitsandbytes writes it).
+    pub inv_127_squared: f32,
+}
+
+/// Sizes of a linear layer: `m` input rows of `k`, `n` outputs.
+fn linear_dims(operation: &'static str, (m, k, n): (usize, usize, usize)) -> Result<(u32, u32)> {
+    if m == 0 || k == 0 || n == 0 {
+        return Err(bad(
+            operation,
+            format!("empty linear layer: {m} rows, {k} → {n}"),
+        ));
+    }
+    if m > MAX_QUANTIZED_ROWS {
+        return Err(bad(
+            operation,
+            format!("{m} rows exceed the {MAX_QUANTIZED_ROWS} one launch takes"),
+        ));
+    }
+    product(operation, &[m, k])?;
+    product(operation, &[n, k])?;
+    Ok((to_u32(operation, "output count", n)?, m as u32))
+}
+
+/// bitsandbytes' dequantization and quantized linear layers, the GPU side
+/// of bm-compute's `quant` (whose CPU code is the reference: a dequantized
+/// value is one f32 multiply, never fused, so dequantization is the CPU's
+/// bit for bit; sums may be taken in another order).
 impl Gpu {
-    /// 4-bit NF4/FP4: `out[i] = code[nibble i] · absmax[i / blocksize]` for
-    /// `n` values (`packed`: `ceil(n / 2)` bytes, the first value in the
-    /// high nibble; `absmax`: `ceil(n / blocksize)` f32; `code`: the 16
-    /// f32 values of the table), written to `out` as `out_type`.
-    #[allow(clippy::too_many_arguments)]
+    /// 4-bit NF4/FP4: `out[i] = table[nibble i] · absmax[i / blocksize]`
+    /// for `n` values, written to `out` as `out_type`.
     pub fn dequantize_4bit(
         &self,
-        packed: &DeviceBuffer,
-        absmax: &DeviceBuffer,
-        code: &DeviceBuffer,
+        w: FourBitParts<'_>,
         out: &mut DeviceBuffer,
         out_type: DType,
         n: usize,
-        blocksize: usize,
     ) -> Result<()> {
         const OP: &str = "dequantize 4-bit";
-        if blocksize == 0 {
-            return Err(bad(OP, "block size 0".into()));
-        }
-        need(OP, packed, DType::U8, 0, n.div_ceil(2))?;
-        need(OP, absmax, DType::F32, 0, n.div_ceil(blocksize))?;
-        need(OP, code, DType::F32, 0, 16)?;
+        w.check(OP, n)?;
         need(OP, out, out_type, 0, n)?;
+        let mut args = vec![
+            w.codes.arg(),
+            w.absmax.arg(),
+            Arg::Buf(out),
+            Arg::U64(n as u64),
+            Arg::U64(w.blocksize as u64),
+        ];
+        // The code table travels as 16 float arguments.
+        args.extend(w.table.iter().map(|&v| Arg::F32(v)));
         self.launch(
             OP,
             format!("bm_dequant_4bit_{}", suffix(OP, out_type)?),
             grid_for(n),
             THREADS,
             0,
-            &[
-                Arg::Buf(packed),
-                Arg::Buf(absmax),
-                Arg::Buf(code),
-                Arg::Buf(out),
-                Arg::U64(n as u64),
-                Arg::U64(blocksize as u64),
-            ],
+            &args,
         )
     }
 
     /// Double quantization's block scales: `absmax[b] = map[codes[b]] ·
     /// nested[b / 256] + offset` for `blocks` blocks (`codes`: one byte a
-    /// block; `nested`: one f32 per 256 blocks; `map`: 256 f32).
+    /// block; `nested`: one f32 per 256 blocks; `map`: 256 f32; `offset`:
+    /// one f32).
     pub fn dequantize_nested_absmax(
         &self,
-        codes: &DeviceBuffer,
-        nested: &DeviceBuffer,
-        map: &DeviceBuffer,
-        offset: f32,
+        codes: DeviceSlice<'_>,
+        nested: DeviceSlice<'_>,
+        map: DeviceSlice<'_>,
+        offset: DeviceSlice<'_>,
         absmax: &mut DeviceBuffer,
         blocks: usize,
     ) -> Result<()> {
         const OP: &str = "dequantize nested absmax";
-        need(OP, codes, DType::U8, 0, blocks)?;
-        need(OP, nested, DType::F32, 0, blocks.div_ceil(NESTED_BLOCK))?;
-        need(OP, map, DType::F32, 0, 256)?;
+        need_part(OP, codes, DType::U8, blocks)?;
+        need_part(OP, nested, DType::F32, blocks.div_ceil(NESTED_BLOCK))?;
+        need_part(OP, map, DType::F32, 256)?;
+        need_part(OP, offset, DType::F32, 1)?;
         need(OP, absmax, DType::F32, 0, blocks)?;
         self.launch(
             OP,
@@ -981,10 +1089,10 @@ impl Gpu {
             THREADS,
             0,
             &[
-                Arg::Buf(codes),
-                Arg::Buf(nested),
-                Arg::Buf(map),
-                Arg::F32(offset),
+                codes.arg(),
+                nested.arg(),
+                map.arg(),
+                offset.arg(),
                 Arg::Buf(absmax),
                 Arg::U64(blocks as u64),
             ],
@@ -997,8 +1105,8 @@ impl Gpu {
     #[allow(clippy::too_many_arguments)]
     pub fn dequantize_int8(
         &self,
-        codes: &DeviceBuffer,
-        scb: &DeviceBuffer,
+        codes: DeviceSlice<'_>,
+        scb: DeviceSlice<'_>,
         scale: f32,
         out: &mut DeviceBuffer,
         out_type: DType,
@@ -1007,8 +1115,8 @@ impl Gpu {
     ) -> Result<()> {
         const OP: &str = "dequantize int8";
         let n = product(OP, &[rows, cols])?;
-        need(OP, codes, DType::I8, 0, n)?;
-        need(OP, scb, DType::F32, 0, rows)?;
+        need_part(OP, codes, DType::I8, n)?;
+        need_part(OP, scb, DType::F32, rows)?;
         need(OP, out, out_type, 0, n)?;
         self.launch(
             OP,
@@ -1017,12 +1125,199 @@ impl Gpu {
             THREADS,
             0,
             &[
-                Arg::Buf(codes),
-                Arg::Buf(scb),
+                codes.arg(),
+                scb.arg(),
                 Arg::Buf(out),
                 Arg::U64(rows as u64),
                 Arg::U64(cols as u64),
                 Arg::F32(scale),
+            ],
+        )
+    }
+
+    /// `out = x · Wᵀ + bias` for a 4-bit weight `W` (`[n, k]`, read packed:
+    /// nothing is dequantized to memory) and `m` rows of `x` (`[m, k]`),
+    /// one output a block, as `Linear4bit` computes: `x`, each weight value
+    /// and the bias rounded to `compute`, the sum taken in f32 and rounded
+    /// to `compute`, stored as `x_type` (`out`: `[m, n]`; `bias`: `n`
+    /// values of `x_type`). Meant for a few rows (decode); for many,
+    /// dequantize into a temporary and use [`Gpu::gemm`] and
+    /// [`Gpu::linear_epilogue`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear_4bit(
+        &self,
+        x: &DeviceBuffer,
+        w: FourBitParts<'_>,
+        bias: Option<&DeviceBuffer>,
+        out: &mut DeviceBuffer,
+        x_type: DType,
+        compute: DType,
+        (m, k, n): (usize, usize, usize),
+    ) -> Result<()> {
+        const OP: &str = "linear 4-bit";
+        let (blocks, rows) = linear_dims(OP, (m, k, n))?;
+        w.check(OP, n * k)?;
+        need(OP, x, x_type, 0, m * k)?;
+        need(OP, out, x_type, 0, m * n)?;
+        if let Some(b) = bias {
+            need(OP, b, x_type, 0, n)?;
+        }
+        let mut args = vec![
+            Arg::Buf(x),
+            w.codes.arg(),
+            w.absmax.arg(),
+            bias.map_or(Arg::Null, Arg::Buf),
+            Arg::Buf(out),
+            Arg::U64(k as u64),
+            Arg::U64(n as u64),
+            Arg::U64(w.blocksize as u64),
+        ];
+        // The code table travels as 16 float arguments.
+        args.extend(w.table.iter().map(|&v| Arg::F32(v)));
+        self.launch(
+            OP,
+            format!(
+                "bm_linear_4bit_{}_{}",
+                suffix(OP, x_type)?,
+                suffix(OP, compute)?
+            ),
+            (blocks, rows, 1),
+            QUANT_THREADS,
+            0,
+            &args,
+        )
+    }
+
+    /// The end of a quantized linear layer whose product cuBLAS left in
+    /// f32 (`acc`, `rows × cols`): `out = round_compute(acc +
+    /// round_compute(bias))`, stored as `x_type` (`bias`: `cols` values of
+    /// `x_type`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear_epilogue(
+        &self,
+        acc: &DeviceBuffer,
+        bias: Option<&DeviceBuffer>,
+        out: &mut DeviceBuffer,
+        x_type: DType,
+        compute: DType,
+        rows: usize,
+        cols: usize,
+    ) -> Result<()> {
+        const OP: &str = "linear epilogue";
+        let count = product(OP, &[rows, cols])?;
+        need(OP, acc, DType::F32, 0, count)?;
+        need(OP, out, x_type, 0, count)?;
+        if let Some(b) = bias {
+            need(OP, b, x_type, 0, cols)?;
+        }
+        self.launch(
+            OP,
+            format!(
+                "bm_linear_epilogue_{}_{}",
+                suffix(OP, x_type)?,
+                suffix(OP, compute)?
+            ),
+            grid_for(count),
+            THREADS,
+            0,
+            &[
+                Arg::Buf(acc),
+                bias.map_or(Arg::Null, Arg::Buf),
+                Arg::Buf(out),
+                Arg::U64(rows as u64),
+                Arg::U64(cols as u64),
+            ],
+        )
+    }
+
+    /// `out = x · Wᵀ + bias` for an LLM.int8() weight `W` (`[n, k]`, read
+    /// packed), as `Linear8bitLt` computes (bm-compute's CPU kernel is the
+    /// reference): `x` (`[m, k]`) goes to float16; with a threshold, the
+    /// columns holding a value at or above it are outliers, multiplied in
+    /// `x_type` against the dequantized weight; the rest is quantized
+    /// row-wise to int8, multiplied exactly in integers and scaled by
+    /// `row_absmax · SCB / 127²`. Three kernels (outlier columns, row
+    /// quantization, the product, one output a block) over stream-ordered
+    /// temporaries of `4k + m(k + 4)` bytes.
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear_int8(
+        &self,
+        x: &DeviceBuffer,
+        w: Int8Parts<'_>,
+        bias: Option<&DeviceBuffer>,
+        out: &mut DeviceBuffer,
+        x_type: DType,
+        (m, k, n): (usize, usize, usize),
+    ) -> Result<()> {
+        const OP: &str = "linear int8";
+        let (blocks, rows) = linear_dims(OP, (m, k, n))?;
+        need_part(OP, w.codes, DType::I8, n * k)?;
+        need_part(OP, w.scb, DType::F32, n)?;
+        need(OP, x, x_type, 0, m * k)?;
+        need(OP, out, x_type, 0, m * n)?;
+        if let Some(b) = bias {
+            need(OP, b, x_type, 0, n)?;
+        }
+        let name = suffix(OP, x_type)?;
+        let (outliers, threshold) = match w.threshold {
+            Some(t) if t > 0.0 => (1, t),
+            _ => (0, 0.0),
+        };
+        let flags = self.alloc(4 * k)?;
+        let q = self.alloc(m * k)?;
+        let row_absmax = self.alloc(4 * m)?;
+        if outliers == 1 {
+            self.launch(
+                OP,
+                format!("bm_int8_outliers_{name}"),
+                grid_for(k),
+                THREADS,
+                0,
+                &[
+                    Arg::Buf(x),
+                    Arg::Buf(&flags),
+                    Arg::U64(m as u64),
+                    Arg::U64(k as u64),
+                    Arg::F32(threshold),
+                ],
+            )?;
+        }
+        self.launch(
+            OP,
+            format!("bm_int8_quantize_rows_{name}"),
+            (rows, 1, 1),
+            QUANT_THREADS,
+            0,
+            &[
+                Arg::Buf(x),
+                Arg::Buf(&flags),
+                Arg::Buf(&q),
+                Arg::Buf(&row_absmax),
+                Arg::U64(k as u64),
+                Arg::F32(threshold),
+                Arg::U32(outliers),
+            ],
+        )?;
+        self.launch(
+            OP,
+            format!("bm_int8_linear_{name}"),
+            (blocks, rows, 1),
+            QUANT_THREADS,
+            0,
+            &[
+                Arg::Buf(x),
+                Arg::Buf(&q),
+                Arg::Buf(&row_absmax),
+                w.codes.arg(),
+                w.scb.arg(),
+                Arg::Buf(&flags),
+                bias.map_or(Arg::Null, Arg::Buf),
+                Arg::Buf(out),
+                Arg::U64(k as u64),
+                Arg::U64(n as u64),
+                Arg::U32(outliers),
+                Arg::F32(w.inv_127),
+                Arg::F32(w.inv_127_squared),
             ],
         )
     }
@@ -1058,15 +1353,16 @@ mod tests {
     fn dequantize_checks_sizes_before_refusing_on_emulated_gpus() {
         let set = emulated();
         let g = set.gpu(0).unwrap();
-        let (packed, absmax, code) = (
-            g.alloc(32).unwrap(),
-            g.alloc(4).unwrap(),
-            g.alloc(64).unwrap(),
-        );
+        let (packed, absmax) = (g.alloc(32).unwrap(), g.alloc(4).unwrap());
         let mut out = g.alloc(256).unwrap();
+        let parts = FourBitParts {
+            codes: (&packed).into(),
+            absmax: (&absmax).into(),
+            table: [0.5; 16],
+            blocksize: 64,
+        };
         let four = |g: &Gpu, out: &mut DeviceBuffer, n| {
-            g.dequantize_4bit(&packed, &absmax, &code, out, DType::F32, n, 64)
-                .unwrap_err()
+            g.dequantize_4bit(parts, out, DType::F32, n).unwrap_err()
         };
         assert!(matches!(
             four(g, &mut out, 64),
@@ -1075,22 +1371,125 @@ mod tests {
         // 65 values need 33 packed bytes and two scales.
         assert!(matches!(four(g, &mut out, 65), Error::OutOfBounds { .. }));
         let err = g
-            .dequantize_int8(&packed, &absmax, 0.5, &mut out, DType::BF16, 1, 32)
+            .dequantize_int8(
+                (&packed).into(),
+                (&absmax).into(),
+                0.5,
+                &mut out,
+                DType::BF16,
+                1,
+                32,
+            )
             .unwrap_err();
         assert!(matches!(err, Error::ComputeUnsupported { .. }), "{err}");
         // Two rows need two scales.
         let err = g
-            .dequantize_int8(&packed, &absmax, 0.5, &mut out, DType::BF16, 2, 16)
+            .dequantize_int8(
+                (&packed).into(),
+                (&absmax).into(),
+                0.5,
+                &mut out,
+                DType::BF16,
+                2,
+                16,
+            )
             .unwrap_err();
         assert!(matches!(err, Error::OutOfBounds { .. }), "{err}");
-        let map = g.alloc(1024).unwrap();
+        let map = g.alloc(1028).unwrap();
         let mut scales = g.alloc(128).unwrap();
-        let err = g
-            .dequantize_nested_absmax(&packed, &absmax, &map, 0.0, &mut scales, 32)
-            .unwrap_err();
+        let nested = |g: &Gpu, scales: &mut DeviceBuffer, offset, blocks| {
+            let at = |offset| DeviceSlice {
+                buffer: &map,
+                offset,
+            };
+            g.dequantize_nested_absmax(
+                (&packed).into(),
+                (&absmax).into(),
+                at(4),
+                at(offset),
+                scales,
+                blocks,
+            )
+            .unwrap_err()
+        };
+        let err = nested(g, &mut scales, 0, 32);
         assert!(matches!(err, Error::ComputeUnsupported { .. }), "{err}");
+        let err = nested(g, &mut scales, 0, 33);
+        assert!(matches!(err, Error::OutOfBounds { .. }), "{err}");
+        // An f32 part must be 4-byte aligned.
+        let err = nested(g, &mut scales, 2, 32);
+        assert!(err.to_string().contains("not aligned"), "{err}");
+    }
+
+    #[test]
+    fn quantized_linear_checks_parts_and_shapes_before_refusing_on_emulated_gpus() {
+        let set = emulated();
+        let g = set.gpu(0).unwrap();
+        // A [4, 64] weight: 128 code bytes, 4 scales; x [2, 64] f32.
+        let (codes, absmax) = (g.alloc(128).unwrap(), g.alloc(16).unwrap());
+        let x = g.alloc(2 * 64 * 4).unwrap();
+        let mut out = g.alloc(2 * 4 * 4).unwrap();
+        let parts = |blocksize| FourBitParts {
+            codes: (&codes).into(),
+            absmax: (&absmax).into(),
+            table: [1.0; 16],
+            blocksize,
+        };
+        let four = |g: &Gpu, out: &mut DeviceBuffer, blocksize, dims| {
+            g.linear_4bit(
+                &x,
+                parts(blocksize),
+                None,
+                out,
+                DType::F32,
+                DType::BF16,
+                dims,
+            )
+            .unwrap_err()
+        };
+        let err = four(g, &mut out, 64, (2, 64, 4));
+        assert!(matches!(err, Error::ComputeUnsupported { .. }), "{err}");
+        // Five outputs need more codes, scales and output than there are.
+        assert!(matches!(
+            four(g, &mut out, 64, (2, 64, 5)),
+            Error::OutOfBounds { .. }
+        ));
+        // Block size 32 needs 8 scales.
+        assert!(matches!(
+            four(g, &mut out, 32, (2, 64, 4)),
+            Error::OutOfBounds { .. }
+        ));
+        let err = four(g, &mut out, 0, (2, 64, 4));
+        assert!(err.to_string().contains("block size 0"), "{err}");
+        let err = four(g, &mut out, 64, (0, 64, 4));
+        assert!(err.to_string().contains("empty linear layer"), "{err}");
+        let err = four(g, &mut out, 64, (MAX_QUANTIZED_ROWS + 1, 64, 4));
+        assert!(err.to_string().contains("rows exceed"), "{err}");
+        // 8-bit: [4, 64] int8 codes (256 bytes) and 4 row scales.
+        let int8_codes = g.alloc(256).unwrap();
+        let int8 = |g: &Gpu, out: &mut DeviceBuffer, scb_offset, dims| {
+            let parts = Int8Parts {
+                codes: (&int8_codes).into(),
+                scb: DeviceSlice {
+                    buffer: &absmax,
+                    offset: scb_offset,
+                },
+                threshold: Some(6.0),
+                inv_127: 1.0 / 127.0,
+                inv_127_squared: 1.0 / 16129.0,
+            };
+            g.linear_int8(&x, parts, None, out, DType::F32, dims)
+                .unwrap_err()
+        };
+        let err = int8(g, &mut out, 0, (2, 64, 4));
+        assert!(matches!(err, Error::ComputeUnsupported { .. }), "{err}");
+        // Four scales from byte 4 run past the buffer.
+        assert!(matches!(
+            int8(g, &mut out, 4, (2, 64, 4)),
+            Error::OutOfBounds { .. }
+        ));
         let err = g
-            .dequantize_nested_absmax(&packed, &absmax, &map, 0.0, &mut scales, 33)
+            .linear_epilogue(&x, None, &mut out, DType::F32, DType::F16, 2, 5)
             .unwrap_err();
         assert!(matches!(err, Error::OutOfBounds { .. }), "{err}");
     }

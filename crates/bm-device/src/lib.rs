@@ -166,7 +166,10 @@ mod sha256;
 mod stream;
 
 pub use buffer::{COPY_CHUNK, DeviceBuffer};
-pub use compute::{AttentionMask, AttentionShape, GemmShape, KernelModuleInfo, MAX_ATTENTION_KEYS};
+pub use compute::{
+    AttentionMask, AttentionShape, DeviceSlice, FourBitParts, GemmShape, Int8Parts,
+    KernelModuleInfo, MAX_ATTENTION_KEYS, MAX_QUANTIZED_ROWS,
+};
 pub use device::{Device, ParseDeviceError};
 pub use error::{Error, Result};
 pub use gpu::{Gpu, GpuKind};

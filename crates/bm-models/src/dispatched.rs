@@ -265,7 +265,7 @@ impl WeightSource for DispatchedWeights {
 
     /// A packed weight arrives as its packed bytes (streamed at that size
     /// when offloaded) and is used in place: host and mapped bytes without
-    /// a copy.
+    /// a copy, CUDA-resident ones by the GPU matmul.
     fn linear_weight(&self, name: &str, layout: WeightLayout) -> Result<LinearWeight, Error> {
         let Some(packed) = self.inner.packed.as_ref().filter(|p| p.contains(name)) else {
             return self.tensor(name).map(|t| LinearWeight::dense(t, layout));
@@ -276,9 +276,10 @@ impl WeightSource for DispatchedWeights {
                 HostBytes::Shared(Arc::new(HostWeight(weight.bytes.clone())))
             }
             Bytes::Device(d) if d.gpu().kind() == GpuKind::Cuda => {
-                return Err(Error::Compute(bm_compute::Error::NotOnCuda {
-                    op: "linear_quantized",
-                }));
+                let bytes = Arc::new(DeviceWeight(weight.bytes.clone()));
+                return Ok(LinearWeight::QuantizedOnGpu(Arc::new(
+                    packed.read_on_gpu(name, bytes)?,
+                )));
             }
             other => HostBytes::Owned(HostBuffer::from_bytes(
                 &other.to_host().map_err(Error::Dispatch)?,

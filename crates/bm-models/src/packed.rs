@@ -14,8 +14,8 @@ use std::sync::Arc;
 use bigmodel::plan::quant::{QuantScheme, quantize_tree};
 use bigmodel::plan::{Device, DeviceMap, ModuleTree};
 use bigmodel::tensor::{DType, HostBuffer, TensorMeta};
-use bm_compute::HostBytes;
-use bm_compute::quant::{QuantFormat, QuantizedTensor, quantize};
+use bm_compute::quant::{QuantFormat, QuantizedOnGpu, QuantizedTensor, quantize};
+use bm_compute::{HostBytes, SharedDeviceBuffer};
 use bm_shard::Checkpoint;
 
 use crate::quant_config::{self, ModuleFilter, QuantizeOptions};
@@ -312,6 +312,20 @@ impl PackedWeights {
             name: name.to_string(),
         })?;
         let mut q = QuantizedTensor::from_packed(name, p.format, p.shape, p.dtype, bytes)?;
+        q.set_compute_dtype(self.compute_dtype)?;
+        Ok(q)
+    }
+
+    /// The quantized weight `name` over its packed bytes on a CUDA GPU.
+    pub(crate) fn read_on_gpu(
+        &self,
+        name: &str,
+        bytes: SharedDeviceBuffer,
+    ) -> Result<QuantizedOnGpu, Error> {
+        let p = self.weights.get(name).ok_or_else(|| Error::MissingTensor {
+            name: name.to_string(),
+        })?;
+        let mut q = QuantizedOnGpu::from_packed(name, p.format, p.shape, bytes)?;
         q.set_compute_dtype(self.compute_dtype)?;
         Ok(q)
     }

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 
-use bm_compute::quant::QuantizedTensor;
+use bm_compute::quant::{QuantizedOnGpu, QuantizedTensor};
 use bm_shard::{Checkpoint, TensorBytes};
 use bm_tensor::{DType, TensorMeta};
 
@@ -36,6 +36,8 @@ pub enum LinearWeight {
     /// Packed codes and scales, `[out_features, in_features]`, dequantized
     /// on the fly by the matmul.
     Quantized(Arc<QuantizedTensor>),
+    /// The same, its packed form on a CUDA GPU, read there in place.
+    QuantizedOnGpu(Arc<QuantizedOnGpu>),
 }
 
 impl LinearWeight {
@@ -44,16 +46,18 @@ impl LinearWeight {
         match self {
             LinearWeight::Dense(t) | LinearWeight::DenseTransposed(t) => t.shape(),
             LinearWeight::Quantized(q) => q.shape(),
+            LinearWeight::QuantizedOnGpu(q) => q.shape(),
         }
     }
 
-    /// `x · weightᵀ + bias` (`ops::linear`, `ops::linear_t` or
-    /// `ops::linear_quantized`).
+    /// `x · weightᵀ + bias` (`ops::linear`, `ops::linear_t`,
+    /// `ops::linear_quantized` or `ops::linear_quantized_on_gpu`).
     pub fn forward(&self, x: &Tensor, bias: Option<&Tensor>) -> Result<Tensor, Error> {
         Ok(match self {
             LinearWeight::Dense(w) => crate::ops::linear(x, w, bias)?,
             LinearWeight::DenseTransposed(w) => crate::ops::linear_t(x, w, bias)?,
             LinearWeight::Quantized(w) => crate::ops::linear_quantized(x, w, bias)?,
+            LinearWeight::QuantizedOnGpu(w) => crate::ops::linear_quantized_on_gpu(x, w, bias)?,
         })
     }
 

@@ -256,7 +256,7 @@ fn skip_and_fp32_modules_stay_dense() {
     let w = FolderWeights::open_quantized(fixture("base"), Some(DType::BF16), o).unwrap();
     let kind = |name: &str| match w.linear_weight(name, WeightLayout::Linear).unwrap() {
         LinearWeight::Dense(t) | LinearWeight::DenseTransposed(t) => format!("dense {}", t.dtype()),
-        LinearWeight::Quantized(_) => "quantized".into(),
+        LinearWeight::Quantized(_) | LinearWeight::QuantizedOnGpu(_) => "quantized".into(),
     };
     assert_eq!(kind("model.layers.0.mlp.up_proj.weight"), "dense BF16");
     assert_eq!(kind("model.layers.0.self_attn.o_proj.weight"), "dense F32");

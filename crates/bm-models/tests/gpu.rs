@@ -1,6 +1,7 @@
 //! CUDA runs of bm-models: the tiny decoders' logits and greedy tokens with
 //! every weight on GPU 0 against transformers', directly and through
-//! dispatch with CPU and disk offload. Run for real on a GPU machine through
+//! dispatch with CPU and disk offload; the quantized tiny Llama on GPU 0
+//! against the CPU's quantized model and bitsandbytes'. Run for real on a GPU machine through
 //! `cargo xtask gpu-bundle`; without a GPU each test prints "skipped: no
 //! CUDA device" and returns, unless `BM_GPU_TESTS=1`, which makes that a
 //! failure.
@@ -28,6 +29,24 @@ macro_rules! fixture_file {
                 env!("CARGO_MANIFEST_DIR"),
                 "/tests/fixtures/",
                 $model,
+                "/",
+                $file
+            ))
+            .as_slice(),
+        )
+    };
+}
+
+/// One file of the quantized Llama fixtures, embedded.
+macro_rules! bnb_file {
+    ($folder:literal, $file:literal) => {
+        (
+            $folder,
+            $file,
+            include_bytes!(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/tests/fixtures/tiny-llama-bnb/",
+                $folder,
                 "/",
                 $file
             ))
@@ -344,3 +363,137 @@ fn a_steady_state_decode_step_takes_no_memory_from_the_driver() {
     // allocation from what earlier steps freed.
     assert_eq!(counts[2], counts[7], "{counts:?}");
 }
+
+/// A quantized model with every weight on GPU 0: its quantized linear
+/// layers run on CUDA reading the packed weight (quantized while loading,
+/// and a folder transformers saved pre-quantized), with logits close to the
+/// CPU's quantized model and to transformers + bitsandbytes'.
+#[test]
+fn quantized_tiny_llama_on_gpu_matches_the_cpu_quantized_model() {
+    use bigmodel::plan::DeviceMap;
+    use bigmodel::{DeviceMapSpec, Options};
+    use bm_models::{Dispatched, QuantizeOptions, open_causal_lm, open_causal_lm_quantized};
+
+    let Some(set) = DeviceSet::cuda_for_gpu_tests() else {
+        return;
+    };
+    let devices = Arc::new(set);
+    let root = tempfile::tempdir().unwrap();
+    for (folder, file, bytes) in BNB_FIXTURES {
+        let dir = root.path().join(folder);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join(file), bytes).unwrap();
+    }
+    let reference = SafeTensors::deserialize(BNB_REFERENCE).unwrap();
+    // 12 tokens: a prefill of 11 rows dequantizes 4-bit weights for a GEMM.
+    let ids = reference_ids(&reference, "prompt.2");
+    let options = |map: serde_json::Value| Options {
+        device_map: Some(DeviceMapSpec::Map(DeviceMap::from_json(&map).unwrap())),
+        dtype: Some(DType::F32),
+        force_hooks: true,
+        ..Options::default()
+    };
+    let logits = |d: &Dispatched<CausalLm>| {
+        let mut cache = d.model.decoder().new_cache();
+        // Prefill (several rows: the dequantize-and-GEMM path), then one
+        // decode step (one row: the kernels reading the weight packed).
+        let prefill = d
+            .model
+            .decoder()
+            .forward(&d.weights, &ids[..ids.len() - 1], &mut cache, Logits::All)
+            .unwrap()
+            .to_host()
+            .unwrap()
+            .to_f32_vec();
+        let step = d
+            .model
+            .decoder()
+            .forward(&d.weights, &ids[ids.len() - 1..], &mut cache, Logits::All)
+            .unwrap()
+            .to_host()
+            .unwrap()
+            .to_f32_vec();
+        [prefill, step].concat()
+    };
+    let max_diff = |a: &[f32], b: &[f32]| {
+        assert_eq!(a.len(), b.len());
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max)
+    };
+    for format in ["nf4", "fp4", "int8"] {
+        let mut quantize = QuantizeOptions::named(format).unwrap();
+        if format == "int8" {
+            // The fixture's threshold, so outliers occur.
+            quantize.format = bm_compute::quant::QuantFormat::Int8 { threshold: 2.5 };
+        }
+        let base = root.path().join("base");
+        let cpu = Arc::new(DeviceSet::cpu_only());
+        let on_cpu = open_causal_lm_quantized(
+            &base,
+            cpu,
+            &options(serde_json::json!({"": "cpu"})),
+            &quantize,
+        )
+        .unwrap();
+        let on_gpu = open_causal_lm_quantized(
+            &base,
+            Arc::clone(&devices),
+            &options(serde_json::json!({"": 0})),
+            &quantize,
+        )
+        .unwrap();
+        let (want, got) = (logits(&on_cpu), logits(&on_gpu));
+        let diff = max_diff(&got, &want);
+        println!("{format} quantized on load, GPU vs CPU: max |diff| {diff:e}");
+        // Sums in another order; for 8-bit an activation may round to the
+        // next int8 code.
+        assert!(diff <= 1e-3, "{format}: GPU vs CPU max |diff| {diff}");
+    }
+    // transformers' pre-quantized folders, on the GPU as saved.
+    for format in ["nf4", "fp4", "int8"] {
+        let dir = root.path().join(format);
+        let d = open_causal_lm(
+            &dir,
+            Arc::clone(&devices),
+            &options(serde_json::json!({"": 0})),
+        )
+        .unwrap();
+        // One token (the packed kernels) and twelve (dequantize and GEMM).
+        for prompt in [1, 2] {
+            let ids = reference_ids(&reference, &format!("prompt.{prompt}"));
+            let mut cache = d.model.decoder().new_cache();
+            let got = d
+                .model
+                .decoder()
+                .forward(&d.weights, &ids, &mut cache, Logits::All)
+                .unwrap();
+            assert_eq!(got.backend(), Backend::Cuda(0), "{format}");
+            let want = reference_floats(&reference, &format!("logits_{format}.{prompt}"));
+            let diff = max_diff(&got.to_host().unwrap().to_f32_vec(), &want);
+            println!(
+                "{format} pre-quantized on GPU, prompt {prompt}, vs transformers + \
+                 bitsandbytes: max |diff| {diff:e}"
+            );
+            assert!(diff <= 1e-3, "{format} prompt {prompt}: max |diff| {diff}");
+        }
+    }
+}
+
+/// The quantized Llama fixtures of tools/make_bnb_fixtures.py, embedded.
+const BNB_FIXTURES: &[(&str, &str, &[u8])] = &[
+    bnb_file!("base", "config.json"),
+    bnb_file!("base", "model.safetensors"),
+    bnb_file!("nf4", "config.json"),
+    bnb_file!("nf4", "model.safetensors"),
+    bnb_file!("fp4", "config.json"),
+    bnb_file!("fp4", "model.safetensors"),
+    bnb_file!("int8", "config.json"),
+    bnb_file!("int8", "model.safetensors"),
+];
+
+const BNB_REFERENCE: &[u8] = include_bytes!(concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/tests/fixtures/tiny-llama-bnb/reference.safetensors"
+));

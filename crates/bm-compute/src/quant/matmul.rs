@@ -23,26 +23,28 @@ use std::borrow::Cow;
 use bm_tensor::DType;
 use half::f16;
 
-use super::tensor::{Data, Int8, QuantizedTensor, round_to};
+use super::tensor::{Data, INV_127_SQUARED, Int8, QuantizedTensor, round_to};
 use crate::cpu::{self, WeightRows};
 use crate::ops::{bad, expect_vector, rounding, rows_cols};
 use crate::{Backend, Error, Tensor};
 
-/// `1 / 127²` as bitsandbytes writes it in `int8_mm_dequant`.
-const INV_127_SQUARED: f32 = 6.200124e-05;
-
 /// `x · weightᵀ + bias` with a quantized `weight` (`[out_features,
 /// in_features]`), as bitsandbytes' `Linear4bit` / `Linear8bitLt` compute
 /// it. `x` is `[..., in_features]` in F32, F16 or BF16; the result has its
-/// shape (last dimension `out_features`) and dtype. CPU only for now: a GPU
-/// operand is [`Error::NotOnCuda`].
+/// shape (last dimension `out_features`) and dtype. An `x` on a GPU runs
+/// there ([`linear_quantized_on_gpu`](super::linear_quantized_on_gpu)) with
+/// the weight uploaded packed; a GPU bias with a host `x` is
+/// [`Error::NotOnCuda`].
 pub fn linear_quantized(
     x: &Tensor,
     weight: &QuantizedTensor,
     bias: Option<&Tensor>,
 ) -> Result<Tensor, Error> {
     const OP: &str = "linear_quantized";
-    if x.backend() != Backend::Cpu || bias.is_some_and(|b| b.backend() != Backend::Cpu) {
+    if let Some(gpu) = x.device_buffer().map(|b| b.gpu().clone()) {
+        return super::linear_quantized_on_gpu(x, &weight.to_gpu(&gpu)?, bias);
+    }
+    if bias.is_some_and(|b| b.backend() != Backend::Cpu) {
         return Err(Error::NotOnCuda { op: OP });
     }
     let (m, k) = rows_cols(x);

@@ -15,15 +15,15 @@
 //!   (the one deviation, the double-quantization offset's summation, is in
 //!   docs/compat.md).
 //! * [`linear_quantized`]: the matmul, dequantizing a few weight rows at a
-//!   time into a per-thread buffer (threads, the `gemm` crate's SIMD).
-//!
-//! Seams for what is not here yet:
-//! * CUDA: [`QuantizedTensor::dequantize_on`] dequantizes on a GPU with
-//!   bm-device's kernels, bit for bit the CPU's. [`linear_quantized`] and
-//!   [`quantize`] still return [`Error::NotOnCuda`](crate::Error::NotOnCuda)
-//!   for GPU operands: the GPU matmul needs the parts as device buffers (a
-//!   device variant next to the host parts, chosen by the input's backend
-//!   in `linear_quantized`).
+//!   time into a per-thread buffer (threads, the `gemm` crate's SIMD); an
+//!   input on a GPU runs it there with the weight uploaded packed.
+//! * CUDA: [`QuantizedOnGpu`] is a weight's packed form in one device
+//!   buffer (what a dispatcher holds on a GPU); [`linear_quantized_on_gpu`]
+//!   reads it in place with bm-device's kernels (decode), or dequantizes it
+//!   into a stream-ordered temporary for one cuBLAS GEMM (4-bit prefill).
+//!   [`QuantizedTensor::dequantize_on`] dequantizes on a GPU, bit for bit
+//!   the CPU's. [`quantize`] is CPU only
+//!   ([`Error::NotOnCuda`](crate::Error::NotOnCuda) for a GPU operand).
 //! * Planning and streaming: [`QuantizedTensor::to_packed`] /
 //!   [`QuantizedTensor::from_packed`] give a weight as one byte buffer of
 //!   [`QuantFormat::byte_len`] bytes, which a dispatcher holds, offloads and
@@ -31,11 +31,13 @@
 //!   (`bm_plan::quant`, checked equal in bm-models).
 
 pub mod format;
+mod gpu;
 mod matmul;
 mod quantize;
 pub(crate) mod tensor;
 
 pub use format::FourBitType;
+pub use gpu::{QuantizedOnGpu, linear_quantized_on_gpu};
 pub use matmul::linear_quantized;
 pub use quantize::quantize;
 pub use tensor::{Entry, PackedEntry, QuantFormat, QuantizedTensor};

@@ -4,6 +4,7 @@
 
 use std::borrow::Cow;
 use std::collections::HashMap;
+use std::ops::Range;
 use std::sync::Arc;
 
 use bm_tensor::{DType, HostBuffer, TensorMeta};
@@ -201,6 +202,9 @@ pub(crate) struct Int8 {
 /// writes it, rounded to f32.
 #[allow(clippy::excessive_precision)]
 pub(crate) const INV_127: f32 = 7.874_015_718_698_502e-3;
+
+/// `1 / 127²` as bitsandbytes writes it in `int8_mm_dequant`.
+pub(crate) const INV_127_SQUARED: f32 = 6.200124e-05;
 
 impl Int8 {
     pub(crate) fn codes(&self) -> &[i8] {
@@ -587,6 +591,11 @@ impl QuantizedTensor {
         dtype: DType,
         bytes: HostBytes,
     ) -> Result<QuantizedTensor, Error> {
+        // Before any size is computed from it (a block size of 0 divides).
+        if let QuantFormat::FourBit { blocksize, .. } = format {
+            format::check_four_bit_block_size(blocksize)
+                .map_err(|e| state_error(name, "blocksize", e.to_string()))?;
+        }
         let [rows, cols] = shape;
         let want = format.byte_len(rows, cols);
         if rows == 0 || cols == 0 || bytes.as_bytes().len() != want {
@@ -600,50 +609,54 @@ impl QuantizedTensor {
             ));
         }
         let whole = Arc::new(bytes);
-        let mut at = 0;
-        let mut next = |len: usize| {
-            let part = HostBytes::Shared(Arc::new(Window {
+        let part = |range: Range<usize>| {
+            HostBytes::Shared(Arc::new(Window {
                 whole: whole.clone(),
-                range: at..at + len,
-            }));
-            at += len;
-            part
+                range,
+            }))
         };
-        let n = rows * cols;
-        let data = match format {
-            QuantFormat::FourBit {
+        let data = match (format, packed_layout(format, shape)) {
+            (
+                QuantFormat::FourBit {
+                    kind, blocksize, ..
+                },
+                PackedLayout::FourBit { absmax, codes },
+            ) => Data::FourBit(FourBit {
                 kind,
                 blocksize,
-                double_quant,
-            } => {
-                format::check_four_bit_block_size(blocksize)
-                    .map_err(|e| state_error(name, "blocksize", e.to_string()))?;
-                let blocks = n.div_ceil(blocksize);
-                let scales = if double_quant {
-                    let offset = F32s::new(next(4))?.get()[0];
-                    let absmax = F32s::new(next(4 * blocks.div_ceil(NESTED_BLOCK_SIZE)))?;
-                    let map = F32s::new(next(4 * 256))?;
-                    Scales::Nested {
-                        offset,
-                        absmax,
-                        map,
-                        codes: next(blocks),
-                    }
-                } else {
-                    Scales::Plain(F32s::new(next(4 * blocks))?)
-                };
-                Data::FourBit(FourBit {
-                    kind,
-                    blocksize,
-                    packed: next(n.div_ceil(2)),
-                    scales,
+                packed: part(codes),
+                scales: Scales::Plain(F32s::new(part(absmax))?),
+            }),
+            (
+                QuantFormat::FourBit {
+                    kind, blocksize, ..
+                },
+                PackedLayout::Nested {
+                    offset,
+                    nested,
+                    map,
+                    absmax_codes,
+                    codes,
+                },
+            ) => Data::FourBit(FourBit {
+                kind,
+                blocksize,
+                packed: part(codes),
+                scales: Scales::Nested {
+                    offset: F32s::new(part(offset))?.get()[0],
+                    absmax: F32s::new(part(nested))?,
+                    map: F32s::new(part(map))?,
+                    codes: part(absmax_codes),
+                },
+            }),
+            (QuantFormat::Int8 { threshold }, PackedLayout::Int8 { scb, codes }) => {
+                Data::Int8(Int8 {
+                    scb: F32s::new(part(scb))?,
+                    codes: part(codes),
+                    threshold,
                 })
             }
-            QuantFormat::Int8 { threshold } => Data::Int8(Int8 {
-                scb: F32s::new(next(4 * rows))?,
-                codes: next(n),
-                threshold,
-            }),
+            _ => unreachable!("packed_layout follows the format"),
         };
         Ok(QuantizedTensor {
             shape,
@@ -662,6 +675,70 @@ impl QuantizedTensor {
     }
 }
 
+/// Byte ranges of a weight's parts in its packed form: the one statement
+/// of the layout [`QuantizedTensor::to_packed`] writes, read by
+/// [`QuantizedTensor::from_packed`] and by the GPU matmul.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum PackedLayout {
+    /// 4-bit, one f32 absmax per block.
+    FourBit {
+        absmax: Range<usize>,
+        codes: Range<usize>,
+    },
+    /// 4-bit with double quantization.
+    Nested {
+        offset: Range<usize>,
+        nested: Range<usize>,
+        map: Range<usize>,
+        absmax_codes: Range<usize>,
+        codes: Range<usize>,
+    },
+    /// LLM.int8().
+    Int8 {
+        scb: Range<usize>,
+        codes: Range<usize>,
+    },
+}
+
+/// The packed layout of a `[rows, cols]` weight in `format`: the f32 parts
+/// first (so they stay aligned), then the byte parts.
+pub(crate) fn packed_layout(format: QuantFormat, [rows, cols]: [usize; 2]) -> PackedLayout {
+    let n = rows * cols;
+    let mut at = 0;
+    let mut next = |len: usize| {
+        at += len;
+        at - len..at
+    };
+    match format {
+        QuantFormat::FourBit {
+            blocksize,
+            double_quant: false,
+            ..
+        } => PackedLayout::FourBit {
+            absmax: next(4 * n.div_ceil(blocksize)),
+            codes: next(n.div_ceil(2)),
+        },
+        QuantFormat::FourBit {
+            blocksize,
+            double_quant: true,
+            ..
+        } => {
+            let blocks = n.div_ceil(blocksize);
+            PackedLayout::Nested {
+                offset: next(4),
+                nested: next(4 * blocks.div_ceil(NESTED_BLOCK_SIZE)),
+                map: next(4 * 256),
+                absmax_codes: next(blocks),
+                codes: next(n.div_ceil(2)),
+            }
+        }
+        QuantFormat::Int8 { .. } => PackedLayout::Int8 {
+            scb: next(4 * rows),
+            codes: next(n),
+        },
+    }
+}
+
 /// A window of bytes another part of the weight shares.
 struct Window {
     whole: Arc<HostBytes>,
@@ -674,7 +751,7 @@ impl AsRef<[u8]> for Window {
     }
 }
 
-fn state_error(weight: &str, field: &str, message: impl Into<String>) -> Error {
+pub(crate) fn state_error(weight: &str, field: &str, message: impl Into<String>) -> Error {
     Error::QuantState {
         tensor: weight.to_string(),
         field: field.to_string(),

@@ -420,18 +420,6 @@ EXACT_CAST(bf16_f32, u16, u32, (u32)v << 16)
 // into an FMA, so the result is the CPU's bit for bit), rounded once when
 // stored.
 
-// 4-bit NF4/FP4: out[i] = code[nibble i] * absmax[i / blocksize]; two codes
-// a byte, the first in the high nibble.
-template <typename D>
-__device__ void dequant_4bit(const unsigned char* packed, const float* absmax, const float* code,
-                             typename D::T* y, u64 n, u64 blocksize) {
-    for (u64 i = grid_start(); i < n; i += grid_stride()) {
-        const u32 byte = packed[i / 2];
-        const u32 nibble = (i % 2 == 0) ? (byte >> 4) : (byte & 15u);
-        D::store(y, i, __fmul_rn(code[nibble], absmax[i / blocksize]));
-    }
-}
-
 // LLM.int8() weights: out[r, c] = codes[r, c] * scb[r] * scale (scale is
 // 1/127 as bitsandbytes rounds it), multiplied left to right.
 template <typename D>
@@ -444,21 +432,19 @@ __device__ void dequant_int8(const signed char* codes, const float* scb, typenam
 }
 
 // Double quantization's block scales: absmax[b] = map[codes[b]] *
-// nested[b / 256] + offset, one f32 multiply then one f32 add.
+// nested[b / 256] + offset (read from device memory, where the packed
+// weight keeps it), one f32 multiply then one f32 add.
 extern "C" __global__ void bm_dequant_nested_absmax(const unsigned char* codes,
                                                     const float* nested, const float* map,
-                                                    float offset, float* absmax, u64 blocks) {
+                                                    const float* offset, float* absmax,
+                                                    u64 blocks) {
+    const float add = offset[0];
     for (u64 b = grid_start(); b < blocks; b += grid_stride()) {
-        absmax[b] = __fadd_rn(__fmul_rn(map[codes[b]], nested[b / 256]), offset);
+        absmax[b] = __fadd_rn(__fmul_rn(map[codes[b]], nested[b / 256]), add);
     }
 }
 
 #define DEQUANT(D, name)                                                                       \
-    extern "C" __global__ void bm_dequant_4bit_##name(const unsigned char* packed,              \
-                                                      const float* absmax, const float* code,   \
-                                                      D::T* y, u64 n, u64 blocksize) {          \
-        dequant_4bit<D>(packed, absmax, code, y, n, blocksize);                                 \
-    }                                                                                           \
     extern "C" __global__ void bm_dequant_int8_##name(const signed char* codes, const float* scb, \
                                                       D::T* y, u64 rows, u64 cols, float scale) { \
         dequant_int8<D>(codes, scb, y, rows, cols, scale);                                      \
@@ -467,3 +453,210 @@ extern "C" __global__ void bm_dequant_nested_absmax(const unsigned char* codes,
 DEQUANT(F32, f32)
 DEQUANT(F16, f16)
 DEQUANT(BF16, bf16)
+
+// Quantized linear layers (bm-compute's `linear_quantized`, whose CPU code
+// is the reference). A 4-bit code table travels as 16 float parameters and
+// is copied into shared memory by each block; weights are read packed.
+
+#define TABLE_PARAMS                                                                           \
+    float c0, float c1, float c2, float c3, float c4, float c5, float c6, float c7, float c8,  \
+        float c9, float c10, float c11, float c12, float c13, float c14, float c15
+#define TABLE_ARGS c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15
+
+__device__ __forceinline__ void fill_table(float* t, TABLE_PARAMS) {
+    if (threadIdx.x == 0) {
+        t[0] = c0; t[1] = c1; t[2] = c2; t[3] = c3; t[4] = c4; t[5] = c5; t[6] = c6; t[7] = c7;
+        t[8] = c8; t[9] = c9; t[10] = c10; t[11] = c11; t[12] = c12; t[13] = c13; t[14] = c14;
+        t[15] = c15;
+    }
+    __syncthreads();
+}
+
+// 4-bit NF4/FP4: out[i] = code[nibble i] * absmax[i / blocksize], one f32
+// multiply; two codes a byte, the first in the high nibble.
+template <typename D>
+__device__ void dequant_4bit(const unsigned char* packed, const float* absmax,
+                                   typename D::T* y, u64 n, u64 blocksize, TABLE_PARAMS) {
+    __shared__ float table[16];
+    fill_table(table, TABLE_ARGS);
+    for (u64 i = grid_start(); i < n; i += grid_stride()) {
+        const u32 byte = packed[i / 2];
+        const u32 nibble = (i % 2 == 0) ? (byte >> 4) : (byte & 15u);
+        D::store(y, i, __fmul_rn(table[nibble], absmax[i / blocksize]));
+    }
+}
+
+// 4-bit linear, one output a block (grid: columns n, rows m): as
+// `Linear4bit` computes, with C the compute dtype and X the input's,
+// y[i, j] = C(sum_l C(x[i, l]) * C(code[nibble(j k + l)] * absmax[(j k + l) / blocksize])
+//             + C(bias[j])), stored as X.
+template <typename X, typename C>
+__device__ void linear_4bit(const typename X::T* x, const unsigned char* packed,
+                            const float* absmax, const typename X::T* bias, typename X::T* y,
+                            u64 k, u64 n, u64 blocksize, TABLE_PARAMS) {
+    __shared__ float table[16];
+    __shared__ float scratch[32];
+    fill_table(table, TABLE_ARGS);
+    const u64 j = blockIdx.x, i = blockIdx.y;
+    const u64 row = j * k;
+    float acc = 0.0f;
+    for (u64 l = threadIdx.x; l < k; l += blockDim.x) {
+        const u64 e = row + l;
+        const u32 byte = packed[e / 2];
+        const u32 nibble = (e % 2 == 0) ? (byte >> 4) : (byte & 15u);
+        const float w = C::round(__fmul_rn(table[nibble], absmax[e / blocksize]));
+        acc += C::round(X::load(x, i * k + l)) * w;
+    }
+    const float total = block_sum(acc, scratch);
+    if (threadIdx.x == 0) {
+        const float b = bias != 0 ? C::round(X::load(bias, j)) : 0.0f;
+        X::store(y, i * n + j, C::round(total + b));
+    }
+}
+
+// The end of a 4-bit prefill (the product cuBLAS left in f32):
+// y = C(acc + C(bias)), stored as X.
+template <typename X, typename C>
+__device__ void linear_epilogue(const float* acc, const typename X::T* bias, typename X::T* y,
+                                u64 rows, u64 cols) {
+    const u64 n = rows * cols;
+    for (u64 i = grid_start(); i < n; i += grid_stride()) {
+        const float b = bias != 0 ? C::round(X::load(bias, i % cols)) : 0.0f;
+        X::store(y, i, C::round(acc[i] + b));
+    }
+}
+
+__device__ __forceinline__ float to_f16_value(float v) { return f16_to_f32(f32_to_f16(v)); }
+
+// LLM.int8(), step 1: flags[c] = 1 when a row of column c holds a value
+// whose float16 magnitude is at or above `threshold` (float16 too).
+template <typename X>
+__device__ void int8_outliers(const typename X::T* x, u32* flags, u64 m, u64 k,
+                              float threshold) {
+    for (u64 c = grid_start(); c < k; c += grid_stride()) {
+        u32 flag = 0;
+        for (u64 i = 0; i < m; ++i) {
+            if (fabsf(to_f16_value(X::load(x, i * k + c))) >= threshold) flag = 1;
+        }
+        flags[c] = flag;
+    }
+}
+
+// Step 2, one block a row: the row in float16, values at or above the
+// threshold zeroed (when `outliers`), its absmax, then each value scaled
+// by (1 / absmax) * 127 and rounded half to even; outlier columns are 0.
+template <typename X>
+__device__ void int8_quantize_rows(const typename X::T* x, const u32* flags, signed char* q,
+                                   float* row_absmax, u64 k, float threshold, u32 outliers) {
+    __shared__ float scratch[32];
+    const u64 i = blockIdx.x;
+    float m = 0.0f;
+    for (u64 l = threadIdx.x; l < k; l += blockDim.x) {
+        float v = fabsf(to_f16_value(X::load(x, i * k + l)));
+        if (outliers != 0 && v >= threshold) v = 0.0f;
+        m = fmaxf(m, v);
+    }
+    const float absmax = block_max(m, scratch);
+    const float scale = __fmul_rn(__fdiv_rn(1.0f, absmax), 127.0f);
+    for (u64 l = threadIdx.x; l < k; l += blockDim.x) {
+        float v = to_f16_value(X::load(x, i * k + l));
+        if (outliers != 0 && fabsf(v) >= threshold) v = 0.0f;
+        const bool zero = absmax <= 0.0f || (outliers != 0 && flags[l] != 0);
+        q[i * k + l] = zero ? (signed char)0 : (signed char)rintf(__fmul_rn(v, scale));
+    }
+    if (threadIdx.x == 0) row_absmax[i] = absmax;
+}
+
+// Sum of a 64-bit integer over the block; every thread gets the result.
+__device__ __forceinline__ long long block_sum_i64(long long v, long long* scratch) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    const int warps = blockDim.x / 32;
+    long long total = 0;
+    for (int w = 0; w < warps; ++w) total += scratch[w];
+    return total;
+}
+
+// Step 3, one output a block (grid: columns n, rows m): the integer
+// product (exact), scaled by row_absmax[i] * scb[j] * inv_127_sq, plus the
+// bias, rounded to X; then the outlier columns in X against the weight
+// dequantized (code * scb * inv_127, rounded to X), rounded to X again.
+template <typename X>
+__device__ void int8_linear(const typename X::T* x, const signed char* q, const float* row_absmax,
+                            const signed char* codes, const float* scb, const u32* flags,
+                            const typename X::T* bias, typename X::T* y, u64 k, u64 n,
+                            u32 outliers, float inv_127, float inv_127_sq) {
+    __shared__ long long iscratch[32];
+    __shared__ float scratch[32];
+    const u64 j = blockIdx.x, i = blockIdx.y;
+    long long dot = 0;
+    float extra = 0.0f;
+    for (u64 l = threadIdx.x; l < k; l += blockDim.x) {
+        const int c = codes[j * k + l];
+        dot += (long long)((int)q[i * k + l] * c);
+        if (outliers != 0 && flags[l] != 0) {
+            const float w = X::round(__fmul_rn(__fmul_rn((float)c, scb[j]), inv_127));
+            extra += X::load(x, i * k + l) * w;
+        }
+    }
+    dot = block_sum_i64(dot, iscratch);
+    extra = block_sum(extra, scratch);
+    if (threadIdx.x == 0) {
+        const float scaled =
+            __fmul_rn(__fmul_rn((float)dot, __fmul_rn(row_absmax[i], scb[j])), inv_127_sq);
+        float v = X::round(scaled + (bias != 0 ? X::load(bias, j) : 0.0f));
+        if (outliers != 0) v = X::round(v + extra);
+        X::store(y, i * n + j, v);
+    }
+}
+
+#define QUANT_OUT(D, name)                                                                     \
+    extern "C" __global__ void bm_dequant_4bit_##name(                                   \
+        const unsigned char* packed, const float* absmax, D::T* y, u64 n, u64 blocksize,       \
+        TABLE_PARAMS) {                                                                        \
+        dequant_4bit<D>(packed, absmax, y, n, blocksize, TABLE_ARGS);                    \
+    }                                                                                          \
+    extern "C" __global__ void bm_int8_outliers_##name(const D::T* x, u32* flags, u64 m, u64 k, \
+                                                       float threshold) {                      \
+        int8_outliers<D>(x, flags, m, k, threshold);                                           \
+    }                                                                                          \
+    extern "C" __global__ void bm_int8_quantize_rows_##name(                                   \
+        const D::T* x, const u32* flags, signed char* q, float* row_absmax, u64 k,             \
+        float threshold, u32 outliers) {                                                       \
+        int8_quantize_rows<D>(x, flags, q, row_absmax, k, threshold, outliers);                \
+    }                                                                                          \
+    extern "C" __global__ void bm_int8_linear_##name(                                          \
+        const D::T* x, const signed char* q, const float* row_absmax, const signed char* codes, \
+        const float* scb, const u32* flags, const D::T* bias, D::T* y, u64 k, u64 n,           \
+        u32 outliers, float inv_127, float inv_127_sq) {                                       \
+        int8_linear<D>(x, q, row_absmax, codes, scb, flags, bias, y, k, n, outliers, inv_127,  \
+                       inv_127_sq);                                                            \
+    }
+
+QUANT_OUT(F32, f32)
+QUANT_OUT(F16, f16)
+QUANT_OUT(BF16, bf16)
+
+#define QUANT_LINEAR(X, C, name)                                                               \
+    extern "C" __global__ void bm_linear_4bit_##name(                                          \
+        const X::T* x, const unsigned char* packed, const float* absmax, const X::T* bias,     \
+        X::T* y, u64 k, u64 n, u64 blocksize, TABLE_PARAMS) {                                  \
+        linear_4bit<X, C>(x, packed, absmax, bias, y, k, n, blocksize, TABLE_ARGS);            \
+    }                                                                                          \
+    extern "C" __global__ void bm_linear_epilogue_##name(const float* acc, const X::T* bias,   \
+                                                         X::T* y, u64 rows, u64 cols) {        \
+        linear_epilogue<X, C>(acc, bias, y, rows, cols);                                       \
+    }
+
+QUANT_LINEAR(F32, F32, f32_f32)
+QUANT_LINEAR(F32, F16, f32_f16)
+QUANT_LINEAR(F32, BF16, f32_bf16)
+QUANT_LINEAR(F16, F32, f16_f32)
+QUANT_LINEAR(F16, F16, f16_f16)
+QUANT_LINEAR(F16, BF16, f16_bf16)
+QUANT_LINEAR(BF16, F32, bf16_f32)
+QUANT_LINEAR(BF16, F16, bf16_f16)
+QUANT_LINEAR(BF16, BF16, bf16_bf16)
