@@ -330,9 +330,10 @@ pub(crate) fn rotary(
 /// sequence b at position i), and sequence b attends to no position before
 /// `first[b]` (its left padding). Grouped-query attention: query head h
 /// reads kv head h / (heads / kv_heads). Scores are `q · k` times
-/// `scores.scale`, soft-capped when asked, plus `bias[(h * s + i) * t + j]`
-/// when a bias is given (query i of head h, key j). A query that sees no
-/// key (a padding row) gets zeros.
+/// `scores.scale`, soft-capped when asked, plus, when a bias is given, its
+/// value for head h and the relative position `key - query`, at
+/// `bias[h * (t + s - 1) + key - query + t - 1]`. A query that sees no key
+/// (a padding row) gets zeros.
 pub(crate) fn attention(
     q: &[f32],
     keys: &[f32],
@@ -384,8 +385,9 @@ pub(crate) fn attention(
                         Some(cap) => soft_cap(score, cap),
                         None => score,
                     };
+                    // key - query + t - 1 = j - (past + i) + t - 1.
                     match bias {
-                        Some(bias) => score + bias[(h * s + i) * t + j],
+                        Some(bias) => score + bias[h * (t + s - 1) + j + s - 1 - i],
                         None => score,
                     }
                 }));

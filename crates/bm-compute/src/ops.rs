@@ -648,9 +648,13 @@ pub fn attention_with(
     attend(q, cache, heads, (mask, scores), None)
 }
 
-/// [`attention_with`] with `bias` (`[heads, queries, keys]`: every cached
-/// position, the same for each sequence of the batch) added to the scores
-/// before the softmax: T5's relative position bias. Computed on the host.
+/// [`attention_with`] with a bias on each score that depends only on the
+/// head and the relative position `key - query` (T5's relative position
+/// bias), the same for each sequence of the batch: `bias` is
+/// `[heads, keys + queries - 1]`, entry `r + keys - 1` for relative
+/// position r, from `-(keys - 1)` to `queries - 1` (the queries are the
+/// last positions, as the cache's). Memory grows with the sequence, not
+/// its square. Computed on the host.
 pub fn attention_biased(
     q: &Tensor,
     cache: &LayerCache,
@@ -659,7 +663,16 @@ pub fn attention_biased(
     bias: &Tensor,
 ) -> Result<Tensor, Error> {
     let queries = rows_cols(q).0 / cache.batch();
-    let expected = [heads.heads, queries, cache.rows()];
+    if queries > cache.rows() {
+        return Err(bad(
+            "attention",
+            format!(
+                "a relative position bias needs a key per query: {queries} queries, {} keys",
+                cache.rows()
+            ),
+        ));
+    }
+    let expected = [heads.heads, cache.rows() + queries - 1];
     if bias.shape() != expected {
         return Err(bad(
             "attention",
@@ -1048,7 +1061,7 @@ mod tests {
     }
 
     #[test]
-    fn a_position_bias_moves_each_heads_attention() {
+    fn a_relative_position_bias_moves_each_heads_attention() {
         let heads = Heads {
             heads: 2,
             kv_heads: 2,
@@ -1056,21 +1069,22 @@ mod tests {
         };
         let mut cache = LayerCache::new();
         cache
-            .append(&t(&[2, 2], &[0.; 4]), &t(&[2, 2], &[1., 10., 2., 20.]))
+            .append(
+                &t(&[3, 2], &[0.; 6]),
+                &t(&[3, 2], &[1., 10., 2., 20., 3., 30.]),
+            )
             .unwrap();
-        // Three queries over two keys (cross-attention); head 0 prefers
-        // key 1 for every query, head 1 key 0 for the first query only.
+        // Queries at positions 1 and 2 over keys 0..3: relative positions
+        // -2..=1, entry r + 2. Head 0 favours its own position (r = 0);
+        // head 1 the key two back (r = -2), which only position 2 has.
         let big = 30.0;
-        let bias = t(
-            &[2, 3, 2],
-            &[0., big, 0., big, 0., big, big, 0., 0., 0., 0., 0.],
-        );
-        let q = t(&[3, 2], &[0.; 6]);
+        let bias = t(&[2, 4], &[0., 0., big, 0., big, 0., 0., 0.]);
+        let q = t(&[2, 2], &[0.; 4]);
         let scores = Scores::scaled_by(1.0);
         let out = attention_biased(&q, &cache, heads, (Mask::Bidirectional, scores), &bias)
             .unwrap()
             .to_f32_vec();
-        let want = [2., 10., 2., 15., 2., 15.];
+        let want = [2., 20., 3., 10.];
         for (o, w) in out.iter().zip(want) {
             assert!((o - w).abs() < 1e-4, "{out:?}");
         }
@@ -1079,12 +1093,19 @@ mod tests {
             &cache,
             heads,
             (Mask::Bidirectional, scores),
-            &t(&[2, 3, 1], &[0.; 6]),
+            &t(&[2, 3], &[0.; 6]),
         )
         .unwrap_err();
-        assert!(err.to_string().contains("expected [2, 3, 2]"), "{err}");
-        // Causal attention still needs a key per query.
-        assert!(attention(&q, &cache, heads, Mask::Causal).is_err());
+        assert!(err.to_string().contains("expected [2, 4]"), "{err}");
+        let three = t(&[4, 2], &[0.; 8]);
+        let err = attention_biased(&three, &cache, heads, (Mask::Bidirectional, scores), &bias)
+            .unwrap_err();
+        assert!(err.to_string().contains("4 queries, 3 keys"), "{err}");
+        // Cross-attention (no bias) may have more queries than keys;
+        // causal attention still needs a key per query.
+        let full = attention_with(&three, &cache, heads, Mask::Bidirectional, scores).unwrap();
+        assert_eq!(full.to_f32_vec(), [2., 20., 2., 20., 2., 20., 2., 20.]);
+        assert!(attention(&three, &cache, heads, Mask::Causal).is_err());
     }
 
     #[test]

@@ -329,9 +329,10 @@ impl T5 {
         .forward(x, None)
     }
 
-    /// The relative position bias `[heads, queries, keys]` of `queries`
-    /// positions starting at `past` over keys `0..past + queries` (decoder)
-    /// or `0..queries` (encoder, `past` 0), from block 0's table.
+    /// The relative position bias of `queries` positions starting at
+    /// `past` over keys `0..past + queries`, from block 0's table, as
+    /// [`ops::attention_biased`] takes it: per head, one value per relative
+    /// position `key - query` from `-(keys - 1)` to `queries - 1`.
     fn position_bias(
         &self,
         src: &dyn WeightSource,
@@ -349,26 +350,21 @@ impl T5 {
         .to_host()?
         .to_f32_vec();
         let keys = past + queries;
-        let mut bias = vec![0f32; heads * queries * keys];
-        for i in 0..queries {
-            for j in 0..keys {
-                let relative = j as i64 - (past + i) as i64;
-                let bucket = relative_bucket(
-                    relative,
-                    stack == Stack::Encoder,
-                    c.relative_buckets,
-                    c.relative_max_distance,
-                );
-                for h in 0..heads {
-                    bias[(h * queries + i) * keys + j] = table[bucket * heads + h];
-                }
+        let span = keys + queries - 1;
+        let mut bias = vec![0f32; heads * span];
+        for index in 0..span {
+            let relative = index as i64 - (keys as i64 - 1);
+            let bucket = relative_bucket(
+                relative,
+                stack == Stack::Encoder,
+                c.relative_buckets,
+                c.relative_max_distance,
+            );
+            for h in 0..heads {
+                bias[h * span + index] = table[bucket * heads + h];
             }
         }
-        Ok(Tensor::from_f32(
-            self.dtype,
-            &[heads, queries, keys],
-            &bias,
-        )?)
+        Ok(Tensor::from_f32(self.dtype, &[heads, span], &bias)?)
     }
 
     /// Sub-layer 0 of a block: self-attention over `layer_cache` (the new
