@@ -139,11 +139,17 @@ const THREADS: u32 = 256;
 const ATTENTION_THREADS: u32 = 128;
 
 /// A kernel argument before it is turned into a device address.
+#[derive(Clone, Copy)]
 enum Arg<'a> {
-    /// A buffer, from its first byte.
-    Buf(&'a DeviceBuffer),
-    /// A buffer, from a byte offset.
-    BufAt(&'a DeviceBuffer, usize),
+    /// `count` elements of `ty` in a buffer from byte `offset`: every
+    /// element the kernel may touch there, checked before anything is
+    /// enqueued ([`check_args`]).
+    Buf {
+        buffer: &'a DeviceBuffer,
+        offset: usize,
+        ty: DType,
+        count: usize,
+    },
     /// A null pointer (an absent optional operand).
     Null,
     U32(u32),
@@ -198,20 +204,56 @@ fn suffix(operation: &'static str, ty: DType) -> Result<&'static str> {
     }
 }
 
-/// Fails unless `buffer` holds `count` elements of `ty` from element `start`.
-fn need(
-    operation: &'static str,
-    buffer: &DeviceBuffer,
-    ty: DType,
-    start: usize,
-    count: usize,
-) -> Result<()> {
-    let size = ty.size_in_bytes();
-    let (offset, len) = match (start.checked_mul(size), count.checked_mul(size)) {
-        (Some(o), Some(l)) => (o, l),
-        _ => (usize::MAX, usize::MAX),
-    };
-    crate::buffer::check_range(operation, offset, len, buffer.len())
+/// `count` elements of `ty` from the start of `buffer`.
+fn buf(buffer: &DeviceBuffer, ty: DType, count: usize) -> Arg<'_> {
+    Arg::Buf {
+        buffer,
+        offset: 0,
+        ty,
+        count,
+    }
+}
+
+/// `count` elements of `ty` of `buffer` from element `start`.
+fn buf_from(buffer: &DeviceBuffer, start: usize, ty: DType, count: usize) -> Arg<'_> {
+    Arg::Buf {
+        buffer,
+        offset: start.saturating_mul(ty.size_in_bytes()),
+        ty,
+        count,
+    }
+}
+
+/// [`buf`] for an optional operand: a null pointer when absent.
+fn opt_buf(buffer: Option<&DeviceBuffer>, ty: DType, count: usize) -> Arg<'_> {
+    buffer.map_or(Arg::Null, |b| buf(b, ty, count))
+}
+
+/// The one argument check of every kernel launch: each buffer argument
+/// holds the elements it declares, aligned for their type, and lives on
+/// `gpu`.
+fn check_args(gpu: &Gpu, operation: &'static str, args: &[Arg<'_>]) -> Result<()> {
+    for arg in args {
+        if let Arg::Buf {
+            buffer,
+            offset,
+            ty,
+            count,
+        } = *arg
+        {
+            let size = ty.size_in_bytes();
+            if offset % size != 0 {
+                return Err(bad(
+                    operation,
+                    format!("a {ty} operand at byte offset {offset} is not aligned"),
+                ));
+            }
+            let len = count.saturating_mul(size);
+            crate::buffer::check_range(operation, offset, len, buffer.len())?;
+            gpu.check_owned(operation, buffer)?;
+        }
+    }
+    Ok(())
 }
 
 fn product(operation: &'static str, dims: &[usize]) -> Result<usize> {
@@ -263,15 +305,13 @@ impl Gpu {
         shared_bytes: u32,
         args: &[Arg<'_>],
     ) -> Result<()> {
+        check_args(self, operation, args)?;
         let buffers = || {
             args.iter().filter_map(|a| match a {
-                Arg::Buf(b) | Arg::BufAt(b, _) => Some(*b),
+                Arg::Buf { buffer, .. } => Some(*buffer),
                 _ => None,
             })
         };
-        for b in buffers() {
-            self.check_owned(operation, b)?;
-        }
         match &self.inner.backend {
             Backend::Emulated => Err(Error::ComputeUnsupported {
                 device: self.device(),
@@ -287,8 +327,7 @@ impl Gpu {
                 let raw: Vec<RawArg> = args
                     .iter()
                     .map(|a| match a {
-                        Arg::Buf(b) => ptr(b, 0),
-                        Arg::BufAt(b, offset) => ptr(b, *offset),
+                        Arg::Buf { buffer, offset, .. } => ptr(buffer, *offset),
                         Arg::Null => RawArg::Ptr(0),
                         Arg::U32(v) => RawArg::U32(*v),
                         Arg::U64(v) => RawArg::U64(*v),
@@ -300,9 +339,10 @@ impl Gpu {
                     block,
                     shared_bytes,
                 };
-                // SAFETY: every public operation below checks its buffers
-                // against the element counts its kernel touches, and passes
-                // the arguments in the kernel's order and types (kernels.cu).
+                // SAFETY: `check_args` checked every buffer argument against
+                // the elements its kernel touches, and every operation below
+                // passes the arguments in the kernel's order and types
+                // (kernels.cu).
                 unsafe { g.launch(crate::buffer::stream_cuda(stream)?, &name, shape, &raw)? };
                 let done = stream.record()?;
                 for b in buffers() {
@@ -384,12 +424,15 @@ impl Gpu {
             last.checked_add(product(OP, &[rows, cols])?)
                 .ok_or_else(|| bad(OP, format!("sizes of {shape:?} overflow")))
         };
-        need(OP, a, input, 0, span(shape.stride_a, m, k)?)?;
-        need(OP, b, input, 0, span(shape.stride_b, n, k)?)?;
-        need(OP, c, output, 0, span(shape.stride_c, m, n)?)?;
-        for buffer in [a, b, &*c] {
-            self.check_owned(OP, buffer)?;
-        }
+        check_args(
+            self,
+            OP,
+            &[
+                buf(a, input, span(shape.stride_a, m, k)?),
+                buf(b, input, span(shape.stride_b, n, k)?),
+                buf(c, output, span(shape.stride_c, m, n)?),
+            ],
+        )?;
         match &self.inner.backend {
             Backend::Emulated => Err(Error::ComputeUnsupported {
                 device: self.device(),
@@ -433,14 +476,11 @@ impl Gpu {
         dst_start: usize,
     ) -> Result<()> {
         const OP: &str = "cast";
-        need(OP, src, src_type, 0, count)?;
-        need(OP, dst, dst_type, dst_start, count)?;
         let name = format!(
             "bm_cast_{}_{}",
             suffix(OP, src_type)?,
             suffix(OP, dst_type)?
         );
-        let offset = dst_start * dst_type.size_in_bytes();
         self.launch(
             OP,
             name,
@@ -448,8 +488,8 @@ impl Gpu {
             THREADS,
             0,
             &[
-                Arg::Buf(src),
-                Arg::BufAt(dst, offset),
+                buf(src, src_type, count),
+                buf_from(dst, dst_start, dst_type, count),
                 Arg::U64(count as u64),
             ],
         )
@@ -477,14 +517,11 @@ impl Gpu {
                 format!("{src_type} to itself is a copy, not a cast"),
             ));
         }
-        need(OP, src, src_type, 0, count)?;
-        need(OP, dst, dst_type, dst_start, count)?;
         let name = format!(
             "bm_exact_cast_{}_{}",
             suffix(OP, src_type)?,
             suffix(OP, dst_type)?
         );
-        let offset = dst_start * dst_type.size_in_bytes();
         self.launch(
             OP,
             name,
@@ -492,8 +529,8 @@ impl Gpu {
             THREADS,
             0,
             &[
-                Arg::Buf(src),
-                Arg::BufAt(dst, offset),
+                buf(src, src_type, count),
+                buf_from(dst, dst_start, dst_type, count),
                 Arg::U64(count as u64),
             ],
         )
@@ -508,9 +545,6 @@ impl Gpu {
         ty: DType,
         count: usize,
     ) -> Result<()> {
-        for buffer in [a, b, &*out] {
-            need(op, buffer, ty, 0, count)?;
-        }
         self.launch(
             op,
             format!("bm_{op}_{}", suffix(op, ty)?),
@@ -518,9 +552,9 @@ impl Gpu {
             THREADS,
             0,
             &[
-                Arg::Buf(a),
-                Arg::Buf(b),
-                Arg::Buf(out),
+                buf(a, ty, count),
+                buf(b, ty, count),
+                buf(out, ty, count),
                 Arg::U64(count as u64),
             ],
         )
@@ -558,15 +592,17 @@ impl Gpu {
         ty: DType,
         count: usize,
     ) -> Result<()> {
-        need(op, x, ty, 0, count)?;
-        need(op, out, ty, 0, count)?;
         self.launch(
             op,
             format!("bm_{op}_{}", suffix(op, ty)?),
             grid_for(count),
             THREADS,
             0,
-            &[Arg::Buf(x), Arg::Buf(out), Arg::U64(count as u64)],
+            &[
+                buf(x, ty, count),
+                buf(out, ty, count),
+                Arg::U64(count as u64),
+            ],
         )
     }
 
@@ -606,12 +642,6 @@ impl Gpu {
     ) -> Result<()> {
         const OP: &str = "linear bias";
         let count = product(OP, &[rows, cols])?;
-        need(OP, acc, DType::F32, 0, count)?;
-        need(OP, out, ty, 0, count)?;
-        if let Some(b) = bias {
-            need(OP, b, ty, 0, cols)?;
-        }
-        let bias_arg = bias.map_or(Arg::Null, Arg::Buf);
         self.launch(
             OP,
             format!("bm_bias_epilogue_{}", suffix(OP, ty)?),
@@ -619,9 +649,9 @@ impl Gpu {
             THREADS,
             0,
             &[
-                Arg::Buf(acc),
-                bias_arg,
-                Arg::Buf(out),
+                buf(acc, DType::F32, count),
+                opt_buf(bias, ty, cols),
+                buf(out, ty, count),
                 Arg::U64(rows as u64),
                 Arg::U64(cols as u64),
             ],
@@ -652,10 +682,10 @@ impl Gpu {
         if ids.is_empty() || hidden == 0 {
             return Err(bad(OP, "no ids or an empty hidden size".into()));
         }
-        need(OP, table, table_type, 0, product(OP, &[vocab, hidden])?)?;
+        let table = buf(table, table_type, product(OP, &[vocab, hidden])?);
         let count = product(OP, &[ids.len(), hidden])?;
-        need(OP, out, out_type, 0, count)?;
-        self.check_owned(OP, table)?;
+        // Checked before the ids are staged.
+        check_args(self, OP, &[table, buf(out, out_type, count)])?;
         if matches!(self.inner.backend, Backend::Emulated) {
             return Err(Error::ComputeUnsupported {
                 device: self.device(),
@@ -675,9 +705,10 @@ impl Gpu {
             THREADS,
             0,
             &[
-                Arg::Buf(table),
-                Arg::Buf(&staged),
-                Arg::Buf(out),
+                table,
+                // u32 ids: I32 is their size.
+                buf(&staged, DType::I32, ids.len()),
+                buf(out, out_type, count),
                 Arg::U64(ids.len() as u64),
                 Arg::U64(hidden as u64),
             ],
@@ -708,9 +739,6 @@ impl Gpu {
         const OP: &str = "rms_norm";
         let grid_rows = Self::check_rows(OP, rows, cols)?;
         let count = product(OP, &[rows, cols])?;
-        need(OP, x, ty, 0, count)?;
-        need(OP, out, ty, 0, count)?;
-        need(OP, weight, ty, 0, cols)?;
         self.launch(
             OP,
             format!("bm_rms_norm_{}", suffix(OP, ty)?),
@@ -718,9 +746,9 @@ impl Gpu {
             THREADS,
             0,
             &[
-                Arg::Buf(x),
-                Arg::Buf(weight),
-                Arg::Buf(out),
+                buf(x, ty, count),
+                buf(weight, ty, cols),
+                buf(out, ty, count),
                 Arg::U64(cols as u64),
                 Arg::F32(eps),
             ],
@@ -743,10 +771,6 @@ impl Gpu {
         const OP: &str = "layer_norm";
         let grid_rows = Self::check_rows(OP, rows, cols)?;
         let count = product(OP, &[rows, cols])?;
-        need(OP, x, ty, 0, count)?;
-        need(OP, out, ty, 0, count)?;
-        need(OP, weight, ty, 0, cols)?;
-        need(OP, bias, ty, 0, cols)?;
         self.launch(
             OP,
             format!("bm_layer_norm_{}", suffix(OP, ty)?),
@@ -754,10 +778,10 @@ impl Gpu {
             THREADS,
             0,
             &[
-                Arg::Buf(x),
-                Arg::Buf(weight),
-                Arg::Buf(bias),
-                Arg::Buf(out),
+                buf(x, ty, count),
+                buf(weight, ty, cols),
+                buf(bias, ty, cols),
+                buf(out, ty, count),
                 Arg::U64(cols as u64),
                 Arg::F32(eps),
             ],
@@ -776,15 +800,17 @@ impl Gpu {
         const OP: &str = "softmax";
         let grid_rows = Self::check_rows(OP, rows, cols)?;
         let count = product(OP, &[rows, cols])?;
-        need(OP, x, ty, 0, count)?;
-        need(OP, out, ty, 0, count)?;
         self.launch(
             OP,
             format!("bm_softmax_{}", suffix(OP, ty)?),
             (grid_rows, 1, 1),
             THREADS,
             0,
-            &[Arg::Buf(x), Arg::Buf(out), Arg::U64(cols as u64)],
+            &[
+                buf(x, ty, count),
+                buf(out, ty, count),
+                Arg::U64(cols as u64),
+            ],
         )
     }
 
@@ -812,8 +838,6 @@ impl Gpu {
             ));
         }
         let count = product(OP, &[rows, width])?;
-        need(OP, x, ty, 0, count)?;
-        need(OP, out, ty, 0, count)?;
         self.launch(
             OP,
             format!("bm_rotary_{}", suffix(OP, ty)?),
@@ -821,8 +845,8 @@ impl Gpu {
             THREADS,
             0,
             &[
-                Arg::Buf(x),
-                Arg::Buf(out),
+                buf(x, ty, count),
+                buf(out, ty, count),
                 Arg::U64(rows as u64),
                 Arg::U64(width as u64),
                 Arg::U64(head_dim as u64),
@@ -880,10 +904,6 @@ impl Gpu {
         }
         let q_count = product(OP, &[queries, heads, head_dim])?;
         let kv_count = product(OP, &[t, kv_heads, head_dim])?;
-        need(OP, q, ty, 0, q_count)?;
-        need(OP, out, ty, 0, q_count)?;
-        need(OP, keys, DType::F32, 0, kv_count)?;
-        need(OP, values, DType::F32, 0, kv_count)?;
         let scale = 1.0 / (head_dim as f32).sqrt();
         let u = |what, v| to_u32(OP, what, v);
         self.launch(
@@ -893,10 +913,10 @@ impl Gpu {
             ATTENTION_THREADS,
             (visible * 4) as u32,
             &[
-                Arg::Buf(q),
-                Arg::Buf(keys),
-                Arg::Buf(values),
-                Arg::Buf(out),
+                buf(q, ty, q_count),
+                buf(keys, DType::F32, kv_count),
+                buf(values, DType::F32, kv_count),
+                buf(out, ty, q_count),
                 Arg::U32(u("query count", queries)?),
                 Arg::U32(u("key count", t)?),
                 Arg::U32(u("head count", heads)?),
@@ -938,27 +958,15 @@ impl<'a> From<&'a DeviceBuffer> for DeviceSlice<'a> {
 }
 
 impl<'a> DeviceSlice<'a> {
-    /// The kernel argument: the buffer's address plus the offset.
-    fn arg(self) -> Arg<'a> {
-        Arg::BufAt(self.buffer, self.offset)
+    /// The kernel argument: `count` elements of `ty` from the offset.
+    fn arg(self, ty: DType, count: usize) -> Arg<'a> {
+        Arg::Buf {
+            buffer: self.buffer,
+            offset: self.offset,
+            ty,
+            count,
+        }
     }
-}
-
-/// Fails unless `part` holds `count` elements of `ty`, aligned for `ty`.
-fn need_part(
-    operation: &'static str,
-    part: DeviceSlice<'_>,
-    ty: DType,
-    count: usize,
-) -> Result<()> {
-    if part.offset % ty.size_in_bytes() != 0 {
-        return Err(bad(
-            operation,
-            format!("a {ty} part at byte offset {} is not aligned", part.offset),
-        ));
-    }
-    let len = count.saturating_mul(ty.size_in_bytes());
-    crate::buffer::check_range(operation, part.offset, len, part.buffer.len())
 }
 
 /// A 4-bit (NF4/FP4) weight's parts on a GPU, as bitsandbytes stores them.
@@ -975,18 +983,16 @@ pub struct FourBitParts<'a> {
     pub blocksize: usize,
 }
 
-impl FourBitParts<'_> {
-    fn check(&self, operation: &'static str, n: usize) -> Result<()> {
+impl<'a> FourBitParts<'a> {
+    /// The codes and scales of `n` values as kernel arguments.
+    fn args(&self, operation: &'static str, n: usize) -> Result<[Arg<'a>; 2]> {
         if self.blocksize == 0 {
             return Err(bad(operation, "block size 0".into()));
         }
-        need_part(operation, self.codes, DType::U8, n.div_ceil(2))?;
-        need_part(
-            operation,
-            self.absmax,
-            DType::F32,
-            n.div_ceil(self.blocksize),
-        )
+        Ok([
+            self.codes.arg(DType::U8, n.div_ceil(2)),
+            self.absmax.arg(DType::F32, n.div_ceil(self.blocksize)),
+        ])
     }
 }
 
@@ -1042,15 +1048,12 @@ impl Gpu {
         n: usize,
     ) -> Result<()> {
         const OP: &str = "dequantize 4-bit";
-        w.check(OP, n)?;
-        need(OP, out, out_type, 0, n)?;
-        let mut args = vec![
-            w.codes.arg(),
-            w.absmax.arg(),
-            Arg::Buf(out),
+        let mut args = w.args(OP, n)?.to_vec();
+        args.extend([
+            buf(out, out_type, n),
             Arg::U64(n as u64),
             Arg::U64(w.blocksize as u64),
-        ];
+        ]);
         // The code table travels as 16 float arguments.
         args.extend(w.table.iter().map(|&v| Arg::F32(v)));
         self.launch(
@@ -1077,11 +1080,6 @@ impl Gpu {
         blocks: usize,
     ) -> Result<()> {
         const OP: &str = "dequantize nested absmax";
-        need_part(OP, codes, DType::U8, blocks)?;
-        need_part(OP, nested, DType::F32, blocks.div_ceil(NESTED_BLOCK))?;
-        need_part(OP, map, DType::F32, 256)?;
-        need_part(OP, offset, DType::F32, 1)?;
-        need(OP, absmax, DType::F32, 0, blocks)?;
         self.launch(
             OP,
             "bm_dequant_nested_absmax".into(),
@@ -1089,11 +1087,11 @@ impl Gpu {
             THREADS,
             0,
             &[
-                codes.arg(),
-                nested.arg(),
-                map.arg(),
-                offset.arg(),
-                Arg::Buf(absmax),
+                codes.arg(DType::U8, blocks),
+                nested.arg(DType::F32, blocks.div_ceil(NESTED_BLOCK)),
+                map.arg(DType::F32, 256),
+                offset.arg(DType::F32, 1),
+                buf(absmax, DType::F32, blocks),
                 Arg::U64(blocks as u64),
             ],
         )
@@ -1115,9 +1113,6 @@ impl Gpu {
     ) -> Result<()> {
         const OP: &str = "dequantize int8";
         let n = product(OP, &[rows, cols])?;
-        need_part(OP, codes, DType::I8, n)?;
-        need_part(OP, scb, DType::F32, rows)?;
-        need(OP, out, out_type, 0, n)?;
         self.launch(
             OP,
             format!("bm_dequant_int8_{}", suffix(OP, out_type)?),
@@ -1125,9 +1120,9 @@ impl Gpu {
             THREADS,
             0,
             &[
-                codes.arg(),
-                scb.arg(),
-                Arg::Buf(out),
+                codes.arg(DType::I8, n),
+                scb.arg(DType::F32, rows),
+                buf(out, out_type, n),
                 Arg::U64(rows as u64),
                 Arg::U64(cols as u64),
                 Arg::F32(scale),
@@ -1156,18 +1151,13 @@ impl Gpu {
     ) -> Result<()> {
         const OP: &str = "linear 4-bit";
         let (blocks, rows) = linear_dims(OP, (m, k, n))?;
-        w.check(OP, n * k)?;
-        need(OP, x, x_type, 0, m * k)?;
-        need(OP, out, x_type, 0, m * n)?;
-        if let Some(b) = bias {
-            need(OP, b, x_type, 0, n)?;
-        }
+        let [codes, absmax] = w.args(OP, n * k)?;
         let mut args = vec![
-            Arg::Buf(x),
-            w.codes.arg(),
-            w.absmax.arg(),
-            bias.map_or(Arg::Null, Arg::Buf),
-            Arg::Buf(out),
+            buf(x, x_type, m * k),
+            codes,
+            absmax,
+            opt_buf(bias, x_type, n),
+            buf(out, x_type, m * n),
             Arg::U64(k as u64),
             Arg::U64(n as u64),
             Arg::U64(w.blocksize as u64),
@@ -1205,11 +1195,6 @@ impl Gpu {
     ) -> Result<()> {
         const OP: &str = "linear epilogue";
         let count = product(OP, &[rows, cols])?;
-        need(OP, acc, DType::F32, 0, count)?;
-        need(OP, out, x_type, 0, count)?;
-        if let Some(b) = bias {
-            need(OP, b, x_type, 0, cols)?;
-        }
         self.launch(
             OP,
             format!(
@@ -1221,9 +1206,9 @@ impl Gpu {
             THREADS,
             0,
             &[
-                Arg::Buf(acc),
-                bias.map_or(Arg::Null, Arg::Buf),
-                Arg::Buf(out),
+                buf(acc, DType::F32, count),
+                opt_buf(bias, x_type, cols),
+                buf(out, x_type, count),
                 Arg::U64(rows as u64),
                 Arg::U64(cols as u64),
             ],
@@ -1251,18 +1236,20 @@ impl Gpu {
     ) -> Result<()> {
         const OP: &str = "linear int8";
         let (blocks, rows) = linear_dims(OP, (m, k, n))?;
-        need_part(OP, w.codes, DType::I8, n * k)?;
-        need_part(OP, w.scb, DType::F32, n)?;
-        need(OP, x, x_type, 0, m * k)?;
-        need(OP, out, x_type, 0, m * n)?;
-        if let Some(b) = bias {
-            need(OP, b, x_type, 0, n)?;
-        }
+        let (x_arg, codes, scb) = (
+            buf(x, x_type, m * k),
+            w.codes.arg(DType::I8, n * k),
+            w.scb.arg(DType::F32, n),
+        );
+        let (bias, out) = (opt_buf(bias, x_type, n), buf(out, x_type, m * n));
+        // Checked before the temporaries are allocated.
+        check_args(self, OP, &[x_arg, codes, scb, bias, out])?;
         let name = suffix(OP, x_type)?;
         let (outliers, threshold) = match w.threshold {
             Some(t) if t > 0.0 => (1, t),
             _ => (0, 0.0),
         };
+        // One u32 flag a column (sized as I32 in the argument checks).
         let flags = self.alloc(4 * k)?;
         let q = self.alloc(m * k)?;
         let row_absmax = self.alloc(4 * m)?;
@@ -1274,8 +1261,8 @@ impl Gpu {
                 THREADS,
                 0,
                 &[
-                    Arg::Buf(x),
-                    Arg::Buf(&flags),
+                    x_arg,
+                    buf(&flags, DType::I32, k),
                     Arg::U64(m as u64),
                     Arg::U64(k as u64),
                     Arg::F32(threshold),
@@ -1289,10 +1276,10 @@ impl Gpu {
             QUANT_THREADS,
             0,
             &[
-                Arg::Buf(x),
-                Arg::Buf(&flags),
-                Arg::Buf(&q),
-                Arg::Buf(&row_absmax),
+                x_arg,
+                buf(&flags, DType::I32, k),
+                buf(&q, DType::I8, m * k),
+                buf(&row_absmax, DType::F32, m),
                 Arg::U64(k as u64),
                 Arg::F32(threshold),
                 Arg::U32(outliers),
@@ -1305,14 +1292,14 @@ impl Gpu {
             QUANT_THREADS,
             0,
             &[
-                Arg::Buf(x),
-                Arg::Buf(&q),
-                Arg::Buf(&row_absmax),
-                w.codes.arg(),
-                w.scb.arg(),
-                Arg::Buf(&flags),
-                bias.map_or(Arg::Null, Arg::Buf),
-                Arg::Buf(out),
+                x_arg,
+                buf(&q, DType::I8, m * k),
+                buf(&row_absmax, DType::F32, m),
+                codes,
+                scb,
+                buf(&flags, DType::I32, k),
+                bias,
+                out,
                 Arg::U64(k as u64),
                 Arg::U64(n as u64),
                 Arg::U32(outliers),
