@@ -466,3 +466,75 @@ fn embed_quantized_stays_close_to_dense() {
     let cosine: f64 = dense.iter().zip(&int8).map(|(a, b)| a * b).sum();
     assert!(cosine > 0.99 && cosine < 1.0 + 1e-9, "cosine {cosine}");
 }
+
+/// A safetensors file's tensors: name -> (dtype, shape, bytes).
+type Tensors = BTreeMap<String, (String, Vec<u64>, Vec<u8>)>;
+
+// A pre-quantized folder with a part missing or unsupported: `plan` and
+// `run` end with an error naming the weight and the field, never a panic.
+#[test]
+fn broken_pre_quantized_folders_are_errors_naming_tensor_and_field() {
+    const Q: &str = "model.layers.0.self_attn.q_proj.weight";
+    let dir = tempfile::tempdir().unwrap();
+    let source = fixture("tiny-llama-bnb/nf4");
+    let broken = |name: &str, edit: &dyn Fn(&mut Tensors)| {
+        let folder = dir.path().join(name);
+        std::fs::create_dir_all(&folder).unwrap();
+        std::fs::copy(source.join("config.json"), folder.join("config.json")).unwrap();
+        let mut tensors = read_safetensors(&source.join("model.safetensors"));
+        edit(&mut tensors);
+        write_safetensors(&folder.join("model.safetensors"), &tensors);
+        folder
+    };
+    let state_key = format!("{Q}.quant_state.bitsandbytes__nf4");
+    let set_state = |key: &'static str, value: Value| {
+        let state_key = state_key.clone();
+        move |t: &mut Tensors| {
+            let entry = t.get_mut(&state_key).unwrap();
+            let mut state: Value = serde_json::from_slice(&entry.2).unwrap();
+            state[key] = value.clone();
+            entry.2 = state.to_string().into_bytes();
+            entry.1 = vec![entry.2.len() as u64];
+        }
+    };
+    let cases = [
+        (
+            broken("no-absmax", &|t| drop(t.remove(&format!("{Q}.absmax")))),
+            format!("quantized weight {Q}: absmax: entry {Q}.absmax is missing"),
+        ),
+        (
+            broken("block-48", &set_state("blocksize", json!(48))),
+            format!(
+                "quantized weight {Q}: blocksize: unsupported quantization: 4-bit block size 48"
+            ),
+        ),
+        (
+            broken("int4", &|t| {
+                let state = t.remove(&state_key).unwrap();
+                t.insert(format!("{Q}.quant_state.bitsandbytes__int4"), state);
+            }),
+            format!(
+                "quantized weight {Q}: quant_state: unsupported quantization: 4-bit quant type \"int4\""
+            ),
+        ),
+    ];
+    for (folder, want) in &cases {
+        let folder = folder.to_str().unwrap();
+        for args in [
+            vec!["plan", folder, "--max-memory", "cpu=1GiB"],
+            vec![
+                "run",
+                folder,
+                "--prompt-ids",
+                "1,2",
+                "--max-new-tokens",
+                "1",
+            ],
+        ] {
+            let out = bigmodel(&args);
+            let err = failure(&out);
+            assert!(err.contains(want.as_str()), "{args:?}: {err}");
+            assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        }
+    }
+}

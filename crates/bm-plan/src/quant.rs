@@ -251,6 +251,27 @@ mod tests {
     }
 
     #[test]
+    fn a_linear_weight_that_is_not_a_float_matrix_is_named() {
+        for meta in [
+            TensorMeta::new(DType::I32, vec![4, 4]),
+            TensorMeta::new(DType::F32, vec![2, 4, 4]),
+        ] {
+            let mut b = ModuleTreeBuilder::new("Model");
+            let m = b.add_module(0, "proj", "Linear").unwrap();
+            b.add_param(m, "weight", meta.clone()).unwrap();
+            let err = quantize_tree(&b.finish().unwrap(), |_| Some(QuantScheme::Int8)).unwrap_err();
+            assert_eq!(
+                err.to_string(),
+                format!(
+                    "cannot quantize proj.weight: a Linear weight of shape {:?} is not a float \
+                     matrix",
+                    meta.shape
+                )
+            );
+        }
+    }
+
+    #[test]
     fn tied_or_absent_weights_are_named() {
         let err = quantize_tree(&tree(true), |_| Some(QuantScheme::Int8)).unwrap_err();
         assert!(
