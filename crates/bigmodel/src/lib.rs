@@ -284,8 +284,15 @@ pub fn default_max_memory(devices: &DeviceSet, compat: Compat) -> Result<MaxMemo
 /// The fixed per-device costs of running a plan with `max_memory`, for the
 /// ledger ([`PlanOptions::overheads`]): the host staging a load with GPUs
 /// casts through ([`bm_dispatch::STAGING_BYTES`]) whenever a GPU has a
-/// budget (and the CPU one to take it from).
-pub fn overheads(max_memory: &MaxMemory) -> Vec<(bm_plan::Device, LedgerItem, u64)> {
+/// budget (and the CPU one to take it from), and, when the GPUs are `cuda`
+/// ones (not emulated: those compute nothing), the cuBLAS workspace each
+/// GPU with a budget is given ([`bm_device::GEMM_WORKSPACE_BYTES`]).
+///
+/// The CPU is charged no GEMM workspace: its kernels read F32 weights in
+/// place, and their scratch (the `gemm` crate's per-thread packing buffers,
+/// the f32 copy of a half-precision weight block of at most 256 KiB per
+/// thread) is a few MiB at most, inside the host's safety margin.
+pub fn overheads(max_memory: &MaxMemory, cuda: bool) -> Vec<(bm_plan::Device, LedgerItem, u64)> {
     let mut out = Vec::new();
     if max_memory.gpus().any(|(_, b)| b > 0) && max_memory.get(bm_plan::Device::Cpu).is_some() {
         out.push((
@@ -293,6 +300,15 @@ pub fn overheads(max_memory: &MaxMemory) -> Vec<(bm_plan::Device, LedgerItem, u6
             LedgerItem::Staging,
             bm_dispatch::STAGING_BYTES as u64,
         ));
+    }
+    if cuda {
+        for (gpu, _) in max_memory.gpus().filter(|(_, b)| *b > 0) {
+            out.push((
+                bm_plan::Device::Gpu(gpu),
+                LedgerItem::GemmWorkspace,
+                bm_device::GEMM_WORKSPACE_BYTES as u64,
+            ));
+        }
     }
     out
 }
@@ -306,7 +322,7 @@ pub fn overheads_calibrated(
     budgets_from_user: bool,
     calibration: &bm_plan::Calibration,
 ) -> Vec<(bm_plan::Device, LedgerItem, u64)> {
-    let mut out = overheads(max_memory);
+    let mut out = overheads(max_memory, true);
     if budgets_from_user {
         for gpu in &calibration.gpus {
             let device = bm_plan::Device::Gpu(gpu.ordinal);

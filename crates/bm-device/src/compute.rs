@@ -134,6 +134,13 @@ pub struct AttentionShape {
 /// scores in shared memory, within the 48 KiB a block gets by default.
 pub const MAX_ATTENTION_KEYS: usize = 12_000;
 
+/// Bytes of the workspace each GPU's cuBLAS handle is given when it is
+/// created (`cublasSetWorkspace`), for the life of the process: NVIDIA's
+/// recommended size for Hopper and newer, and more than the 4 MiB it
+/// recommends for older GPUs, so one size serves all. The planner charges
+/// it as the ledger's `gemm_workspace` on every GPU with a budget.
+pub const GEMM_WORKSPACE_BYTES: usize = 32 << 20;
+
 /// Threads per block of the elementwise, row and attention kernels.
 const THREADS: u32 = 256;
 const ATTENTION_THREADS: u32 = 128;

@@ -196,7 +196,7 @@ pub(crate) struct CudaGpu {
     driver_allocations: AtomicU64,
     busy_wait: OnceLock<std::result::Result<CudaFunction, String>>,
     kernels: compute::Lazy<compute::Kernels>,
-    blas: compute::Lazy<parking_lot::Mutex<cudarc::cublas::CudaBlas>>,
+    blas: compute::Lazy<parking_lot::Mutex<compute::Blas>>,
 }
 
 // SAFETY: the pool handle is a driver object that every driver call

@@ -342,7 +342,7 @@ pub fn run(args: Args) -> CmdResult {
     };
     options.overheads = match &calibration {
         Some(c) => bigmodel::overheads_calibrated(&options.max_memory, from_user, c),
-        None => bigmodel::overheads(&options.max_memory),
+        None => bigmodel::overheads(&options.max_memory, true),
     };
     let mut plan = bigmodel::plan::plan_with(tree, &options, compat)?;
     // Accelerate's planner keeps no ledger: the ledger of its map.

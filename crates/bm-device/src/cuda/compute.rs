@@ -20,7 +20,9 @@ use std::ffi::{CString, c_char, c_int, c_void};
 use std::sync::{Arc, OnceLock};
 
 use cudarc::cublas::{CudaBlas, result as blas, sys as blas_sys};
-use cudarc::driver::{CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
+};
 use cudarc::nvrtc::{Ptx, result as nvrtc_result, sys as nvrtc_sys};
 use parking_lot::Mutex;
 
@@ -437,17 +439,13 @@ impl CudaGpu {
         move |e| driver_error(operation, Some(device), e)
     }
 
-    /// This GPU's cuBLAS handle, bound to `stream` (the compute stream) on
-    /// first use.
-    fn blas(&self, stream: &Arc<CudaStream>) -> Result<&Mutex<CudaBlas>> {
+    /// This GPU's cuBLAS handle, bound to `stream` (the compute stream) and
+    /// given its workspace on first use.
+    fn blas(&self, stream: &Arc<CudaStream>) -> Result<&Mutex<Blas>> {
         self.blas
             .get_or_init(|| {
                 cublas()?;
-                no_panic("cuBLAS", || {
-                    CudaBlas::new(Arc::clone(stream))
-                        .map(Mutex::new)
-                        .map_err(|e| e.to_string())
-                })
+                no_panic("cuBLAS", || Blas::new(stream).map(Mutex::new))
             })
             .as_ref()
             .map_err(|m| self.compute_error("creating the cuBLAS handle", m.clone()))
@@ -491,7 +489,7 @@ impl CudaGpu {
         let op_n = blas_sys::cublasOperation_t::CUBLAS_OP_N;
         let compute = blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F;
         let algo = blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT;
-        let handle = *blas_handle.handle();
+        let handle = *blas_handle.handle.handle();
         let status = if shape.batch == 1 {
             // SAFETY: per this function's contract; alpha/beta are host f32
             // as CUBLAS_COMPUTE_32F with the default pointer mode expects.
@@ -555,6 +553,45 @@ impl CudaGpu {
             }
         };
         status.map_err(|e| self.compute_error("cublasGemmEx", e.to_string()))
+    }
+}
+
+/// A cuBLAS handle and the workspace it was given.
+pub(crate) struct Blas {
+    handle: CudaBlas,
+    /// Lives as long as the handle (declared after it, so dropped after
+    /// it): every GEMM on the handle may use it.
+    _workspace: CudaSlice<u8>,
+}
+
+impl Blas {
+    /// A handle on `stream` with a workspace of
+    /// [`crate::GEMM_WORKSPACE_BYTES`] of our own, so what cuBLAS holds on
+    /// the GPU is what the ledger charges (cuBLAS otherwise sizes its own
+    /// pool by version and architecture).
+    fn new(stream: &Arc<CudaStream>) -> std::result::Result<Blas, String> {
+        let handle = CudaBlas::new(Arc::clone(stream)).map_err(|e| e.to_string())?;
+        let bytes = crate::GEMM_WORKSPACE_BYTES;
+        let workspace = stream
+            .alloc_zeros::<u8>(bytes)
+            .map_err(|e| format!("allocating the {bytes}-byte cuBLAS workspace: {e}"))?;
+        {
+            let (pointer, _synced) = workspace.device_ptr(stream);
+            // SAFETY: the handle is live; the workspace is device memory of
+            // this context, `bytes` long and 256-byte aligned (driver
+            // allocations are), and outlives the handle (field order).
+            // Set after CudaBlas::new's cublasSetStream, which would reset
+            // it to cuBLAS's own pool.
+            unsafe {
+                blas_sys::cublasSetWorkspace_v2(*handle.handle(), pointer as *mut c_void, bytes)
+            }
+            .result()
+            .map_err(|e| format!("cublasSetWorkspace: {e}"))?;
+        }
+        Ok(Blas {
+            handle,
+            _workspace: workspace,
+        })
     }
 }
 
