@@ -390,6 +390,12 @@ impl ModelShape {
     /// attend to `context` positions: two per multiply-add of the
     /// projections and the MLP, and of the scores and their weighted sum.
     pub fn block_flops(&self, rows: u64, context: u64) -> f64 {
+        self.linear_flops(rows) + self.attention_flops(rows, context as f64)
+    }
+
+    /// Floating-point operations of one block's linears (projections and
+    /// MLP) for `rows` tokens.
+    pub fn linear_flops(&self, rows: u64) -> f64 {
         let (h, i) = (self.hidden as f64, self.intermediate as f64);
         let q = (self.heads * self.head_dim) as f64;
         let k = (self.kv_heads * self.head_dim) as f64;
@@ -398,8 +404,31 @@ impl ModelShape {
             MlpKind::Gated | MlpKind::FusedGated => 3.0 * h * i,
             MlpKind::Plain => 2.0 * h * i,
         };
-        let attention = 2.0 * q * context as f64;
-        2.0 * rows as f64 * (projections + mlp + attention)
+        2.0 * rows as f64 * (projections + mlp)
+    }
+
+    /// Elements one row passes through a block's element-wise ops: (simple
+    /// ones: the two norms and residual adds, the rotation of queries and
+    /// keys, the MLP's product; activations: the MLP's non-linearity).
+    pub fn elementwise_per_row(&self) -> (u64, u64) {
+        let rotated = if self.rotary {
+            (self.heads + self.kv_heads) * self.head_dim
+        } else {
+            0
+        };
+        let product = match self.mlp {
+            MlpKind::Gated | MlpKind::FusedGated => self.intermediate,
+            MlpKind::Plain => 0,
+        };
+        (4 * self.hidden + rotated + product, self.intermediate)
+    }
+
+    /// Floating-point operations of one block's attention for `rows`
+    /// tokens attending to `context` positions on average: per row and
+    /// head, `2 · head_dim` per key for the scores and as many for the
+    /// weighted sum of values.
+    pub fn attention_flops(&self, rows: u64, context: f64) -> f64 {
+        4.0 * rows as f64 * (self.heads * self.head_dim) as f64 * context
     }
 
     /// Floating-point operations of the head for `rows` tokens.

@@ -53,6 +53,7 @@ pub mod plan;
 pub mod predict;
 pub mod quant;
 pub mod sizes;
+pub mod speed;
 pub mod tree;
 
 pub use device::{Device, MaxMemory};
@@ -65,6 +66,7 @@ pub use size::{
     MAX_BUDGET, convert_file_size_to_int, human_bytes, parse_size_text, parse_size_value,
 };
 pub use sizes::{ModuleSizes, SizeOptions, SizeRule};
+pub use speed::{Fastest, fastest};
 pub use tree::{
     Module, ModuleId, ModuleTree, ModuleTreeBuilder, Node, Tensor, TensorId, TensorKind,
 };

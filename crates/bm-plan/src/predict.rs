@@ -5,16 +5,33 @@
 //!
 //! The cost model (docs/guide.md, "Predicting speed", explains it for users):
 //!
-//! * A pass runs the blocks in order (embedding, layers, final norm, head).
-//!   A block's **compute** time on the CPU is
-//!   `max(flops / gemm_rate, weight_bytes / gemv_rate) + ops · op_seconds`:
-//!   prefill is bound by GEMM throughput, decoding by reading the weights
-//!   (a one-row linear streams its weight once, at the cached rate when
-//!   the weights a pass reads fit in the last-level cache), and every op pays a fixed
-//!   cost (thread hand-off, allocation) that dominates small models, and
-//!   the dispatcher a cost per tensor handed out (calibrated for resident
-//!   and for disk-offloaded, mapped tensors). On a
-//!   GPU it is `flops / gpu_gemm_rate`.
+//! * A pass runs the blocks in order (embedding, layers, final norm, head;
+//!   [`Pass`]). On the CPU a block's **compute** time is the sum of
+//!   - its linears: one row (a decoding step of one sequence) streams each
+//!     weight through a dot product, `max(flops / gemm_rate, bytes /
+//!     gemv_rate)` (the cached read rate when the weights a pass reads fit
+//!     in the last-level cache); several rows (a prompt, a batch) pack each
+//!     weight once per call and then multiply, `bytes / packing_rate +
+//!     flops / gemm_rate`. The packing term is what makes a short prompt
+//!     cost far more per FLOP than a long one;
+//!   - its attention: per score (a query row, a head, a key it sees)
+//!     `4 · head_dim` FLOPs at the attention rate (scalar loops, several
+//!     times below the GEMM rate) and a fixed cost (the softmax's
+//!     exponential, loop overheads), which dominates narrow heads;
+//!   - its element-wise ops (norms, rotations, residual adds, the MLP's
+//!     product and activation), per element of every row, at the
+//!     calibrated rates;
+//!   - a fixed cost per parallel op (handing work to the thread pool: the
+//!     projections and attention, and over several rows the norms too)
+//!     and per tensor the
+//!     dispatcher hands out (calibrated for resident and for disk-offloaded,
+//!     mapped tensors), which dominate small models;
+//!   - on the first pass of a process only, the page faults of weights used
+//!     in place through a mapping (CPU-resident weights are views of the
+//!     checkpoint unless cast at load; disk weights are views of their
+//!     file), at the calibrated first-touch rate of cached pages.
+//!
+//!   On a GPU it is `flops / gpu_gemm_rate`.
 //! * A block whose weights sit on a device that does not execute (offloaded)
 //!   **transfers** them to the execution device over the link they cross:
 //!   host RAM to a GPU at the pinned host-to-device rate, disk to a GPU at
@@ -28,32 +45,43 @@
 //!   prefetch depth of at least one, block `i + 1` is fetched while block
 //!   `i` computes, so a pass takes `t₀ + Σ max(cᵢ, tᵢ₊₁)`; with depth 0 it
 //!   takes `Σ (cᵢ + tᵢ)`.
-//! * The first pass has `batch · prompt_len` rows whose attention spans
-//!   half the prompt on average; a decoding pass has `batch` rows attending
-//!   to the prompt plus half the generated tokens. `seconds_per_token` is
-//!   a decoding pass; `bytes_streamed_per_token` every offloaded byte, which
-//!   each pass brings in once.
+//! * The first pass has `batch · prompt_len` rows, position `i` attending
+//!   to `i + 1` positions; the head computes the last position of each
+//!   sequence only. A decoding pass has `batch` rows attending to the
+//!   prompt plus half the generated tokens. `first_forward_seconds` is the
+//!   first pass (what `bigmodel run` reports as its first forward: the
+//!   prompt's pass after loading, with the page cache warm);
+//!   `seconds_per_token` a decoding pass; `bytes_streamed_per_token` every
+//!   offloaded byte, which each pass brings in once.
 
 use crate::Error;
 use crate::device::Device;
 use crate::hf::HfModel;
-use crate::ledger::Workload;
+use crate::ledger::{ModelShape, Workload};
 use crate::plan::{DeviceMap, PlanOptions};
 use crate::sizes::{ModuleSizes, SizeOptions, SizeRule};
 use crate::tree::{Node, TensorKind};
 
-/// Parallel ops a decoder layer runs (seven projections and attention),
-/// each paying the calibrated fixed cost of an op; norms, rotations and
-/// element-wise ops are single passes over a row and cost far less.
+/// Parallel ops a decoder layer runs on one row (seven projections and
+/// attention), each paying the calibrated fixed cost of an op (handing
+/// work to the thread pool); norms, rotations and element-wise ops over a
+/// row run on the calling thread.
 const OPS_PER_LAYER: f64 = 8.0;
+/// The same over several rows: the two norms split their rows over the
+/// pool too.
+const OPS_PER_LAYER_ROWS: f64 = 10.0;
 /// Parallel ops of the embedding, the final norm or the head.
 const OPS_PER_SMALL_BLOCK: f64 = 1.0;
 
 /// Measured rates of the host's CPU.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct CpuRates {
-    /// Dense f32 GEMM throughput, in FLOP/s.
+    /// Dense f32 GEMM throughput once a weight is packed, in FLOP/s.
     pub gemm_flops: f64,
+    /// Bytes of f32 weight a linear of several rows packs per second (once
+    /// per call, whatever the row count: what makes a short prompt's
+    /// GEMMs slower per FLOP than a long one's).
+    pub gemm_weight_bytes_per_second: f64,
     /// Bytes of f32 weights a one-row linear reads per second from memory
     /// (a weight far larger than the cache).
     pub gemv_bytes_per_second: f64,
@@ -62,6 +90,18 @@ pub struct CpuRates {
     /// The last-level cache: a model whose weights per pass fit in it reads
     /// them at the cached rate (0 when unknown).
     pub last_level_cache_bytes: u64,
+    /// Attention throughput in FLOP/s (`4 · head_dim` per score, a score
+    /// being a query row, head and key: scalar loops, far below the GEMM
+    /// rate).
+    pub attention_flops: f64,
+    /// Seconds per attention score besides its FLOPs (the softmax's
+    /// exponential, loop overheads): what makes narrow heads slow.
+    pub attention_score_seconds: f64,
+    /// Seconds per element of an element-wise op over many rows (a
+    /// residual add, the MLP's product, a norm, a rotation).
+    pub elementwise_seconds: f64,
+    /// Seconds per element of the MLP's activation (an exponential each).
+    pub activation_seconds: f64,
     /// Fixed seconds of one small op.
     pub op_seconds: f64,
     /// Sequential read bandwidth of host memory, bytes per second.
@@ -79,6 +119,10 @@ pub struct DiskRates {
     pub cold_bytes_per_second: Option<f64>,
     /// Bytes per second from the page cache.
     pub warm_bytes_per_second: f64,
+    /// Bytes per second of a first read of a mapped file whose pages are
+    /// in the page cache (the page faults of the first pass over weights
+    /// used in place).
+    pub first_touch_bytes_per_second: f64,
     /// Seconds the dispatcher spends per disk-offloaded tensor a block
     /// reads on the CPU (mapped in place, warm; the prefetch hand-off
     /// included).
@@ -115,7 +159,7 @@ pub struct Calibration {
 }
 
 /// The calibration document's format tag.
-pub const CALIBRATION_FORMAT: &str = "bigmodel-calibration/1";
+pub const CALIBRATION_FORMAT: &str = "bigmodel-calibration/2";
 
 const GB: f64 = 1e9;
 
@@ -139,9 +183,14 @@ impl Calibration {
             "format": CALIBRATION_FORMAT,
             "cpu": {
                 "gemm_gflops": self.cpu.gemm_flops / GB,
+                "gemm_weight_gb_per_s": self.cpu.gemm_weight_bytes_per_second / GB,
                 "gemv_gb_per_s": self.cpu.gemv_bytes_per_second / GB,
                 "gemv_cached_gb_per_s": self.cpu.gemv_cached_bytes_per_second / GB,
                 "last_level_cache_bytes": self.cpu.last_level_cache_bytes,
+                "attention_gflops": self.cpu.attention_flops / GB,
+                "attention_score_nanoseconds": self.cpu.attention_score_seconds * 1e9,
+                "elementwise_nanoseconds": self.cpu.elementwise_seconds * 1e9,
+                "activation_nanoseconds": self.cpu.activation_seconds * 1e9,
                 "op_microseconds": self.cpu.op_seconds * 1e6,
                 "memory_gb_per_s": self.cpu.memory_bytes_per_second / GB,
                 "tensor_microseconds": self.cpu.tensor_seconds * 1e6,
@@ -150,6 +199,7 @@ impl Calibration {
             "disk": self.disk.map(|d| serde_json::json!({
                 "cold_read_gb_per_s": d.cold_bytes_per_second.map(|r| r / GB),
                 "warm_read_gb_per_s": d.warm_bytes_per_second / GB,
+                "first_touch_gb_per_s": d.first_touch_bytes_per_second / GB,
                 "mapped_tensor_microseconds": d.mapped_tensor_seconds * 1e6,
             })),
             "gpus": gpus,
@@ -186,7 +236,10 @@ impl Calibration {
             if x.is_finite() && x >= 0.0 {
                 Ok(x * 1e-6)
             } else {
-                Err(bad(key, "must be a number of microseconds, at least 0"))
+                Err(bad(
+                    key,
+                    "must be a time of at least 0, in the unit its name says",
+                ))
             }
         };
         let optional =
@@ -199,12 +252,17 @@ impl Calibration {
         let cpu = doc.get("cpu").ok_or_else(|| bad("cpu", "missing"))?;
         let cpu = CpuRates {
             gemm_flops: rate(cpu, "cpu.gemm_gflops", GB)?,
+            gemm_weight_bytes_per_second: rate(cpu, "cpu.gemm_weight_gb_per_s", GB)?,
             gemv_bytes_per_second: rate(cpu, "cpu.gemv_gb_per_s", GB)?,
             gemv_cached_bytes_per_second: rate(cpu, "cpu.gemv_cached_gb_per_s", GB)?,
             last_level_cache_bytes: cpu
                 .get("last_level_cache_bytes")
                 .and_then(|v| v.as_u64())
                 .ok_or_else(|| bad("cpu.last_level_cache_bytes", "missing or not a byte count"))?,
+            attention_flops: rate(cpu, "cpu.attention_gflops", GB)?,
+            attention_score_seconds: seconds(cpu, "cpu.attention_score_nanoseconds")? * 1e-3,
+            elementwise_seconds: seconds(cpu, "cpu.elementwise_nanoseconds")? * 1e-3,
+            activation_seconds: seconds(cpu, "cpu.activation_nanoseconds")? * 1e-3,
             op_seconds: seconds(cpu, "cpu.op_microseconds")?,
             memory_bytes_per_second: rate(cpu, "cpu.memory_gb_per_s", GB)?,
             tensor_seconds: seconds(cpu, "cpu.tensor_microseconds")?,
@@ -218,6 +276,7 @@ impl Calibration {
             Some(d) => Some(DiskRates {
                 cold_bytes_per_second: optional(d, "disk.cold_read_gb_per_s", GB)?,
                 warm_bytes_per_second: rate(d, "disk.warm_read_gb_per_s", GB)?,
+                first_touch_bytes_per_second: rate(d, "disk.first_touch_gb_per_s", GB)?,
                 mapped_tensor_seconds: seconds(d, "disk.mapped_tensor_microseconds")?,
             }),
         };
@@ -278,14 +337,317 @@ impl Prediction {
     }
 }
 
-/// One block of a pass: where its weights are, where it runs, its sizes.
-struct Block {
-    weights_on: Device,
-    bytes: u64,
-    params: u64,
-    tensors: u64,
-    layer: bool,
-    head: bool,
+/// What a block of a pass computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BlockKind {
+    /// A repeated layer: its linears and attention.
+    Layer,
+    /// The head: the last position of each sequence only.
+    Head,
+    /// Anything else (embedding, final norm): reads a few rows of its
+    /// weights, costs one op.
+    Other,
+}
+
+/// One block of a pass: a device-map key and its sizes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Block {
+    /// The module's name, as a device map names it.
+    pub name: String,
+    /// Bytes of the weights a pass streams when the block is offloaded.
+    pub bytes: u64,
+    /// Parameters (the CPU kernels read each as an f32).
+    pub params: u64,
+    /// Tensors the dispatcher hands out.
+    pub tensors: u64,
+    /// What it computes.
+    pub kind: BlockKind,
+}
+
+/// The blocks of a model's forward pass in execution order (every
+/// top-level child of the model's trunk before the layers, the layers,
+/// what follows, the head), sized under a plan's dtype options. Sizing is
+/// done once; [`Pass::predict`] then costs any placement of the blocks.
+#[derive(Clone, Debug)]
+pub struct Pass {
+    blocks: Vec<Block>,
+    /// The weights are cast at load (another dtype than stored), so the
+    /// CPU-resident ones are owned copies, not views of the checkpoint.
+    cast: bool,
+}
+
+impl Pass {
+    /// The blocks of `model` under `options` (dtype, special dtypes,
+    /// whether buffers are offloaded).
+    pub fn of(model: &HfModel, options: &PlanOptions) -> Pass {
+        let tree = &model.tree;
+        let sizes = ModuleSizes::compute(
+            tree,
+            &SizeOptions {
+                dtype: options.dtype,
+                special_dtypes: options.special_dtypes.clone(),
+                rule: SizeRule::Loaded,
+            },
+        );
+        let mut blocks = Vec::new();
+        let layer_set: std::collections::HashSet<usize> = model.layers.iter().copied().collect();
+        let mut stack = vec![0usize];
+        while let Some(m) = stack.pop() {
+            let module = tree.module(m);
+            let is_layer = layer_set.contains(&m);
+            let whole = is_layer
+                || module.children.is_empty()
+                || (!module.params.is_empty()
+                    && module
+                        .children
+                        .iter()
+                        .all(|c| tree.module(*c).children.is_empty()));
+            if whole {
+                if sizes.of(Node::Module(m)) == 0 {
+                    continue;
+                }
+                // Buffers stay on the execution device unless offloaded too,
+                // as the dispatcher keeps them.
+                let streamed: Vec<(u64, u64)> = tree
+                    .tensors()
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, t)| tree.is_within(t.module, m))
+                    .filter(|(_, t)| options.offload_buffers || t.kind == TensorKind::Param)
+                    .map(|(i, t)| (t.meta.numel() as u64, sizes.tensor[i]))
+                    .collect();
+                blocks.push(Block {
+                    name: module.name.clone(),
+                    bytes: streamed.iter().map(|(_, b)| b).sum(),
+                    params: streamed.iter().map(|(n, _)| n).sum(),
+                    tensors: streamed.len() as u64,
+                    kind: if is_layer {
+                        BlockKind::Layer
+                    } else if module.name == "lm_head" {
+                        BlockKind::Head
+                    } else {
+                        BlockKind::Other
+                    },
+                });
+                continue;
+            }
+            stack.extend(module.children.iter().rev());
+        }
+        Pass {
+            blocks,
+            cast: options.dtype.is_some_and(|d| d != model.dtype),
+        }
+    }
+
+    /// The blocks, in execution order.
+    pub fn blocks(&self) -> &[Block] {
+        &self.blocks
+    }
+
+    /// Where `map` puts each block's weights.
+    pub fn placement(&self, map: &DeviceMap) -> Result<Vec<Device>, Error> {
+        self.blocks
+            .iter()
+            .map(|b| {
+                map.device_of(&b.name)
+                    .ok_or_else(|| Error::BadDeviceMap(format!("no device for {:?}", b.name)))
+            })
+            .collect()
+    }
+
+    /// Predicts the pass with block `i`'s weights on `placement[i]`,
+    /// `prefetch_depth` as the dispatcher runs it, for `workload` on the
+    /// machine `calibration` describes. The execution device is the
+    /// lowest GPU the placement uses, else the CPU; it must be in the
+    /// calibration.
+    pub fn predict(
+        &self,
+        shape: &ModelShape,
+        placement: &[Device],
+        prefetch_depth: usize,
+        workload: &Workload,
+        calibration: &Calibration,
+    ) -> Result<Prediction, Error> {
+        let blocks = &self.blocks;
+        debug_assert_eq!(blocks.len(), placement.len());
+        let exec = placement
+            .iter()
+            .copied()
+            .filter(|d| d.is_gpu())
+            .min()
+            .unwrap_or(Device::Cpu);
+        let gpu = match exec {
+            Device::Gpu(i) => Some(calibration.gpu(i).ok_or_else(|| {
+                Error::BadDeviceMap(format!(
+                    "the calibration has no GPU {i}: calibrate on the machine the plan is for"
+                ))
+            })?),
+            _ => None,
+        };
+        let executes = |d: Device| d == exec || d.is_gpu();
+        let bytes_on = |pick: &dyn Fn(Device) -> bool| -> u64 {
+            blocks
+                .iter()
+                .zip(placement)
+                .filter(|(_, d)| pick(**d))
+                .map(|(b, _)| b.bytes)
+                .sum()
+        };
+        let offloaded_bytes = bytes_on(&|d| !executes(d));
+        let host_bytes = bytes_on(&|d| d == Device::Cpu || d == Device::Disk);
+        // Offloaded bytes stay in the page cache between passes when the
+        // memory available holds them with the resident ones.
+        let warm = calibration.host_available_bytes >= host_bytes;
+        let disk_rate = || -> Result<f64, Error> {
+            let disk = calibration.disk.ok_or_else(|| {
+                Error::BadDeviceMap("the map uses disk but the calibration measured no disk".into())
+            })?;
+            Ok(match (warm, disk.cold_bytes_per_second) {
+                (false, Some(cold)) => cold,
+                _ => disk.warm_bytes_per_second,
+            })
+        };
+        let cpu = calibration.cpu;
+        // Weights the CPU reads per pass: from the cache when they fit in it.
+        let read_per_pass: u64 = blocks
+            .iter()
+            .filter(|b| b.kind != BlockKind::Other)
+            .map(|b| b.params * 4)
+            .sum();
+        let gemv_rate = if read_per_pass <= cpu.last_level_cache_bytes {
+            cpu.gemv_cached_bytes_per_second
+        } else {
+            cpu.gemv_bytes_per_second
+        };
+        // A CPU linear over `rows` rows reading `read` bytes of f32 weights
+        // doing `flops`: one row streams the weight through a dot product;
+        // more rows pack it once and multiply at the GEMM rate.
+        let cpu_linear = |rows: u64, read: u64, flops: f64| -> f64 {
+            if rows <= 1 {
+                (flops / cpu.gemm_flops).max(read as f64 / gemv_rate)
+            } else {
+                flops / cpu.gemm_flops + read as f64 / cpu.gemm_weight_bytes_per_second
+            }
+        };
+        // (compute seconds, transfer seconds) of block `b` on `on` for a
+        // pass of `rows` rows attending to `context` positions on average;
+        // `first` marks the first pass of a process.
+        let cost = |b: &Block,
+                    on: Device,
+                    rows: u64,
+                    context: f64,
+                    first: bool|
+         -> Result<(f64, f64), Error> {
+            let (rows, linear_flops, attention_flops) = match b.kind {
+                BlockKind::Layer => (
+                    rows,
+                    shape.linear_flops(rows),
+                    shape.attention_flops(rows, context),
+                ),
+                BlockKind::Head => (workload.batch, shape.head_flops(workload.batch), 0.0),
+                BlockKind::Other => (rows, 0.0, 0.0),
+            };
+            let compute = match gpu {
+                Some(g) => {
+                    let gemm = g.gemm_flops.ok_or_else(|| {
+                        Error::BadDeviceMap(format!(
+                            "the calibration has no GEMM rate for GPU {}",
+                            g.ordinal
+                        ))
+                    })?;
+                    (linear_flops + attention_flops) / gemm
+                }
+                None => {
+                    let (ops, read) = match b.kind {
+                        BlockKind::Layer if rows > 1 => (OPS_PER_LAYER_ROWS, b.params * 4),
+                        BlockKind::Layer => (OPS_PER_LAYER, b.params * 4),
+                        BlockKind::Head => (OPS_PER_SMALL_BLOCK, b.params * 4),
+                        // The embedding reads only its rows.
+                        BlockKind::Other => (OPS_PER_SMALL_BLOCK, 0),
+                    };
+                    let per_tensor = if on == Device::Disk {
+                        calibration
+                            .disk
+                            .map_or(cpu.tensor_seconds, |d| d.mapped_tensor_seconds)
+                    } else {
+                        cpu.tensor_seconds
+                    };
+                    // Weights used in place through a mapping fault their
+                    // pages in on the first pass that reads them.
+                    let mapped = on == Device::Disk || !self.cast;
+                    let first_touch = match calibration.disk {
+                        Some(d) if first && mapped => {
+                            read.min(b.bytes) as f64 / d.first_touch_bytes_per_second
+                        }
+                        _ => 0.0,
+                    };
+                    let scores = attention_flops / (4.0 * shape.head_dim as f64);
+                    let (simple, activation) = match b.kind {
+                        BlockKind::Layer => shape.elementwise_per_row(),
+                        _ => (0, 0),
+                    };
+                    let elementwise = rows as f64
+                        * (simple as f64 * cpu.elementwise_seconds
+                            + activation as f64 * cpu.activation_seconds);
+                    cpu_linear(rows, read, linear_flops)
+                        + attention_flops / cpu.attention_flops
+                        + scores * cpu.attention_score_seconds
+                        + elementwise
+                        + ops * cpu.op_seconds
+                        + b.tensors as f64 * per_tensor
+                        + first_touch
+                }
+            };
+            let transfer = match (gpu, on) {
+                (_, d) if executes(d) => 0.0,
+                (Some(g), Device::Cpu) => b.bytes as f64 / g.pinned_h2d_bytes_per_second,
+                (Some(g), _) => b.bytes as f64 / disk_rate()?.min(g.pinned_h2d_bytes_per_second),
+                // Mapped in place on the CPU: free when warm, read while the
+                // block computes when cold (an embedding reads only the
+                // pages of its rows).
+                (None, _) if warm => 0.0,
+                (None, _) => {
+                    let read = match b.kind {
+                        BlockKind::Other if b.params > 0 => b
+                            .bytes
+                            .min(rows * shape.hidden * (b.bytes / b.params).max(1)),
+                        _ => b.bytes,
+                    };
+                    return Ok((compute + read as f64 / disk_rate()?, 0.0));
+                }
+            };
+            Ok((compute, transfer))
+        };
+        let pass = |rows: u64, context: f64, first: bool| -> Result<f64, Error> {
+            let costs = blocks
+                .iter()
+                .zip(placement)
+                .map(|(b, on)| cost(b, *on, rows, context, first))
+                .collect::<Result<Vec<_>, _>>()?;
+            if prefetch_depth == 0 {
+                return Ok(costs.iter().map(|(c, t)| c + t).sum());
+            }
+            let mut seconds = costs.first().map_or(0.0, |(_, t)| *t);
+            for (i, (c, _)) in costs.iter().enumerate() {
+                let next = costs.get(i + 1).map_or(0.0, |(_, t)| *t);
+                seconds += c.max(next);
+            }
+            Ok(seconds)
+        };
+        let batch = workload.batch;
+        let prompt = workload.prompt_len;
+        let generated = workload.max_seq_len.saturating_sub(prompt);
+        Ok(Prediction {
+            // Causal: prompt position i attends to i + 1 positions.
+            first_forward_seconds: pass(
+                batch.saturating_mul(prompt),
+                (prompt as f64 + 1.0) / 2.0,
+                true,
+            )?,
+            seconds_per_token: pass(batch, prompt as f64 + generated as f64 / 2.0, false)?,
+            bytes_streamed_per_token: offloaded_bytes,
+        })
+    }
 }
 
 /// Predicts `map` for `model` under `options` (dtype, prefetch depth) and
@@ -298,196 +660,13 @@ pub fn predict(
     workload: &Workload,
     calibration: &Calibration,
 ) -> Result<Prediction, Error> {
-    let tree = &model.tree;
-    let sizes = ModuleSizes::compute(
-        tree,
-        &SizeOptions {
-            dtype: options.dtype,
-            special_dtypes: options.special_dtypes.clone(),
-            rule: SizeRule::Loaded,
-        },
-    );
-    let exec = map
-        .iter()
-        .map(|(_, d)| d)
-        .filter(|d| d.is_gpu())
-        .min()
-        .unwrap_or(Device::Cpu);
-    if let Device::Gpu(i) = exec
-        && calibration.gpu(i).is_none()
-    {
-        return Err(Error::BadDeviceMap(format!(
-            "the calibration has no GPU {i}: calibrate on the machine the plan is for"
-        )));
-    }
-    // The blocks in execution order: every top-level child of the model's
-    // trunk before the layers, the layers, what follows, the head.
-    let mut blocks = Vec::new();
-    let layer_set: std::collections::HashSet<usize> = model.layers.iter().copied().collect();
-    let mut stack = vec![0usize];
-    while let Some(m) = stack.pop() {
-        let module = tree.module(m);
-        let is_layer = layer_set.contains(&m);
-        let whole = is_layer
-            || module.children.is_empty()
-            || (!module.params.is_empty()
-                && module
-                    .children
-                    .iter()
-                    .all(|c| tree.module(*c).children.is_empty()));
-        if whole {
-            if sizes.of(Node::Module(m)) == 0 {
-                continue;
-            }
-            // Buffers stay on the execution device unless offloaded too,
-            // as the dispatcher keeps them.
-            let streamed: Vec<(u64, u64)> = tree
-                .tensors()
-                .iter()
-                .enumerate()
-                .filter(|(_, t)| tree.is_within(t.module, m))
-                .filter(|(_, t)| options.offload_buffers || t.kind == TensorKind::Param)
-                .map(|(i, t)| (t.meta.numel() as u64, sizes.tensor[i]))
-                .collect();
-            let params = streamed.iter().map(|(n, _)| n).sum();
-            let bytes = streamed.iter().map(|(_, b)| b).sum();
-            let tensors = streamed.len() as u64;
-            let weights_on = map
-                .device_of(&module.name)
-                .ok_or_else(|| Error::BadDeviceMap(format!("no device for {:?}", module.name)))?;
-            blocks.push(Block {
-                weights_on,
-                bytes,
-                params,
-                tensors,
-                layer: is_layer,
-                head: module.name == "lm_head",
-            });
-            continue;
-        }
-        stack.extend(module.children.iter().rev());
-    }
-    let executes = |d: Device| d == exec || d.is_gpu();
-    let offloaded_bytes: u64 = blocks
-        .iter()
-        .filter(|b| !executes(b.weights_on))
-        .map(|b| b.bytes)
-        .sum();
-    let disk_bytes: u64 = blocks
-        .iter()
-        .filter(|b| b.weights_on == Device::Disk)
-        .map(|b| b.bytes)
-        .sum();
-    let cpu_bytes: u64 = blocks
-        .iter()
-        .filter(|b| b.weights_on == Device::Cpu)
-        .map(|b| b.bytes)
-        .sum();
-    let warm = calibration.host_available_bytes >= cpu_bytes.saturating_add(disk_bytes);
-    let disk_rate = |cold_ok: bool| -> Result<f64, Error> {
-        let disk = calibration.disk.ok_or_else(|| {
-            Error::BadDeviceMap("the map uses disk but the calibration measured no disk".into())
-        })?;
-        Ok(match (warm, disk.cold_bytes_per_second) {
-            (false, Some(cold)) if cold_ok => cold,
-            _ => disk.warm_bytes_per_second,
-        })
-    };
-    let shape = &model.shape;
-    let cpu = calibration.cpu;
-    // Weights the CPU reads per pass: from the cache when they fit in it.
-    let read_per_pass: u64 = blocks
-        .iter()
-        .filter(|b| b.layer || b.head)
-        .map(|b| b.params * 4)
-        .sum();
-    let gemv_rate = if read_per_pass <= cpu.last_level_cache_bytes {
-        cpu.gemv_cached_bytes_per_second
-    } else {
-        cpu.gemv_bytes_per_second
-    };
-    // (compute seconds, transfer seconds) of a block for `rows` rows
-    // attending to `context` positions.
-    // The head computes the last position of each sequence only.
-    let cost = |b: &Block, rows: u64, context: u64| -> Result<(f64, f64), Error> {
-        let flops = if b.layer {
-            shape.block_flops(rows, context)
-        } else if b.head {
-            shape.head_flops(workload.batch)
-        } else {
-            0.0
-        };
-        let ops = if b.layer {
-            OPS_PER_LAYER
-        } else {
-            OPS_PER_SMALL_BLOCK
-        };
-        // Elements read as f32 by the CPU kernels; the embedding reads
-        // only its rows.
-        let read = if b.layer || b.head { b.params * 4 } else { 0 };
-        let compute = match exec {
-            Device::Gpu(i) => {
-                let gemm = calibration
-                    .gpu(i)
-                    .and_then(|g| g.gemm_flops)
-                    .ok_or_else(|| {
-                        Error::BadDeviceMap(format!("the calibration has no GEMM rate for GPU {i}"))
-                    })?;
-                flops / gemm
-            }
-            _ => {
-                let per_tensor = if b.weights_on == Device::Disk {
-                    calibration
-                        .disk
-                        .map_or(cpu.tensor_seconds, |d| d.mapped_tensor_seconds)
-                } else {
-                    cpu.tensor_seconds
-                };
-                (flops / cpu.gemm_flops).max(read as f64 / gemv_rate)
-                    + ops * cpu.op_seconds
-                    + b.tensors as f64 * per_tensor
-            }
-        };
-        let transfer = match (exec, b.weights_on) {
-            (_, d) if executes(d) => 0.0,
-            (Device::Gpu(i), Device::Cpu) => {
-                let g = calibration.gpu(i).expect("checked above");
-                b.bytes as f64 / g.pinned_h2d_bytes_per_second
-            }
-            (Device::Gpu(i), _) => {
-                let g = calibration.gpu(i).expect("checked above");
-                b.bytes as f64 / disk_rate(true)?.min(g.pinned_h2d_bytes_per_second)
-            }
-            // Mapped in place on the CPU: free when warm, read while the
-            // block computes when cold.
-            _ if warm => 0.0,
-            _ => return Ok((compute + b.bytes as f64 / disk_rate(true)?, 0.0)),
-        };
-        Ok((compute, transfer))
-    };
-    let pass = |rows: u64, context: u64| -> Result<f64, Error> {
-        let costs = blocks
-            .iter()
-            .map(|b| cost(b, rows, context))
-            .collect::<Result<Vec<_>, _>>()?;
-        if options.prefetch_depth == 0 {
-            return Ok(costs.iter().map(|(c, t)| c + t).sum());
-        }
-        let mut seconds = costs.first().map_or(0.0, |(_, t)| *t);
-        for (i, (c, _)) in costs.iter().enumerate() {
-            let next = costs.get(i + 1).map_or(0.0, |(_, t)| *t);
-            seconds += c.max(next);
-        }
-        Ok(seconds)
-    };
-    let batch = workload.batch;
-    let generated = workload.max_seq_len.saturating_sub(workload.prompt_len);
-    Ok(Prediction {
-        first_forward_seconds: pass(
-            batch.saturating_mul(workload.prompt_len),
-            workload.prompt_len.div_ceil(2),
-        )?,
-        seconds_per_token: pass(batch, workload.prompt_len + generated / 2)?,
-        bytes_streamed_per_token: offloaded_bytes,
-    })
+    let pass = Pass::of(model, options);
+    let placement = pass.placement(map)?;
+    pass.predict(
+        &model.shape,
+        &placement,
+        options.prefetch_depth,
+        workload,
+        calibration,
+    )
 }

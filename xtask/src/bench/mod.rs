@@ -33,6 +33,7 @@ mod llama;
 mod load;
 mod options;
 mod planner;
+mod prediction;
 mod process;
 mod report;
 mod stats;
@@ -124,6 +125,7 @@ pub fn run(root: &Path, options: Options) -> Result<(), String> {
     rows.extend(suite.checkpoint_rows());
     rows.extend(suite.inspect_rows());
     rows.extend(suite.load_rows());
+    rows.extend(suite.prediction_rows());
     rows.extend(suite.data_path_rows());
     rows.extend(suite.gpu_rows());
 

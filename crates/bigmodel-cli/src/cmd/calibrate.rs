@@ -1,9 +1,12 @@
 //! `bigmodel devices --calibrate`: measures what the speed prediction
 //! needs on this machine (bm-plan's cost model, `bm_plan::predict`): CPU
-//! GEMM and one-row linear throughput, the fixed cost of a small op, host
-//! memory bandwidth, the offload folder's disk read rate (cold and warm),
+//! GEMM throughput and per-call weight packing, one-row linear throughput,
+//! attention throughput, the fixed cost of a small op, host memory
+//! bandwidth, the offload folder's disk read rate (cold and warm) and the
+//! first touch of a mapped file's cached pages,
 //! and per CUDA GPU its context size, pinned and pageable host-to-device
-//! rates and GEMM throughput. Each figure is the best of a few timed runs.
+//! rates and GEMM throughput. Each figure is the median of a few timed
+//! runs.
 
 use std::hint::black_box;
 use std::io::{Read, Write};
@@ -16,10 +19,13 @@ use bigmodel::plan::predict::{CpuRates, DiskRates, GpuRates};
 use bigmodel::tensor::DType;
 use bm_models::{Tensor, ops};
 
-/// Seconds of the fastest of `runs` calls of `f` (at least one), each
-/// repeated until it has taken `min_time`, per call.
-fn best_seconds(runs: usize, min_time: Duration, mut f: impl FnMut()) -> f64 {
-    let mut best = f64::INFINITY;
+/// Seconds per call of `f`: the median of `runs` timings (at least one),
+/// each repeating `f` until it has taken `min_time`. The median, not the
+/// best: the prediction is compared with measured runs on the machine as
+/// it is (other processes included), and the best of a few timings would
+/// keep only its quietest moment.
+fn median_seconds(runs: usize, min_time: Duration, mut f: impl FnMut()) -> f64 {
+    let mut timings = Vec::with_capacity(runs.max(1));
     for _ in 0..runs.max(1) {
         let started = Instant::now();
         let mut calls = 0u32;
@@ -27,9 +33,10 @@ fn best_seconds(runs: usize, min_time: Duration, mut f: impl FnMut()) -> f64 {
             f();
             calls += 1;
         }
-        best = best.min(started.elapsed().as_secs_f64() / f64::from(calls));
+        timings.push(started.elapsed().as_secs_f64() / f64::from(calls));
     }
-    best
+    timings.sort_by(f64::total_cmp);
+    timings[timings.len() / 2]
 }
 
 fn random_tensor(shape: &[usize], seed: u32) -> Result<Tensor, String> {
@@ -48,7 +55,7 @@ fn random_tensor(shape: &[usize], seed: u32) -> Result<Tensor, String> {
 
 fn linear_seconds(x: &Tensor, w: &Tensor, runs: usize) -> Result<f64, String> {
     let mut failed = None;
-    let seconds = best_seconds(runs, Duration::from_millis(150), || {
+    let seconds = median_seconds(runs, Duration::from_millis(150), || {
         if let Err(e) = ops::linear(x, w, None) {
             failed = Some(e.to_string());
         }
@@ -59,10 +66,77 @@ fn linear_seconds(x: &Tensor, w: &Tensor, runs: usize) -> Result<f64, String> {
     }
 }
 
+/// Seconds of causal attention of `rows` new positions against a cache
+/// of `past + rows` (8 query heads of `head_dim` over 4 key/value heads),
+/// and its scores (query row × head × key it sees).
+fn attention_seconds(rows: usize, past: usize, head_dim: usize) -> Result<(f64, f64), String> {
+    use bm_models::ops::{Heads, LayerCache, Mask};
+    let what = |e: &dyn std::fmt::Display| format!("calibrating CPU attention: {e}");
+    let heads = Heads {
+        heads: 8,
+        kv_heads: 4,
+        head_dim,
+    };
+    let total = past + rows;
+    let kv_width = heads.kv_heads * heads.head_dim;
+    let mut cache = LayerCache::new();
+    cache
+        .append(
+            &random_tensor(&[total, kv_width], 11)?,
+            &random_tensor(&[total, kv_width], 12)?,
+        )
+        .map_err(|e| what(&e))?;
+    let q = random_tensor(&[rows, heads.heads * heads.head_dim], 13)?;
+    let mut failed = None;
+    let seconds = median_seconds(3, Duration::from_millis(150), || {
+        if let Err(e) = ops::attention(&q, &cache, heads, Mask::Causal) {
+            failed = Some(what(&e));
+        }
+    });
+    if let Some(e) = failed {
+        return Err(e);
+    }
+    // Query row i sees past + i + 1 keys.
+    let keys: usize = (0..rows).map(|i| past + i + 1).sum();
+    Ok((seconds, (heads.heads * keys) as f64))
+}
+
+/// CPU attention as the cost model counts it: seconds per score (the
+/// softmax's exponential, the loops) and FLOP/s of the `4 · head_dim`
+/// FLOPs per score (the dot product with the key, the sum of values),
+/// from two head widths over the same positions.
+fn attention_rates() -> Result<(f64, f64), String> {
+    let (narrow, wide) = (16, 128);
+    let (narrow_seconds, scores) = attention_seconds(64, 64, narrow)?;
+    let (wide_seconds, _) = attention_seconds(64, 64, wide)?;
+    let flops = |head_dim: usize| 4.0 * (head_dim as f64) * scores;
+    let rate = if wide_seconds > narrow_seconds {
+        (flops(wide) - flops(narrow)) / (wide_seconds - narrow_seconds)
+    } else {
+        flops(wide) / wide_seconds
+    };
+    let per_score = ((narrow_seconds - flops(narrow) / rate) / scores).max(0.0);
+    Ok((per_score, rate))
+}
+
 /// The CPU's rates.
 fn cpu_rates() -> Result<CpuRates, String> {
-    let (m, k, n) = (64, 512, 512);
-    let gemm = linear_seconds(&random_tensor(&[m, k], 1)?, &random_tensor(&[n, k], 2)?, 3)?;
+    // A linear of m > 1 rows packs its weight once per call (a cost in the
+    // weight's bytes) and then multiplies at the GEMM rate: two row counts
+    // over the same weight separate the two.
+    // A weight of a small model's MLP (8 MiB, beyond the per-core caches):
+    // packing reads it transposed, far below memory bandwidth.
+    let (k, n) = (1024, 2048);
+    let weight = random_tensor(&[n, k], 2)?;
+    let (few, many) = (8, 128);
+    let few_seconds = linear_seconds(&random_tensor(&[few, k], 1)?, &weight, 3)?;
+    let many_seconds = linear_seconds(&random_tensor(&[many, k], 14)?, &weight, 3)?;
+    let flops = |m: usize| 2.0 * (m * k * n) as f64;
+    let gemm_flops = if many_seconds > few_seconds {
+        (flops(many) - flops(few)) / (many_seconds - few_seconds)
+    } else {
+        flops(many) / many_seconds
+    };
     let (k1, n1) = (2048, 4096);
     let gemv = linear_seconds(
         &random_tensor(&[1, k1], 3)?,
@@ -87,8 +161,33 @@ fn cpu_rates() -> Result<CpuRates, String> {
     } else {
         large_bytes / large
     };
+    let op_seconds = (small - small_bytes / cached_rate).max(0.0);
+    // What is left of the few-row call after its multiply and its fixed
+    // cost is the packing of its weight (at least the time a cached read
+    // of the weight takes).
+    let weight_bytes = (k * n * 4) as f64;
+    let packing =
+        (few_seconds - flops(few) / gemm_flops - op_seconds).max(weight_bytes / cached_rate);
+    let (attention_score_seconds, attention_flops) = attention_rates()?;
+    // Element-wise ops over many rows (residual adds, the MLP's product,
+    // and its activation, whose exponential costs more).
+    let wide = random_tensor(&[256, 1024], 15)?;
+    let elements = (256 * 1024) as f64;
+    let mut failed = None;
+    let mut element_op = |f: &dyn Fn() -> Result<Tensor, String>| {
+        median_seconds(3, Duration::from_millis(100), || {
+            if let Err(e) = f() {
+                failed = Some(format!("calibrating the CPU: {e}"));
+            }
+        }) / elements
+    };
+    let elementwise_seconds = element_op(&|| ops::add(&wide, &wide).map_err(|e| e.to_string()));
+    let activation_seconds = element_op(&|| ops::silu(&wide).map_err(|e| e.to_string()));
+    if let Some(e) = failed {
+        return Err(e);
+    }
     let words = vec![1u64; 32 << 20];
-    let read = best_seconds(3, Duration::from_millis(100), || {
+    let read = median_seconds(3, Duration::from_millis(100), || {
         black_box(
             black_box(&words)
                 .iter()
@@ -97,11 +196,16 @@ fn cpu_rates() -> Result<CpuRates, String> {
     });
     let gemv_rate = (k1 * n1 * 4) as f64 / gemv;
     Ok(CpuRates {
-        gemm_flops: 2.0 * (m * k * n) as f64 / gemm,
+        gemm_flops,
+        gemm_weight_bytes_per_second: weight_bytes / packing,
         gemv_bytes_per_second: gemv_rate,
         gemv_cached_bytes_per_second: cached_rate,
         last_level_cache_bytes: last_level_cache_bytes(),
-        op_seconds: (small - small_bytes / cached_rate).max(0.0),
+        attention_flops,
+        attention_score_seconds,
+        elementwise_seconds,
+        activation_seconds,
+        op_seconds,
         memory_bytes_per_second: (words.len() * 8) as f64 / read,
         tensor_seconds: 0.0,
     })
@@ -187,9 +291,27 @@ fn disk_rates(folder: &Path) -> Result<DiskRates, String> {
         };
         read_all()?;
         let warm = read_all()?.max(read_all()?);
+        // Weights a block reads in place from a mapping (resident CPU
+        // weights are views of the checkpoint, disk weights of their file)
+        // fault their pages in on the first pass that reads them, from the
+        // page cache: the file is cached now, each mapping is fresh.
+        let mut first_touch = f64::INFINITY;
+        for _ in 0..3 {
+            let view = bigmodel::tensor::MmapView::open(&path)
+                .map_err(|e| format!("calibrating the disk: {e}"))?;
+            let started = Instant::now();
+            let bytes = view.as_bytes();
+            let mut sum = 0u8;
+            for page in bytes.chunks(4096) {
+                sum = sum.wrapping_add(page[0]);
+            }
+            black_box(sum);
+            first_touch = first_touch.min(started.elapsed().as_secs_f64());
+        }
         Ok(DiskRates {
             cold_bytes_per_second: cold,
             warm_bytes_per_second: warm,
+            first_touch_bytes_per_second: LEN as f64 / first_touch,
             mapped_tensor_seconds: 0.0,
         })
     })();
@@ -207,7 +329,7 @@ fn gpu_rates(devices: &DeviceSet, gpu: &Gpu) -> Result<GpuRates, String> {
     let pageable = vec![1u8; LEN];
     let mut target = gpu.alloc(LEN).map_err(|e| what(&e))?;
     let mut failed: Option<String> = None;
-    let pinned_seconds = best_seconds(3, Duration::from_millis(100), || {
+    let pinned_seconds = median_seconds(3, Duration::from_millis(100), || {
         let copied = target
             .copy_from_pinned(0, &pinned, 0..LEN, gpu.copy_stream())
             .and_then(|event| event.synchronize());
@@ -215,7 +337,7 @@ fn gpu_rates(devices: &DeviceSet, gpu: &Gpu) -> Result<GpuRates, String> {
             failed = Some(what(&e));
         }
     });
-    let pageable_seconds = best_seconds(3, Duration::from_millis(100), || {
+    let pageable_seconds = median_seconds(3, Duration::from_millis(100), || {
         if let Err(e) = target.copy_from_host(0, &pageable) {
             failed = Some(what(&e));
         }
@@ -233,7 +355,7 @@ fn gpu_rates(devices: &DeviceSet, gpu: &Gpu) -> Result<GpuRates, String> {
             w.to_gpu(gpu).map_err(|e| what(&e))?,
         );
         let mut failed = None;
-        let seconds = best_seconds(3, Duration::from_millis(100), || {
+        let seconds = median_seconds(3, Duration::from_millis(100), || {
             let done = ops::linear(&x, &w, None)
                 .map_err(|e| what(&e))
                 .and_then(|_| gpu.synchronize().map_err(|e| what(&e)));
@@ -341,7 +463,7 @@ fn dispatch_rates(folder: &Path) -> Result<(f64, f64), String> {
                 }
                 Ok(())
             };
-            let seconds = best_seconds(3, Duration::from_millis(100), || {
+            let seconds = median_seconds(3, Duration::from_millis(100), || {
                 if let Err(e) = pass() {
                     failed = Some(e);
                 }

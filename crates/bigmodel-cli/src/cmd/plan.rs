@@ -332,6 +332,9 @@ pub fn run(args: Args) -> CmdResult {
         "speed" => true,
         other => return Err(format!("--objective {other:?}: expected memory or speed").into()),
     };
+    if speed && experts_on.is_some() {
+        return Err("--objective speed places whole layers; it does not take --experts-on".into());
+    }
     let calibration = match (&args.calibration, args.calibrate) {
         (Some(path), _) => Some(
             Calibration::from_json(&read_json(path)?, &path.display().to_string())
@@ -349,6 +352,7 @@ pub fn run(args: Args) -> CmdResult {
     if compat == Compat::Accelerate {
         plan.ledger = bigmodel::plan::auto::ledger(tree, &plan.device_map, &options)?;
     }
+    let mut default_predicted: Option<Prediction> = None;
     let predicted = match &calibration {
         None if speed => {
             return Err("--objective speed needs --calibration FILE or --calibrate".into());
@@ -363,18 +367,33 @@ pub fn run(args: Args) -> CmdResult {
             let workload = workload.ok_or(
                 "a speed prediction needs the workload: give --prompt-len (and --max-seq-len)",
             )?;
-            let default = predict(model, &plan.device_map, &options, &workload, c)?;
             if speed {
-                let ((faster, searched), prediction) =
-                    fastest(tree, &options, compat, model, &workload, c)?;
+                let found = bigmodel::plan::fastest(model, tree, &options, &plan, &workload, c)?;
                 eprintln!(
-                    "objective speed: {:.4} s/token predicted for the default map, {:.4} s/token for the fastest of {searched} placements searched",
-                    default.seconds_per_token, prediction.seconds_per_token
+                    "objective speed: {:.4} s/token predicted for the default map, {:.4} s/token for the fastest of {} placements searched{}",
+                    found.default.seconds_per_token,
+                    found.prediction.seconds_per_token,
+                    found.searched,
+                    if found.plan.device_map == plan.device_map {
+                        " (the default map)"
+                    } else {
+                        ""
+                    }
                 );
-                plan = faster;
-                Some(prediction)
+                default_predicted = Some(found.default);
+                // The planner's trace and warnings still explain the default.
+                let (trace, info, warnings) = (
+                    std::mem::take(&mut plan.trace),
+                    std::mem::take(&mut plan.info),
+                    std::mem::take(&mut plan.warnings),
+                );
+                plan = found.plan;
+                plan.trace = trace;
+                plan.info = info;
+                plan.warnings = warnings;
+                Some(found.prediction)
             } else {
-                Some(default)
+                Some(predict(model, &plan.device_map, &options, &workload, c)?)
             }
         }
     };
@@ -403,6 +422,9 @@ pub fn run(args: Args) -> CmdResult {
         if let Some(p) = &predicted {
             doc["predicted"] = p.to_json();
         }
+        if let Some(p) = &default_predicted {
+            doc["predicted_default_map"] = p.to_json();
+        }
         println!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
         print_table(tree, &plan, dtype, source.tree().parameter_count());
@@ -414,46 +436,19 @@ pub fn run(args: Args) -> CmdResult {
                 human_bytes(p.bytes_streamed_per_token)
             );
         }
+        if let Some(p) = &default_predicted {
+            println!(
+                "predicted for the default map: first forward {:.4} s, {:.4} s/token, {} streamed per token",
+                p.first_forward_seconds,
+                p.seconds_per_token,
+                human_bytes(p.bytes_streamed_per_token)
+            );
+        }
     }
     // The process ends here: freeing a large tree's names one by one (a
     // 100k-module tree has ~400k allocations) costs more than planning it.
     std::mem::forget(source);
     Ok(())
-}
-
-/// `--objective speed`: plans with prefetch depths 0 to 3 (deeper prefetch
-/// hides more transfer but holds more streaming room, so fewer blocks stay
-/// resident) and keeps the plan with the lowest predicted seconds per
-/// token; ties go to the default (searched first). Returns the plan, how
-/// many placements were searched, and its prediction.
-fn fastest(
-    tree: &ModuleTree,
-    options: &PlanOptions,
-    compat: Compat,
-    model: &HfModel,
-    workload: &Workload,
-    calibration: &Calibration,
-) -> Result<((Plan, usize), Prediction), String> {
-    let mut best: Option<(Plan, Prediction)> = None;
-    let mut searched = 0;
-    for depth in [options.prefetch_depth, 0, 1, 2, 3] {
-        let mut candidate = options.clone();
-        candidate.prefetch_depth = depth;
-        let Ok(plan) = bigmodel::plan::plan_with(tree, &candidate, compat) else {
-            continue;
-        };
-        searched += 1;
-        let prediction = predict(model, &plan.device_map, &candidate, workload, calibration)
-            .map_err(|e| e.to_string())?;
-        if best
-            .as_ref()
-            .is_none_or(|(_, b)| prediction.seconds_per_token < b.seconds_per_token)
-        {
-            best = Some((plan, prediction));
-        }
-    }
-    let (plan, prediction) = best.ok_or("--objective speed: no placement fits the budgets")?;
-    Ok(((plan, searched), prediction))
 }
 
 /// The declared workload: none unless --max-seq-len or --prompt-len is
