@@ -284,15 +284,20 @@ pub fn default_max_memory(devices: &DeviceSet, compat: Compat) -> Result<MaxMemo
 /// The fixed per-device costs of running a plan with `max_memory`, for the
 /// ledger ([`PlanOptions::overheads`]): the host staging a load with GPUs
 /// casts through ([`bm_dispatch::STAGING_BYTES`]) whenever a GPU has a
-/// budget (and the CPU one to take it from), and, when the GPUs are `cuda`
-/// ones (not emulated: those compute nothing), the cuBLAS workspace each
-/// GPU with a budget is given ([`bm_device::GEMM_WORKSPACE_BYTES`]).
+/// budget (and the CPU one to take it from), and the cuBLAS workspace
+/// ([`bm_device::GEMM_WORKSPACE_BYTES`]) on each of `cuda_gpus` (the
+/// ordinals of the CUDA GPUs the plan is for, as probed or calibrated: a
+/// plan for GPUs this machine does not have, or for emulated ones, which
+/// run no cuBLAS, charges none) that has a budget.
 ///
 /// The CPU is charged no GEMM workspace: its kernels read F32 weights in
 /// place, and their scratch (the `gemm` crate's per-thread packing buffers,
 /// the f32 copy of a half-precision weight block of at most 256 KiB per
 /// thread) is a few MiB at most, inside the host's safety margin.
-pub fn overheads(max_memory: &MaxMemory, cuda: bool) -> Vec<(bm_plan::Device, LedgerItem, u64)> {
+pub fn overheads(
+    max_memory: &MaxMemory,
+    cuda_gpus: &[u32],
+) -> Vec<(bm_plan::Device, LedgerItem, u64)> {
     let mut out = Vec::new();
     if max_memory.gpus().any(|(_, b)| b > 0) && max_memory.get(bm_plan::Device::Cpu).is_some() {
         out.push((
@@ -301,16 +306,27 @@ pub fn overheads(max_memory: &MaxMemory, cuda: bool) -> Vec<(bm_plan::Device, Le
             bm_dispatch::STAGING_BYTES as u64,
         ));
     }
-    if cuda {
-        for (gpu, _) in max_memory.gpus().filter(|(_, b)| *b > 0) {
-            out.push((
-                bm_plan::Device::Gpu(gpu),
-                LedgerItem::GemmWorkspace,
-                bm_device::GEMM_WORKSPACE_BYTES as u64,
-            ));
-        }
+    for (gpu, _) in max_memory
+        .gpus()
+        .filter(|(i, b)| *b > 0 && cuda_gpus.contains(i))
+    {
+        out.push((
+            bm_plan::Device::Gpu(gpu),
+            LedgerItem::GemmWorkspace,
+            bm_device::GEMM_WORKSPACE_BYTES as u64,
+        ));
     }
     out
+}
+
+/// The ordinals of `devices`' CUDA GPUs, for [`overheads`].
+pub fn cuda_gpus(devices: &DeviceSet) -> Vec<u32> {
+    devices
+        .gpus()
+        .iter()
+        .filter(|g| g.kind() == GpuKind::Cuda)
+        .map(|g| g.ordinal() as u32)
+        .collect()
 }
 
 /// [`overheads`] plus what a calibration measured on each GPU the budgets
@@ -322,7 +338,8 @@ pub fn overheads_calibrated(
     budgets_from_user: bool,
     calibration: &bm_plan::Calibration,
 ) -> Vec<(bm_plan::Device, LedgerItem, u64)> {
-    let mut out = overheads(max_memory, true);
+    let calibrated: Vec<u32> = calibration.gpus.iter().map(|g| g.ordinal).collect();
+    let mut out = overheads(max_memory, &calibrated);
     if budgets_from_user {
         for gpu in &calibration.gpus {
             let device = bm_plan::Device::Gpu(gpu.ordinal);

@@ -38,7 +38,7 @@ fn a_verified_plan_generates_within_its_ledger_and_a_smaller_budget_fails_the_dr
     let max_memory =
         MaxMemory::new(budgets.iter().copied().chain([(Device::Cpu, 64 << 20)])).unwrap();
     let mut options = PlanOptions {
-        overheads: bigmodel::overheads(&max_memory, false),
+        overheads: bigmodel::overheads(&max_memory, &[]),
         max_memory,
         max_memory_from_user: true,
         no_split: model.no_split.clone(),

@@ -14,7 +14,8 @@
 //! the search enumerates every `(tiers ^ other blocks) × (layer counts)`
 //! combination: for a 3-tier, 80-layer model with three other blocks,
 //! 27 × 3321 placements, each costed in microseconds from the blocks sized
-//! once.
+//! once. Past a million placements (many blocks that are not layers, as an
+//! encoder–decoder's encoder) those blocks keep the default plan's tier.
 //!
 //! A placement is kept when its weights fit each tier's budget less what
 //! the default plan's ledger charges there besides weights (KV cache,
@@ -37,6 +38,10 @@ use crate::tree::ModuleTree;
 /// How many of the fastest placements that fit on paper are checked against
 /// the full ledger before the search settles for the default.
 const CHECKED: usize = 64;
+/// The most placements costed: past it (a model with many blocks that are
+/// not layers, such as an encoder–decoder's encoder), those blocks keep the
+/// default plan's tier and only the layers are searched.
+const MAX_PLACEMENTS: u128 = 1 << 20;
 
 /// What the speed objective chose.
 #[derive(Clone, Debug)]
@@ -102,7 +107,12 @@ pub fn fastest(
             budget.saturating_sub(charged)
         })
         .collect();
-    let ranked = rank_placements(&pass, &tiers, &room, |placement| {
+    let default_tiers: Vec<Option<usize>> = pass
+        .placement(&default.device_map)?
+        .iter()
+        .map(|d| tiers.iter().position(|t| t == d))
+        .collect();
+    let ranked = rank_placements(&pass, &tiers, &room, &default_tiers, |placement| {
         searched += 1;
         pass.predict(
             &model.shape,
@@ -173,7 +183,7 @@ fn tiers(options: &PlanOptions, default: &Plan) -> Vec<Device> {
         .map(|(i, _)| Device::Gpu(i))
         .take(1)
         .collect();
-    if budgets.get(Device::Cpu) != Some(0) {
+    if budgets.get(Device::Cpu).is_some_and(|b| b > 0) {
         tiers.push(Device::Cpu);
     }
     let disk_used = default.device_map.iter().any(|(_, d)| d == Device::Disk);
@@ -185,12 +195,14 @@ fn tiers(options: &PlanOptions, default: &Plan) -> Vec<Device> {
 
 /// Every placement of `pass`'s blocks on `tiers` whose weights fit `room`
 /// (bytes per tier), costed by `cost`; the [`CHECKED`] cheapest, cheapest
-/// first. Blocks that are not layers pick a tier each; the layers are
-/// counted per tier and placed in order, the first tier first.
+/// first. Blocks that are not layers pick a tier each (or, past
+/// [`MAX_PLACEMENTS`], keep `default_tiers`' where it has one); the layers
+/// are counted per tier and placed in order, the first tier first.
 fn rank_placements(
     pass: &Pass,
     tiers: &[Device],
     room: &[u64],
+    default_tiers: &[Option<usize>],
     mut cost: impl FnMut(&[Device]) -> Result<f64, Error>,
 ) -> Result<Vec<(f64, Vec<Device>)>, Error> {
     let blocks = pass.blocks();
@@ -204,11 +216,25 @@ fn rank_placements(
     if tiers.is_empty() {
         return Ok(ranked);
     }
+    // Layer counts per tier: C(layers + tiers - 1, tiers - 1).
+    let compositions =
+        (1..tiers.len() as u128).fold(1u128, |c, i| c.saturating_mul(layers.len() as u128 + i) / i);
+    let all_choices = (tiers.len() as u128)
+        .checked_pow(others.len() as u32)
+        .unwrap_or(u128::MAX);
+    // The tiers each other block may take.
+    let options: Vec<Vec<usize>> = others
+        .iter()
+        .map(|&b| match default_tiers[b] {
+            Some(t) if all_choices.saturating_mul(compositions) > MAX_PLACEMENTS => vec![t],
+            _ => (0..tiers.len()).collect(),
+        })
+        .collect();
     let mut placement = vec![tiers[0]; blocks.len()];
     let mut choice = vec![0usize; others.len()];
     loop {
-        for (&block, &tier) in others.iter().zip(&choice) {
-            placement[block] = tiers[tier];
+        for ((&block, &pick), allowed) in others.iter().zip(&choice).zip(&options) {
+            placement[block] = tiers[allowed[pick]];
         }
         let mut counts = vec![0usize; tiers.len()];
         counts[tiers.len() - 1] = layers.len();
@@ -241,7 +267,7 @@ fn rank_placements(
                 break;
             }
         }
-        if !next_choice(&mut choice, tiers.len()) {
+        if !next_choice(&mut choice, &options) {
             break;
         }
     }
@@ -267,12 +293,12 @@ fn next_composition(counts: &mut [usize]) -> bool {
     true
 }
 
-/// Steps `choice` (digits below `base`) to the next one; false after the
-/// last.
-fn next_choice(choice: &mut [usize], base: usize) -> bool {
-    for digit in choice.iter_mut() {
+/// Steps `choice` (digit `i` below `options[i].len()`) to the next one;
+/// false after the last.
+fn next_choice<T>(choice: &mut [usize], options: &[Vec<T>]) -> bool {
+    for (digit, allowed) in choice.iter_mut().zip(options) {
         *digit += 1;
-        if *digit < base {
+        if *digit < allowed.len() {
             return true;
         }
         *digit = 0;
@@ -400,6 +426,7 @@ mod tests {
         let pass = Pass::of(model, options);
         let blocks = pass.blocks();
         let mut choice = vec![0usize; blocks.len()];
+        let allowed = vec![tiers.to_vec(); blocks.len()];
         let mut best = f64::INFINITY;
         let mut fitting = 0;
         loop {
@@ -425,7 +452,7 @@ mod tests {
                     .unwrap();
                 best = best.min(p.seconds_per_token);
             }
-            if !next_choice(&mut choice, tiers.len()) {
+            if !next_choice(&mut choice, &allowed) {
                 return (best, fitting);
             }
         }
@@ -480,11 +507,12 @@ mod tests {
         seen.dedup();
         assert_eq!(seen.len(), 10);
         let mut choice = vec![0, 0];
+        let options = [vec![0, 1, 2], vec![0, 1]];
         let mut n = 1;
-        while next_choice(&mut choice, 3) {
+        while next_choice(&mut choice, &options) {
             n += 1;
         }
-        assert_eq!(n, 9);
+        assert_eq!(n, 6);
     }
 
     #[test]

@@ -345,7 +345,12 @@ pub fn run(args: Args) -> CmdResult {
     };
     options.overheads = match &calibration {
         Some(c) => bigmodel::overheads_calibrated(&options.max_memory, from_user, c),
-        None => bigmodel::overheads(&options.max_memory, true),
+        // The GPUs of this machine, when the budgets name any.
+        None if options.max_memory.gpus().any(|(_, b)| b > 0) => bigmodel::overheads(
+            &options.max_memory,
+            &bigmodel::cuda_gpus(&DeviceSet::probe()),
+        ),
+        None => bigmodel::overheads(&options.max_memory, &[]),
     };
     let mut plan = bigmodel::plan::plan_with(tree, &options, compat)?;
     // Accelerate's planner keeps no ledger: the ledger of its map.

@@ -548,7 +548,7 @@ fn verified_map(
         ..workload
     };
     let mut plan_options = PlanOptions {
-        overheads: bigmodel::overheads(&max_memory, !devices.is_emulated()),
+        overheads: bigmodel::overheads(&max_memory, &bigmodel::cuda_gpus(devices)),
         max_memory_from_user: from_user,
         no_split: model.no_split.clone(),
         dtype: options.dtype,
