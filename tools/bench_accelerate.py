@@ -25,6 +25,11 @@ JSON document on stdout (and nothing else there).
       N < 2), "bytes_streamed_per_token", "next_token", "peak_host_bytes",
       "host_bytes_after_imports", "execution_device", "device_map"}
 
+  bench_accelerate.py decode MODEL_DIR --prompt-ids 1,2,3 --new-tokens N --threads T
+      PyTorch alone on the CPU: from_pretrained (F32, eager attention) with T
+      intra-op threads, the prompt's forward, then N-1 cached greedy decode steps:
+      {"seconds_per_token" (median step), "generated_ids", "threads"}
+
 Run it in a fresh process per measurement: peak_host_bytes is this process's
 peak resident set (VmHWM), as bigmodel's `peak_host_bytes`.
 """
@@ -243,6 +248,37 @@ def cmd_load(args):
     }
 
 
+def cmd_decode(args):
+    import torch
+
+    # Before the first op: torch reads its thread count once.
+    torch.set_num_threads(args.threads)
+    torch.set_num_interop_threads(1)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    prompt = [int(t) for t in args.prompt_ids.split(",")]
+    with torch.no_grad():
+        out = model(torch.tensor([prompt]), use_cache=True)
+        past = out.past_key_values
+        token = int(out.logits[0, -1].argmax())
+        generated = [token]
+        step_times = []
+        for _ in range(args.new_tokens - 1):
+            start = time.perf_counter()
+            out = model(torch.tensor([[token]]), past_key_values=past, use_cache=True)
+            step_times.append(time.perf_counter() - start)
+            past = out.past_key_values
+            token = int(out.logits[0, -1].argmax())
+            generated.append(token)
+    return {
+        "seconds_per_token": statistics.median(step_times) if step_times else None,
+        "generated_ids": generated,
+        "threads": torch.get_num_threads(),
+    }
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -262,10 +298,18 @@ def main():
     load.add_argument("--offload-folder")
     load.add_argument("--prompt-ids", required=True, help="comma-separated token ids")
     load.add_argument("--new-tokens", type=int, default=1, help="tokens to generate (>= 2 times decode steps)")
+    decode = sub.add_parser("decode", help="PyTorch's time per generated token on the CPU")
+    decode.add_argument("model_dir")
+    decode.add_argument("--prompt-ids", required=True, help="comma-separated token ids")
+    decode.add_argument("--new-tokens", type=int, default=8, help="tokens to generate (>= 2 times decode steps)")
+    decode.add_argument("--threads", type=int, required=True, help="intra-op threads")
     args = parser.parse_args()
     if getattr(args, "repeats", 1) < 1 or getattr(args, "new_tokens", 1) < 1:
         parser.error("--repeats and --new-tokens must be at least 1")
-    result = {"plan": cmd_plan, "plan-file": cmd_plan_file, "inspect": cmd_inspect, "load": cmd_load}[args.command](args)
+    if getattr(args, "threads", 1) < 1:
+        parser.error("--threads must be at least 1")
+    commands = {"plan": cmd_plan, "plan-file": cmd_plan_file, "inspect": cmd_inspect, "load": cmd_load, "decode": cmd_decode}
+    result = commands[args.command](args)
     json.dump(result, sys.stdout)
     sys.stdout.write("\n")
 

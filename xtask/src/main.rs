@@ -20,13 +20,15 @@ tasks:
            bench rows (--full: every bench and the bench report) under
            time limits and writes report.md (< 64 MiB; docs/gpu.md)
   gpu-test build the bundle and run it here; fails when no GPU is present
-  bench [--quick] [--with-accelerate] [--prebuilt DIR]
+  bench [--quick] [--with-accelerate] [--prebuilt DIR] [--only SECTIONS]
            run the benchmark suite and write target/bench-report.md and .json:
            every figure next to its baseline from the same run (memcpy, Python
            safetensors, Accelerate with --with-accelerate, the H2D ceiling on a
            GPU); BM_BENCH_PYTHON=/path/to/python reuses an interpreter instead
            of creating target/bench-venv; --prebuilt runs a GPU bundle's
-           binaries without cargo; `cargo xtask bench --help` for more
+           binaries without cargo; --only runs some sections (plan, checkpoint,
+           inspect, load, prediction, data-path, gpu, decode); `cargo xtask bench --help`
+           for more
   help     this text
 ";
 

@@ -125,7 +125,12 @@ impl Layout {
     }
 
     /// The command line of a run, for the report.
-    pub(super) fn command_line(&self, quick: bool, with_accelerate: bool) -> String {
+    pub(super) fn command_line(
+        &self,
+        quick: bool,
+        with_accelerate: bool,
+        only: Option<&[String]>,
+    ) -> String {
         let mut line = match self.cargo {
             Some(_) => "cargo xtask bench".to_string(),
             None => format!("xtask bench --prebuilt {}", self.root.display()),
@@ -135,6 +140,9 @@ impl Layout {
         }
         if with_accelerate {
             line.push_str(" --with-accelerate");
+        }
+        if let Some(sections) = only {
+            line.push_str(&format!(" --only {}", sections.join(",")));
         }
         line
     }
@@ -216,7 +224,7 @@ mod tests {
         assert_eq!(layout.output(), root.join("target"));
         assert_eq!(layout.commit(), "abc1234");
         assert_eq!(
-            layout.command_line(true, false),
+            layout.command_line(true, false, None),
             format!("xtask bench --prebuilt {} --quick", root.display())
         );
         fs::remove_file(dir.join(gpu::COMMIT)).unwrap();
@@ -256,8 +264,8 @@ mod tests {
         );
         assert_eq!(layout.tool("x.py"), Path::new("/ws/tools/x.py"));
         assert_eq!(
-            layout.command_line(true, true),
-            "cargo xtask bench --quick --with-accelerate"
+            layout.command_line(true, true, Some(&["decode".to_string()])),
+            "cargo xtask bench --quick --with-accelerate --only decode"
         );
     }
 

@@ -17,6 +17,9 @@ pub(super) struct LlamaShape {
     pub(super) heads: usize,
     pub(super) kv_heads: usize,
     pub(super) vocab: usize,
+    /// The head reads the token embedding (`tie_word_embeddings`; no
+    /// `lm_head.weight` stored).
+    pub(super) tied: bool,
 }
 
 impl LlamaShape {
@@ -28,6 +31,7 @@ impl LlamaShape {
             heads: 16,
             kv_heads: 4,
             vocab: if quick { 8000 } else { 32000 },
+            tied: false,
         }
     }
 
@@ -48,7 +52,7 @@ impl LlamaShape {
             "hidden_act": "silu",
             "attention_bias": false,
             "mlp_bias": false,
-            "tie_word_embeddings": false,
+            "tie_word_embeddings": self.tied,
             "torch_dtype": "float32",
             "bos_token_id": 1,
             "eos_token_id": 2,
@@ -73,7 +77,9 @@ impl LlamaShape {
             t.push((format!("{p}.mlp.down_proj.weight"), vec![h, i]));
         }
         t.push(("model.norm.weight".into(), vec![h]));
-        t.push(("lm_head.weight".into(), vec![self.vocab, h]));
+        if !self.tied {
+            t.push(("lm_head.weight".into(), vec![self.vocab, h]));
+        }
         t
     }
 
@@ -113,11 +119,23 @@ impl LlamaShape {
 /// Writes (once) a Llama-style HF folder with deterministic random F32
 /// weights (norm weights 1); returns it and its tensor bytes.
 pub(super) fn write_llama(dir: &Path, shape: &LlamaShape) -> Result<(PathBuf, u64), String> {
-    let tensors = shape.tensors();
-    let data_bytes = safetensors_f32::data_len(&tensors);
-    let header = safetensors_f32::header(&tensors, &[("format", "pt")]);
+    write_model(dir, &shape.config(), &shape.tensors(), "Llama-style")
+}
+
+/// Writes (once) an HF folder of `config` and `tensors` (in that order) with
+/// deterministic random F32 weights, norm weights (`*norm.weight`, GPT-2's
+/// `ln_*.weight`) 1; returns it and its tensor bytes. `what` names the
+/// model in the progress line.
+pub(super) fn write_model(
+    dir: &Path,
+    config: &Value,
+    tensors: &[Tensor],
+    what: &str,
+) -> Result<(PathBuf, u64), String> {
+    let data_bytes = safetensors_f32::data_len(tensors);
+    let header = safetensors_f32::header(tensors, &[("format", "pt")]);
     let file_len = header.len() as u64 + data_bytes;
-    let config = serde_json::to_string_pretty(&shape.config()).unwrap_or_default();
+    let config = serde_json::to_string_pretty(config).unwrap_or_default();
 
     let weights = dir.join("model.safetensors");
     let config_path = dir.join("config.json");
@@ -127,7 +145,7 @@ pub(super) fn write_llama(dir: &Path, shape: &LlamaShape) -> Result<(PathBuf, u6
         return Ok((dir.to_path_buf(), data_bytes));
     }
     eprintln!(
-        "== bench: writing a {:.0} MB Llama-style checkpoint to {}",
+        "== bench: writing a {:.0} MB {what} checkpoint to {}",
         data_bytes as f64 / 1e6,
         dir.display()
     );
@@ -145,7 +163,12 @@ pub(super) fn write_llama(dir: &Path, shape: &LlamaShape) -> Result<(PathBuf, u6
         f.write_all(&header)?;
         let mut bytes = Vec::with_capacity(4 << 20);
         for (index, (name, dims)) in tensors.iter().enumerate() {
-            let ones = name.ends_with("norm.weight");
+            let ones = name.ends_with("norm.weight")
+                || name
+                    .rsplit('.')
+                    .nth(1)
+                    .is_some_and(|m| m.starts_with("ln_"))
+                    && name.ends_with(".weight");
             let mut values = Weights::new(index);
             let mut left = dims.iter().product::<usize>();
             while left > 0 {

@@ -1,4 +1,4 @@
-//! `cargo xtask bench [--quick] [--with-accelerate] [--prebuilt DIR]`: the
+//! `cargo xtask bench [--quick] [--with-accelerate] [--prebuilt DIR] [--only SECTIONS]`: the
 //! benchmark suite and its report, `target/bench-report.md` and
 //! `target/bench-report.json`.
 //!
@@ -25,6 +25,7 @@ mod checkpoint;
 mod criterion;
 mod data_path;
 mod date;
+mod decode;
 mod gpu_rows;
 mod inputs;
 mod inspect;
@@ -55,6 +56,8 @@ use report::{machine, markdown, report_json};
 struct Suite {
     layout: Layout,
     quick: bool,
+    /// The sections asked for (`--only`); `None` for all.
+    only: Option<Vec<String>>,
     data: PathBuf,
     /// The release CLI (built with the cuda feature so GPUs are seen).
     cli: Result<PathBuf, String>,
@@ -109,6 +112,7 @@ pub fn run(root: &Path, options: Options) -> Result<(), String> {
     let suite = Suite {
         layout,
         quick: options.quick,
+        only: options.only.clone(),
         data,
         cli,
         python,
@@ -121,13 +125,21 @@ pub fn run(root: &Path, options: Options) -> Result<(), String> {
     };
 
     let mut rows = Vec::new();
-    rows.extend(suite.plan_rows());
-    rows.extend(suite.checkpoint_rows());
-    rows.extend(suite.inspect_rows());
-    rows.extend(suite.load_rows());
-    rows.extend(suite.prediction_rows());
-    rows.extend(suite.data_path_rows());
-    rows.extend(suite.gpu_rows());
+    let sections: [(&str, fn(&Suite) -> Vec<report::Row>); 8] = [
+        ("plan", Suite::plan_rows),
+        ("checkpoint", Suite::checkpoint_rows),
+        ("inspect", Suite::inspect_rows),
+        ("load", Suite::load_rows),
+        ("prediction", Suite::prediction_rows),
+        ("data-path", Suite::data_path_rows),
+        ("gpu", Suite::gpu_rows),
+        ("decode", Suite::decode_rows),
+    ];
+    for (name, section) in sections {
+        if options.runs(name) {
+            rows.extend(section(&suite));
+        }
+    }
 
     let machine = machine(&suite);
     let elapsed = started.elapsed().as_secs_f64();

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 pub(super) const HELP: &str = "\
-cargo xtask bench [--quick] [--with-accelerate] [--prebuilt DIR]
+cargo xtask bench [--quick] [--with-accelerate] [--prebuilt DIR] [--only SECTIONS]
 
 Runs the benchmark suite and writes target/bench-report.md and
 target/bench-report.json: every figure next to its baseline from the same run.
@@ -16,7 +16,21 @@ target/bench-report.json: every figure next to its baseline from the same run.
   --prebuilt DIR     run from a GPU bundle (cargo xtask gpu-bundle) without
                      cargo: DIR/bin/bigmodel, the bench binaries of DIR/benches,
                      the scripts of DIR/tools; writes under DIR/target/
+  --only SECTIONS    only these sections, comma-separated: plan, checkpoint,
+                     inspect, load, prediction, data-path, gpu, decode
 ";
+
+/// The sections of the report, in its order (`--only` names).
+pub(super) const SECTIONS: [&str; 8] = [
+    "plan",
+    "checkpoint",
+    "inspect",
+    "load",
+    "prediction",
+    "data-path",
+    "gpu",
+    "decode",
+];
 
 /// Options of `cargo xtask bench`.
 #[derive(Debug, PartialEq)]
@@ -25,6 +39,8 @@ pub struct Options {
     pub(super) with_accelerate: bool,
     /// A GPU bundle folder to run from instead of the workspace.
     pub(super) prebuilt: Option<PathBuf>,
+    /// The sections to run (`--only`); `None` runs them all.
+    pub(super) only: Option<Vec<String>>,
 }
 
 impl Options {
@@ -34,9 +50,25 @@ impl Options {
             quick: false,
             with_accelerate: false,
             prebuilt: None,
+            only: None,
         };
         let mut args = args.iter();
         while let Some(arg) = args.next() {
+            let only = match arg.as_str() {
+                "--only" => Some(args.next().map(String::as_str).unwrap_or("")),
+                other => other.strip_prefix("--only="),
+            };
+            if let Some(list) = only {
+                let sections: Vec<String> = list.split(',').map(str::to_string).collect();
+                if let Some(bad) = sections.iter().find(|s| !SECTIONS.contains(&s.as_str())) {
+                    return Err(format!(
+                        "cargo xtask bench: --only {bad:?}: expected sections among {}\n{HELP}",
+                        SECTIONS.join(", ")
+                    ));
+                }
+                options.only = Some(sections);
+                continue;
+            }
             let prebuilt = match arg.as_str() {
                 "--prebuilt" => Some(args.next().map(String::as_str).unwrap_or("")),
                 other => other.strip_prefix("--prebuilt="),
@@ -66,6 +98,13 @@ impl Options {
         }
         Ok(Some(options))
     }
+
+    /// True when section `name` (one of [`SECTIONS`]) runs.
+    pub(super) fn runs(&self, name: &str) -> bool {
+        self.only
+            .as_ref()
+            .is_none_or(|only| only.iter().any(|s| s == name))
+    }
 }
 
 #[cfg(test)]
@@ -87,6 +126,7 @@ mod tests {
                 quick: true,
                 with_accelerate: false,
                 prebuilt: Some(PathBuf::from("bundle")),
+                only: None,
             }
         );
         let o = Options::parse(&strings(&["--with-accelerate", "--prebuilt=."]))
@@ -113,5 +153,20 @@ mod tests {
         }
         let e = Options::parse(&strings(&["--prebuild", "x"])).unwrap_err();
         assert!(e.contains("unknown option \"--prebuild\""), "{e}");
+    }
+
+    #[test]
+    fn only_names_sections() {
+        let o = Options::parse(&strings(&["--only", "decode,load"]))
+            .unwrap()
+            .unwrap();
+        assert!(o.runs("decode") && o.runs("load") && !o.runs("plan"));
+        let o = Options::parse(&strings(&["--only=gpu"])).unwrap().unwrap();
+        assert!(o.runs("gpu") && !o.runs("decode"));
+        assert!(Options::parse(&[]).unwrap().unwrap().runs("plan"));
+        for bad in [&["--only"][..], &["--only", "decoding"], &["--only=plan,"]] {
+            let e = Options::parse(&strings(bad)).unwrap_err();
+            assert!(e.contains("expected sections among plan"), "{bad:?}: {e}");
+        }
     }
 }

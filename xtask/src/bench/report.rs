@@ -191,7 +191,9 @@ pub(super) fn markdown(suite: &Suite, m: &Machine, rows: &[Row], elapsed: f64) -
     let _ = writeln!(
         s,
         "- run: `{}`, {:.0} s; Python baseline: {}",
-        suite.layout.command_line(suite.quick, suite.python.is_ok()),
+        suite
+            .layout
+            .command_line(suite.quick, suite.python.is_ok(), suite.only.as_deref()),
         elapsed,
         match &suite.python {
             Ok(p) => p.display().to_string(),
