@@ -21,10 +21,22 @@ impl Suite {
 
     /// Runs `tools/bench_accelerate.py ARGS` and parses its JSON.
     pub(super) fn baseline(&self, args: &[&str]) -> Result<Value, String> {
+        self.baseline_with_env(args, &[])
+    }
+
+    /// [`Suite::baseline`] with the environment variables `env` set.
+    pub(super) fn baseline_with_env(
+        &self,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Result<Value, String> {
         let python = self.python()?;
         let script = self.layout.tool("bench_accelerate.py");
         let mut cmd = Command::new(python);
-        cmd.arg(&script).args(args).current_dir(&self.layout.root);
+        cmd.arg(&script)
+            .args(args)
+            .envs(env.iter().copied())
+            .current_dir(&self.layout.root);
         let out = capture(&mut cmd, COMMAND_LIMIT)?;
         serde_json::from_str(out.stdout.trim()).map_err(|e| {
             format!(
