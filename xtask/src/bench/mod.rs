@@ -76,6 +76,9 @@ struct Suite {
     moe_tree: Result<(PathBuf, u64), String>,
 }
 
+/// The rows of one section of the report.
+type Section = fn(&Suite) -> Vec<report::Row>;
+
 /// Runs the suite and writes the report.
 /// `root` is the workspace; `--prebuilt` replaces it with the bundle.
 pub fn run(root: &Path, options: Options) -> Result<(), String> {
@@ -125,7 +128,7 @@ pub fn run(root: &Path, options: Options) -> Result<(), String> {
     };
 
     let mut rows = Vec::new();
-    let sections: [(&str, fn(&Suite) -> Vec<report::Row>); 8] = [
+    let sections: [(&str, Section); 8] = [
         ("plan", Suite::plan_rows),
         ("checkpoint", Suite::checkpoint_rows),
         ("inspect", Suite::inspect_rows),
