@@ -17,7 +17,7 @@
 use std::sync::Arc;
 
 use bm_device::{Device, DeviceSet};
-use bm_plan::{DeviceMap, ModuleId, ModuleTree, Node, TensorId, TensorKind};
+use bm_plan::{DeviceLookup, DeviceMap, ModuleId, ModuleTree, Node, TensorId, TensorKind};
 
 use crate::model::Model;
 use crate::slots::{SlotId, SlotState, SlotTable, Tier, weights};
@@ -111,11 +111,12 @@ impl MapPlacement {
             })
             .collect();
         let table = model.slots();
+        let lookup = map.lookup();
         let slots = (0..table.len())
             .map(|s| {
                 // A tied storage follows its first name in registration order.
                 let t = table.first_tensor(s).unwrap_or(0);
-                target_of(tree, t, map, main, offload_buffers)
+                target_of(tree, t, &lookup, main, offload_buffers)
             })
             .collect();
         Ok(MapPlacement {
@@ -143,7 +144,7 @@ impl MapPlacement {
 fn target_of(
     tree: &ModuleTree,
     t: TensorId,
-    map: &DeviceMap,
+    map: &DeviceLookup<'_>,
     main: Device,
     offload_buffers: bool,
 ) -> Target {

@@ -1,11 +1,13 @@
 //! The decoder families: what each architecture's `config.json` means and
-//! how its modules are named. Every difference between the families is
-//! decided here, once; `decoder.rs` runs whatever a [`DecoderConfig`]
-//! describes.
+//! how its modules are named (the blocks' and norms' names are bm-plan's
+//! `DecoderNames`, the table the planner builds its trees with). Every
+//! other difference between the families is decided here, once;
+//! `decoder.rs` runs whatever a [`DecoderConfig`] describes.
 
 use std::path::{Path, PathBuf};
 
 use bigmodel::plan::config::{ConfigKeys, Family, HfConfig, MAX_LAYERS, MAX_POSITIONS};
+use bigmodel::plan::hf::DecoderNames;
 
 use crate::config::{found, read_config, unsupported};
 use crate::ops::{self, Heads, Scores};
@@ -37,65 +39,6 @@ pub const SUPPORTED_GENERATORS: &str = concat!(
     decoder_classes!(),
     ", T5ForConditionalGeneration)"
 );
-
-/// transformers' module names of a decoder family.
-pub(crate) fn names(family: Family) -> Names {
-    match family {
-        Family::Gpt2 => Names {
-            embed: "transformer.wte",
-            positions: Some("transformer.wpe"),
-            layers: "transformer.h",
-            final_norm: "transformer.ln_f",
-            pre_attention: "ln_1",
-            post_attention: None,
-            pre_mlp: "ln_2",
-            post_mlp: None,
-        },
-        Family::Gemma2 => Names {
-            post_attention: Some("post_attention_layernorm"),
-            pre_mlp: "pre_feedforward_layernorm",
-            post_mlp: Some("post_feedforward_layernorm"),
-            ..Names::LLAMA
-        },
-        _ => Names::LLAMA,
-    }
-}
-
-/// Module names of a family: the blocks outside the layers, and the norms
-/// inside a layer (the projections are named by [`Projections`] and
-/// [`Mlp`]).
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Names {
-    /// The token embedding block.
-    pub(crate) embed: &'static str,
-    /// The learned position embedding block, if any.
-    pub(crate) positions: Option<&'static str>,
-    /// The list of layers (`{layers}.{i}` are the blocks).
-    pub(crate) layers: &'static str,
-    /// The final norm block.
-    pub(crate) final_norm: &'static str,
-    /// Norm before attention.
-    pub(crate) pre_attention: &'static str,
-    /// Norm of the attention output, before the residual add.
-    pub(crate) post_attention: Option<&'static str>,
-    /// Norm before the MLP.
-    pub(crate) pre_mlp: &'static str,
-    /// Norm of the MLP output, before the residual add.
-    pub(crate) post_mlp: Option<&'static str>,
-}
-
-impl Names {
-    const LLAMA: Names = Names {
-        embed: "model.embed_tokens",
-        positions: None,
-        layers: "model.layers",
-        final_norm: "model.norm",
-        pre_attention: "input_layernorm",
-        post_attention: None,
-        pre_mlp: "post_attention_layernorm",
-        post_mlp: None,
-    };
-}
 
 /// The normalisation layers of a family.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -375,9 +318,10 @@ impl DecoderConfig {
         Ok(config)
     }
 
-    /// The module names of this config's family.
-    pub(crate) fn names(&self) -> Names {
-        names(self.arch)
+    /// The module names of this config's family (bm-plan's table, which
+    /// the planner builds its trees with).
+    pub(crate) fn names(&self) -> DecoderNames {
+        DecoderNames::of(self.arch)
     }
 
     /// The token embedding's weight (`model.embed_tokens.weight`,

@@ -98,9 +98,12 @@ fn items_of(tree: &ModuleTree, sizes: &ModuleSizes, options: &PlanOptions) -> Ve
     let holds_experts = |m: usize| experts.as_ref().is_some_and(|e| e.holds[m]);
     // Units in traversal order. With `experts_on`, every expert is a unit,
     // and a no-split module holding experts is split down to them: its
-    // other units (the *owner*'s rest) are joined again below.
-    let mut units: Vec<Node> = Vec::new();
-    let mut owner_of_unit: Vec<Option<usize>> = Vec::new();
+    // other units (the *owner*'s rest) are joined again below. Sized for
+    // the most there can be (every module and tensor): a large tree's
+    // lists are not copied as they grow.
+    let most = tree.modules().len() + tree.tensors().len();
+    let mut units: Vec<Node> = Vec::with_capacity(most);
+    let mut owner_of_unit: Vec<Option<usize>> = Vec::with_capacity(most);
     let mut stack: Vec<(Node, Option<usize>)> = vec![(Node::Module(0), None)];
     while let Some((node, owner)) = stack.pop() {
         match node {
@@ -226,7 +229,7 @@ fn items_of(tree: &ModuleTree, sizes: &ModuleSizes, options: &PlanOptions) -> Ve
         }
     }
     let mut item_of_root = vec![usize::MAX; units.len()];
-    let mut items: Vec<Item> = Vec::new();
+    let mut items: Vec<Item> = Vec::with_capacity(units.len());
     for (i, unit) in units.iter().enumerate() {
         let r = root(&mut parent, i);
         if item_of_root[r] == usize::MAX {
@@ -936,6 +939,7 @@ pub fn ledger(tree: &ModuleTree, map: &DeviceMap, options: &PlanOptions) -> Resu
         .unwrap_or(Device::Cpu);
     let index = |device: Device| devices.iter().position(|d| *d == device).unwrap_or(0);
     let exec = index(main);
+    let lookup = map.lookup();
     let mut device_of_item = Vec::with_capacity(items.len());
     for item in &items {
         let name = tree.node_name(item.first);
@@ -945,9 +949,9 @@ pub fn ledger(tree: &ModuleTree, map: &DeviceMap, options: &PlanOptions) -> Resu
             tree.tensors()
                 .iter()
                 .filter(|t| tree.is_within(t.module, unit_module(tree, item.first)))
-                .find_map(|t| map.device_of(&t.name))
+                .find_map(|t| lookup.device_of(&t.name))
         };
-        let device = match map.device_of(name).or_else(first_tensor) {
+        let device = match lookup.device_of(name).or_else(first_tensor) {
             Some(d) => d,
             // A weightless module the map need not name runs beside the
             // previous one.

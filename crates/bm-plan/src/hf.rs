@@ -98,10 +98,9 @@ impl HfModel {
             _ => None,
         };
         let (embedding, head) = match self.family {
-            Family::Gpt2 => ("transformer.wte", Some("lm_head")),
             Family::Bert => ("embeddings", None),
             Family::T5 => ("shared", Some("lm_head")),
-            _ => ("model.embed_tokens", Some("lm_head")),
+            family => (DecoderNames::of(family).embed, Some("lm_head")),
         };
         let mut charges = RuntimeCharges::default();
         if kv > 0 {
@@ -119,6 +118,79 @@ impl HfModel {
             charges.logits.push((m, self.shape.logits_bytes(workload)));
         }
         charges
+    }
+}
+
+/// transformers' module names of a decoder family: the blocks outside the
+/// layers (full dotted names) and the norms inside a layer (names in the
+/// layer). The planner builds its trees with them and bm-models finds a
+/// family's weights by them: one table for both.
+#[derive(Clone, Copy, Debug)]
+pub struct DecoderNames {
+    /// The token embedding block.
+    pub embed: &'static str,
+    /// The learned position embedding block, if any.
+    pub positions: Option<&'static str>,
+    /// The list of layers (`{layers}.{i}` are the blocks).
+    pub layers: &'static str,
+    /// The final norm block.
+    pub final_norm: &'static str,
+    /// Norm before attention.
+    pub pre_attention: &'static str,
+    /// Norm of the attention output, before the residual add.
+    pub post_attention: Option<&'static str>,
+    /// Norm before the MLP.
+    pub pre_mlp: &'static str,
+    /// Norm of the MLP output, before the residual add.
+    pub post_mlp: Option<&'static str>,
+}
+
+impl DecoderNames {
+    const LLAMA: DecoderNames = DecoderNames {
+        embed: "model.embed_tokens",
+        positions: None,
+        layers: "model.layers",
+        final_norm: "model.norm",
+        pre_attention: "input_layernorm",
+        post_attention: None,
+        pre_mlp: "post_attention_layernorm",
+        post_mlp: None,
+    };
+
+    /// The names of a decoder family (the Llama names for any family
+    /// without its own).
+    pub fn of(family: Family) -> DecoderNames {
+        match family {
+            Family::Gpt2 => DecoderNames {
+                embed: "transformer.wte",
+                positions: Some("transformer.wpe"),
+                layers: "transformer.h",
+                final_norm: "transformer.ln_f",
+                pre_attention: "ln_1",
+                post_attention: None,
+                pre_mlp: "ln_2",
+                post_mlp: None,
+            },
+            Family::Gemma2 => DecoderNames {
+                post_attention: Some("post_attention_layernorm"),
+                pre_mlp: "pre_feedforward_layernorm",
+                post_mlp: Some("post_feedforward_layernorm"),
+                ..DecoderNames::LLAMA
+            },
+            _ => DecoderNames::LLAMA,
+        }
+    }
+
+    /// The norms of a layer in registration order.
+    fn layer_norms(&self) -> impl Iterator<Item = &'static str> {
+        [
+            Some(self.pre_attention),
+            self.post_attention,
+            Some(self.pre_mlp),
+            self.post_mlp,
+        ]
+        .into_iter()
+        .flatten()
     }
 }
 
@@ -183,6 +255,16 @@ struct B {
 impl B {
     fn module(&mut self, parent: ModuleId, name: &str, class: &str) -> Result<ModuleId, Error> {
         self.b.add_module(parent, name, class)
+    }
+
+    /// A module by its full dotted name, under its parent built before.
+    fn module_at(&mut self, path: &str, class: &str) -> Result<ModuleId, Error> {
+        let (parent, local) = path.rsplit_once('.').unwrap_or(("", path));
+        let parent = self
+            .b
+            .module_id(parent)
+            .ok_or_else(|| Error::tree(path, "its parent module is not built yet"))?;
+        self.module(parent, local, class)
     }
 
     fn param(&mut self, m: ModuleId, name: &str, shape: &[usize]) -> Result<(), Error> {
@@ -297,16 +379,22 @@ fn decoder(cfg: &HfConfig, family: Family, dtype: DType) -> Result<HfModel, Erro
         b: ModuleTreeBuilder::new(format!("{prefix}ForCausalLM")),
         dtype,
     };
+    let names = DecoderNames::of(family);
     let model = b.module(0, "model", &format!("{prefix}Model"))?;
+    let embed = b.module_at(
+        names.embed,
+        if gemma {
+            "Gemma2TextScaledWordEmbedding"
+        } else {
+            "Embedding"
+        },
+    )?;
+    b.param(embed, "weight", &[vocab, hidden])?;
     if gemma {
-        let embed = b.module(model, "embed_tokens", "Gemma2TextScaledWordEmbedding")?;
-        b.param(embed, "weight", &[vocab, hidden])?;
         // A scalar created in the default dtype, which is the model's.
         b.b.add_buffer(embed, "embed_scale", TensorMeta::new(dtype, []), false)?;
-    } else {
-        b.embedding(model, "embed_tokens", vocab, hidden)?;
     }
-    let list = b.module(model, "layers", "ModuleList")?;
+    let list = b.module_at(names.layers, "ModuleList")?;
     let norm_class = format!("{prefix}RMSNorm");
     let mut layer_ids = Vec::with_capacity(layers);
     for i in 0..layers {
@@ -345,26 +433,15 @@ fn decoder(cfg: &HfConfig, family: Family, dtype: DType) -> Result<HfModel, Erro
             let mlp = b.module(layer, "mlp", &format!("{prefix}MLP"))?;
             b.gated_mlp(mlp, hidden, inter, mlp_bias, act)?;
         }
-        let norms: &[&str] = if gemma {
-            &[
-                "input_layernorm",
-                "post_attention_layernorm",
-                "pre_feedforward_layernorm",
-                "post_feedforward_layernorm",
-            ]
-        } else {
-            &["input_layernorm", "post_attention_layernorm"]
-        };
-        for norm in norms {
-            let n = b.module(layer, norm, &norm_class)?;
-            b.param(n, "weight", &[hidden])?;
+        for norm in names.layer_norms() {
+            b.weight_norm(layer, norm, &norm_class, hidden)?;
         }
         if family == Family::Phi3 {
             b.module(layer, "resid_attn_dropout", "Dropout")?;
             b.module(layer, "resid_mlp_dropout", "Dropout")?;
         }
     }
-    let norm = b.module(model, "norm", &norm_class)?;
+    let norm = b.module_at(names.final_norm, &norm_class)?;
     b.param(norm, "weight", &[hidden])?;
     let rotary = b.module(model, "rotary_emb", &format!("{prefix}RotaryEmbedding"))?;
     // Computed in float32 whatever the model's dtype.
@@ -378,7 +455,10 @@ fn decoder(cfg: &HfConfig, family: Family, dtype: DType) -> Result<HfModel, Erro
     }
     b.linear(0, "lm_head", hidden, vocab, false)?;
     if tie {
-        b.b.tie(&["lm_head.weight", "model.embed_tokens.weight"]);
+        b.b.tie(&[
+            "lm_head.weight".to_string(),
+            format!("{}.weight", names.embed),
+        ]);
     }
     Ok(HfModel {
         family,
@@ -545,32 +625,42 @@ fn gpt2(cfg: &HfConfig, dtype: DType) -> Result<HfModel, Error> {
         b: ModuleTreeBuilder::new("GPT2LMHeadModel"),
         dtype,
     };
+    let names = DecoderNames::of(Family::Gpt2);
     let transformer = b.module(0, "transformer", "GPT2Model")?;
-    b.embedding(transformer, "wte", vocab, embd)?;
-    b.embedding(transformer, "wpe", positions, embd)?;
+    let wte = b.module_at(names.embed, "Embedding")?;
+    b.param(wte, "weight", &[vocab, embd])?;
+    if let Some(wpe) = names.positions {
+        let wpe = b.module_at(wpe, "Embedding")?;
+        b.param(wpe, "weight", &[positions, embd])?;
+    }
     b.module(transformer, "drop", "Dropout")?;
-    let h = b.module(transformer, "h", "ModuleList")?;
+    let h = b.module_at(names.layers, "ModuleList")?;
     let mut layer_ids = Vec::with_capacity(layers);
     for i in 0..layers {
         let block = b.module(h, &i.to_string(), "GPT2Block")?;
         layer_ids.push(block);
-        b.layer_norm(block, "ln_1", embd)?;
+        b.layer_norm(block, names.pre_attention, embd)?;
         let attn = b.module(block, "attn", "GPT2Attention")?;
         b.conv1d(attn, "c_attn", embd, 3 * embd)?;
         b.conv1d(attn, "c_proj", embd, embd)?;
         b.module(attn, "attn_dropout", "Dropout")?;
         b.module(attn, "resid_dropout", "Dropout")?;
-        b.layer_norm(block, "ln_2", embd)?;
+        b.layer_norm(block, names.pre_mlp, embd)?;
         let mlp = b.module(block, "mlp", "GPT2MLP")?;
         b.conv1d(mlp, "c_fc", embd, inner)?;
         b.conv1d(mlp, "c_proj", inner, embd)?;
         b.module(mlp, "act", act)?;
         b.module(mlp, "dropout", "Dropout")?;
     }
-    b.layer_norm(transformer, "ln_f", embd)?;
+    let ln_f = b.module_at(names.final_norm, "LayerNorm")?;
+    b.param(ln_f, "weight", &[embd])?;
+    b.param(ln_f, "bias", &[embd])?;
     b.linear(0, "lm_head", embd, vocab, false)?;
     if tie {
-        b.b.tie(&["lm_head.weight", "transformer.wte.weight"]);
+        b.b.tie(&[
+            "lm_head.weight".to_string(),
+            format!("{}.weight", names.embed),
+        ]);
     }
     Ok(HfModel {
         family: Family::Gpt2,

@@ -111,6 +111,29 @@ pub struct DeviceMap {
     entries: Vec<(String, Device)>,
 }
 
+/// A [`DeviceMap`] indexed by key ([`DeviceMap::lookup`]).
+#[derive(Clone, Debug)]
+pub struct DeviceLookup<'m> {
+    keys: HashMap<&'m str, Device>,
+}
+
+impl DeviceLookup<'_> {
+    /// The device a tensor or module resolves to: the longest key that is
+    /// `name` or a dotted prefix of it (`""` covers everything).
+    pub fn device_of(&self, name: &str) -> Option<Device> {
+        let mut prefix = name;
+        loop {
+            if let Some(d) = self.keys.get(prefix) {
+                return Some(*d);
+            }
+            match prefix.rfind('.') {
+                Some(i) => prefix = &prefix[..i],
+                None => return self.keys.get("").copied(),
+            }
+        }
+    }
+}
+
 impl DeviceMap {
     /// Wraps entries as given.
     pub fn from_entries(entries: Vec<(String, Device)>) -> Self {
@@ -164,17 +187,26 @@ impl DeviceMap {
     }
 
     /// The device a tensor or module resolves to: its longest matching key.
+    /// This indexes the map for the one name; to resolve many names, index
+    /// it once with [`DeviceMap::lookup`].
     pub fn device_of(&self, name: &str) -> Option<Device> {
-        longest_key(&self.iter().collect(), name)
+        self.lookup().device_of(name)
+    }
+
+    /// The map indexed by key, for resolving many names.
+    pub fn lookup(&self) -> DeviceLookup<'_> {
+        DeviceLookup {
+            keys: self.iter().collect(),
+        }
     }
 
     /// Bytes per device under this map, in device order: each tensor of
     /// `tree` where its longest key puts it, at its size in `sizes`.
     pub fn bytes_per_device(&self, tree: &ModuleTree, sizes: &ModuleSizes) -> Vec<(Device, u64)> {
-        let keys: HashMap<&str, Device> = self.iter().collect();
+        let lookup = self.lookup();
         let mut bytes: Vec<(Device, u64)> = Vec::new();
         for (i, t) in tree.tensors().iter().enumerate() {
-            if let Some(d) = longest_key(&keys, &t.name) {
+            if let Some(d) = lookup.device_of(&t.name) {
                 match bytes.iter_mut().find(|(x, _)| *x == d) {
                     Some((_, b)) => *b = b.saturating_add(sizes.tensor[i]),
                     None => bytes.push((d, sizes.tensor[i])),
@@ -300,21 +332,6 @@ impl DeviceMap {
 
 /// The path of positions from the root to `name`, where a module's slots are
 /// its params, then its children, then its buffers.
-/// The device of the longest of `keys` that is `name` or a dotted prefix
-/// of it (`""` covers everything).
-fn longest_key(keys: &HashMap<&str, Device>, name: &str) -> Option<Device> {
-    let mut prefix = name;
-    loop {
-        if let Some(d) = keys.get(prefix) {
-            return Some(*d);
-        }
-        match prefix.rfind('.') {
-            Some(i) => prefix = &prefix[..i],
-            None => return keys.get("").copied(),
-        }
-    }
-}
-
 fn traversal_key(tree: &ModuleTree, name: &str) -> Option<Vec<usize>> {
     let node = tree.find(name)?;
     let mut path = Vec::new();

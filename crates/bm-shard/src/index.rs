@@ -24,19 +24,8 @@ impl Index {
     /// tensor listed twice is an error. Memory stays a small multiple of the
     /// text: entries are read one by one into the map.
     pub fn parse(path: &Path, bytes: &[u8]) -> Result<Index, Error> {
-        let text = std::str::from_utf8(bytes).map_err(|e| {
-            Error::index(
-                path,
-                format!("not UTF-8 (invalid byte at offset {})", e.valid_up_to()),
-            )
-        })?;
-        let syntax = |e: String| Error::index(path, format!("not valid JSON: {e}"));
-        let mut r = Reader::new(text);
-        if r.peek().map_err(syntax)? != Kind::Object {
-            crate::json::validate(text).map_err(syntax)?;
-            return Err(Error::index(path, "expected a JSON object"));
-        }
-        r.begin_object().map_err(syntax)?;
+        let syntax = syntax_error(path);
+        let mut r = open_object(path, bytes)?;
         let mut weight_map: Option<Vec<(String, String)>> = None;
         let mut total_size: Option<Result<u64, String>> = None;
         // Accelerate's flat form: the whole object is the map. Collected
@@ -134,9 +123,34 @@ fn not_a_file(path: &Path, name: &str, found: &str) -> Error {
     )
 }
 
+/// Opens an index-like file's text (a shard index, an offload
+/// `index.json`): UTF-8 whose top level is a JSON object. Returns the
+/// reader inside that object; errors name `path`.
+pub(crate) fn open_object<'a>(path: &Path, bytes: &'a [u8]) -> Result<Reader<'a>, Error> {
+    let text = std::str::from_utf8(bytes).map_err(|e| {
+        Error::index(
+            path,
+            format!("not UTF-8 (invalid byte at offset {})", e.valid_up_to()),
+        )
+    })?;
+    let syntax = syntax_error(path);
+    let mut r = Reader::new(text);
+    if r.peek().map_err(syntax)? != Kind::Object {
+        crate::json::validate(text).map_err(syntax)?;
+        return Err(Error::index(path, "expected a JSON object"));
+    }
+    r.begin_object().map_err(syntax)?;
+    Ok(r)
+}
+
+/// The error of a JSON syntax problem in the index-like file at `path`.
+pub(crate) fn syntax_error(path: &Path) -> impl Fn(String) -> Error + Copy + '_ {
+    move |e| Error::index(path, format!("not valid JSON: {e}"))
+}
+
 /// Reads `{name: file, ...}` (the `{` not yet consumed).
 fn read_map(path: &Path, r: &mut Reader<'_>) -> Result<Vec<(String, String)>, Error> {
-    let syntax = |e: String| Error::index(path, format!("not valid JSON: {e}"));
+    let syntax = syntax_error(path);
     r.begin_object().map_err(syntax)?;
     let mut map = Vec::new();
     let mut first = true;

@@ -19,6 +19,7 @@ use std::path::{Path, PathBuf};
 use bm_tensor::{DType, HostBuffer, MmapView, TensorMeta};
 use serde_json::{Map, Value};
 
+use crate::index::{open_object, syntax_error};
 use crate::json::{Kind, Reader, shorten};
 use crate::paths::{Folder, Resolved, resolve_in_folder};
 use crate::{Checkpoint, Error, cast_target};
@@ -75,7 +76,7 @@ impl OffloadEntry {
     /// `index`.
     fn read(index: &Path, name: &str, r: &mut Reader<'_>) -> Result<OffloadEntry, Error> {
         let bad = |problem: String| Error::index(index, format!("entry {name:?}: {problem}"));
-        let syntax = |e: String| Error::index(index, format!("not valid JSON: {e}"));
+        let syntax = syntax_error(index);
         if r.peek().map_err(syntax)? != Kind::Object {
             let found = r.skip_and_show(SHOWN).map_err(syntax)?;
             return Err(bad(format!("expected an object, found {found}")));
@@ -215,19 +216,8 @@ pub fn load_index(folder: &Path) -> Result<Vec<(String, OffloadEntry)>, Error> {
 /// errors): name → entry in file order; an entry given twice, a shape whose
 /// size overflows or a field of the wrong type is an error.
 pub fn parse_index(path: &Path, bytes: &[u8]) -> Result<Vec<(String, OffloadEntry)>, Error> {
-    let text = std::str::from_utf8(bytes).map_err(|e| {
-        Error::index(
-            path,
-            format!("not UTF-8 (invalid byte at offset {})", e.valid_up_to()),
-        )
-    })?;
-    let syntax = |e: String| Error::index(path, format!("not valid JSON: {e}"));
-    let mut r = Reader::new(text);
-    if r.peek().map_err(syntax)? != Kind::Object {
-        crate::json::validate(text).map_err(syntax)?;
-        return Err(Error::index(path, "expected a JSON object"));
-    }
-    r.begin_object().map_err(syntax)?;
+    let syntax = syntax_error(path);
+    let mut r = open_object(path, bytes)?;
     let mut entries = Vec::new();
     let mut first = true;
     while let Some(name) = r.next_key(first).map_err(syntax)? {
