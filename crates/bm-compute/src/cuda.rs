@@ -11,8 +11,8 @@
 //! a compute tensor, so none of this runs.
 
 use bm_device::{
-    AttentionMask, AttentionShape, DeviceBuffer, DeviceSlice, FourBitParts, GemmShape, Gpu,
-    GpuKind, Int8Parts,
+    Activation, AttentionMask, AttentionShape, DeviceBuffer, DeviceSlice, FourBitParts, GemmShape,
+    Gpu, GpuKind, Int8Parts,
 };
 use bm_tensor::DType;
 
@@ -297,17 +297,12 @@ pub(crate) fn softmax(x: &Tensor) -> Result<Tensor, Error> {
     Ok(out)
 }
 
-/// SiLU or GELU.
-pub(crate) fn unary(x: &Tensor, gelu: bool) -> Result<Tensor, Error> {
+/// An elementwise activation.
+pub(crate) fn unary(x: &Tensor, op: Activation) -> Result<Tensor, Error> {
     let b = buffer(x);
     let gpu = b.gpu().clone();
     let mut out = empty(&gpu, x.dtype(), x.shape())?;
-    let (dtype, n) = (x.dtype(), x.numel());
-    if gelu {
-        gpu.gelu(b, out_buffer(&mut out), dtype, n)?;
-    } else {
-        gpu.silu(b, out_buffer(&mut out), dtype, n)?;
-    }
+    gpu.unary(op, b, out_buffer(&mut out), x.dtype(), x.numel())?;
     Ok(out)
 }
 

@@ -6,6 +6,7 @@
 //! operand. Half-precision inputs are widened to f32 and results rounded
 //! once, PyTorch's rule for CPU kernels that accumulate in f32.
 
+use bm_device::Activation;
 use bm_tensor::DType;
 use half::{bf16, f16};
 
@@ -787,22 +788,16 @@ pub fn softmax(x: &Tensor) -> Result<Tensor, Error> {
     }
 }
 
-/// The GPU side of an elementwise function.
-enum OnGpu {
-    /// bm-device's SiLU kernel.
-    Silu,
-    /// bm-device's exact GELU kernel.
-    Gelu,
-    /// No kernel yet: the op is refused on a GPU.
-    Missing(&'static str),
-}
-
-/// An elementwise function.
-fn unary(x: &Tensor, f: impl Fn(f32) -> f32, on_gpu: OnGpu) -> Result<Tensor, Error> {
+/// An elementwise function: `f` on the CPU, bm-device's activation kernel
+/// `on_gpu` (`None`: no kernel, refused on a GPU as `op`).
+fn unary(
+    x: &Tensor,
+    f: impl Fn(f32) -> f32,
+    on_gpu: Result<Activation, &'static str>,
+) -> Result<Tensor, Error> {
     match (x.backend(), on_gpu) {
-        (Backend::Cuda(_), OnGpu::Silu) => cuda::unary(x, false),
-        (Backend::Cuda(_), OnGpu::Gelu) => cuda::unary(x, true),
-        (Backend::Cuda(_), OnGpu::Missing(op)) => Err(Error::NotOnCuda { op }),
+        (Backend::Cuda(_), Ok(op)) => cuda::unary(x, op),
+        (Backend::Cuda(_), Err(op)) => Err(Error::NotOnCuda { op }),
         (Backend::Cpu, _) => {
             let xs = x.f32_values();
             Tensor::build(x.dtype(), x.shape(), |out| {
@@ -816,28 +811,28 @@ fn unary(x: &Tensor, f: impl Fn(f32) -> f32, on_gpu: OnGpu) -> Result<Tensor, Er
 
 /// SiLU (`x · sigmoid(x)`), elementwise.
 pub fn silu(x: &Tensor) -> Result<Tensor, Error> {
-    unary(x, cpu::silu, OnGpu::Silu)
+    unary(x, cpu::silu, Ok(Activation::Silu))
 }
 
 /// GELU in its exact erf form (BERT's `gelu`), elementwise.
 pub fn gelu(x: &Tensor) -> Result<Tensor, Error> {
-    unary(x, cpu::gelu, OnGpu::Gelu)
+    unary(x, cpu::gelu, Ok(Activation::Gelu))
 }
 
 /// GELU's tanh approximation (GPT-2's `gelu_new`, Gemma's
 /// `gelu_pytorch_tanh`), elementwise.
 pub fn gelu_tanh(x: &Tensor) -> Result<Tensor, Error> {
-    unary(x, cpu::gelu_tanh, OnGpu::Missing("gelu_tanh"))
+    unary(x, cpu::gelu_tanh, Ok(Activation::GeluTanh))
 }
 
 /// ReLU (`max(x, 0)`, NaN kept), elementwise.
 pub fn relu(x: &Tensor) -> Result<Tensor, Error> {
-    unary(x, |v| if v < 0.0 { 0.0 } else { v }, OnGpu::Missing("relu"))
+    unary(x, |v| if v < 0.0 { 0.0 } else { v }, Ok(Activation::Relu))
 }
 
 /// `cap · tanh(x / cap)` elementwise: soft-capping (Gemma 2's final logits).
 pub fn softcap(x: &Tensor, cap: f32) -> Result<Tensor, Error> {
-    unary(x, |v| cpu::soft_cap(v, cap), OnGpu::Missing("softcap"))
+    unary(x, |v| cpu::soft_cap(v, cap), Err("softcap"))
 }
 
 /// `x · factor` elementwise, rounded once to `x`'s dtype (the factor is
@@ -849,7 +844,7 @@ pub fn scale(x: &Tensor, factor: f32) -> Result<Tensor, Error> {
             let factors = Tensor::from_f32(x.dtype(), x.shape(), &vec![factor; x.numel()])?;
             mul(x, &factors)
         }
-        Backend::Cpu => unary(x, |v| v * factor, OnGpu::Missing("scale")),
+        Backend::Cpu => unary(x, |v| v * factor, Err("scale")),
     }
 }
 

@@ -6,8 +6,9 @@
 //!   batched, through cuBLAS with f32 accumulation. A and B share one type;
 //!   C is that type or F32.
 //! * Kernels compiled at run time with NVRTC (no toolkit at build time) and
-//!   loaded once per GPU: cast, add, mul, SiLU, exact GELU, the bias
-//!   epilogue of a linear layer, embedding gather, RMSNorm, LayerNorm,
+//!   loaded once per GPU: cast, add, mul, activations (SiLU, exact and
+//!   tanh GELU, ReLU), the bias epilogue of a linear layer, embedding
+//!   gather, RMSNorm, LayerNorm,
 //!   rotary embedding (`rotate_half`), softmax, a fused attention with
 //!   bidirectional, causal or sliding-window masks and grouped-query heads,
 //!   bitsandbytes' dequantization (4-bit NF4/FP4 with plain or nested
@@ -128,6 +129,41 @@ pub struct AttentionShape {
     pub head_dim: usize,
     /// The mask.
     pub mask: AttentionMask,
+}
+
+/// An elementwise activation of [`Gpu::unary`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activation {
+    /// SiLU, `x · sigmoid(x)`.
+    Silu,
+    /// Exact GELU, `0.5 x (1 + erf(x / √2))` (BERT's `gelu`).
+    Gelu,
+    /// GELU's tanh approximation, `0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³)))`
+    /// (GPT-2's `gelu_new`, Gemma's `gelu_pytorch_tanh`).
+    GeluTanh,
+    /// ReLU, `max(x, 0)`, NaN kept.
+    Relu,
+}
+
+impl Activation {
+    fn name(self) -> &'static str {
+        match self {
+            Activation::Silu => "silu",
+            Activation::Gelu => "gelu",
+            Activation::GeluTanh => "gelu_tanh",
+            Activation::Relu => "relu",
+        }
+    }
+
+    /// The kernel's op code (kernels.cu, `unary`).
+    fn code(self) -> u32 {
+        match self {
+            Activation::Silu => 0,
+            Activation::Gelu => 1,
+            Activation::GeluTanh => 2,
+            Activation::Relu => 3,
+        }
+    }
 }
 
 /// Most keys one query may see: the fused attention kernel keeps a query's
@@ -591,17 +627,20 @@ impl Gpu {
         self.binary("mul", a, b, out, ty, count)
     }
 
-    fn unary(
+    /// `out = f(x)` elementwise over `count` elements, `f` the activation
+    /// `op` names (one kernel, `bm_unary`, for them all).
+    pub fn unary(
         &self,
-        op: &'static str,
+        op: Activation,
         x: &DeviceBuffer,
         out: &mut DeviceBuffer,
         ty: DType,
         count: usize,
     ) -> Result<()> {
+        let name = op.name();
         self.launch(
-            op,
-            format!("bm_{op}_{}", suffix(op, ty)?),
+            name,
+            format!("bm_unary_{}", suffix(name, ty)?),
             grid_for(count),
             THREADS,
             0,
@@ -609,6 +648,7 @@ impl Gpu {
                 buf(x, ty, count),
                 buf(out, ty, count),
                 Arg::U64(count as u64),
+                Arg::U32(op.code()),
             ],
         )
     }
@@ -621,7 +661,7 @@ impl Gpu {
         ty: DType,
         count: usize,
     ) -> Result<()> {
-        self.unary("silu", x, out, ty, count)
+        self.unary(Activation::Silu, x, out, ty, count)
     }
 
     /// Exact GELU, `0.5 x (1 + erf(x / √2))`, elementwise.
@@ -632,7 +672,7 @@ impl Gpu {
         ty: DType,
         count: usize,
     ) -> Result<()> {
-        self.unary("gelu", x, out, ty, count)
+        self.unary(Activation::Gelu, x, out, ty, count)
     }
 
     /// The end of a linear layer: `out[r, c] = acc[r, c] + bias[c]` where

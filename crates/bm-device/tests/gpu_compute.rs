@@ -3,7 +3,9 @@
 //! "skipped: no CUDA device" and returns, unless `BM_GPU_TESTS=1`, which
 //! turns a missing GPU into a failure.
 
-use bm_device::{AttentionMask, AttentionShape, DeviceBuffer, DeviceSet, GemmShape, Gpu};
+use bm_device::{
+    Activation, AttentionMask, AttentionShape, DeviceBuffer, DeviceSet, GemmShape, Gpu,
+};
 use bm_tensor::DType;
 
 /// Deterministic values in about [-1, 1).
@@ -166,6 +168,15 @@ fn elementwise_ops_match_host() {
     // gelu(0.5) = 0.25 (1 + erf(0.3535534)), gelu(-1) = -0.5 (1 - erf(0.7071068)).
     let want = [0.25 * (1.0 + 0.382_924_9), -0.5 * (1.0 - 0.682_689_5)];
     assert_close("gelu", &download(&probe_out, 2), &want, 1e-6);
+    g.unary(Activation::GeluTanh, &da, &mut out, ty, n).unwrap();
+    let want: Vec<f32> = a
+        .iter()
+        .map(|&x| 0.5 * x * (1.0 + (0.797_884_6 * (x + 0.044715 * x * x * x)).tanh()))
+        .collect();
+    assert_close("gelu_tanh", &download(&out, n), &want, 1e-6);
+    g.unary(Activation::Relu, &da, &mut out, ty, n).unwrap();
+    let want: Vec<f32> = a.iter().map(|&x| x.max(0.0)).collect();
+    assert_close("relu", &download(&out, n), &want, 0.0);
 
     let (rows, cols) = (4, 250);
     let bias = values(cols, 5);

@@ -113,20 +113,29 @@ __device__ void mul(const typename D::T* a, const typename D::T* b, typename D::
     for (u64 i = grid_start(); i < n; i += grid_stride()) D::store(y, i, D::load(a, i) * D::load(b, i));
 }
 
+// Elementwise activations, one kernel chosen by `op` (the same for every
+// element, so no warp diverges on it):
+// 0 SiLU, x / (1 + e^-x);
+// 1 exact GELU, 0.5 x (1 + erf(x / sqrt 2)), evaluated in double;
+// 2 tanh GELU, 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), in f32
+//   as bm-compute's CPU kernel (GPT-2's gelu_new);
+// 3 ReLU, max(x, 0) with NaN kept (x < 0 is false for NaN).
 template <typename D>
-__device__ void silu(const typename D::T* x, typename D::T* y, u64 n) {
+__device__ void unary(const typename D::T* x, typename D::T* y, u64 n, u32 op) {
     for (u64 i = grid_start(); i < n; i += grid_stride()) {
         const float v = D::load(x, i);
-        D::store(y, i, v / (1.0f + expf(-v)));
-    }
-}
-
-// Exact GELU, 0.5 x (1 + erf(x / sqrt 2)), evaluated in double.
-template <typename D>
-__device__ void gelu(const typename D::T* x, typename D::T* y, u64 n) {
-    for (u64 i = grid_start(); i < n; i += grid_stride()) {
-        const double v = (double)D::load(x, i);
-        D::store(y, i, (float)(0.5 * v * (1.0 + erf(v * 0.70710678118654752440))));
+        float r;
+        if (op == 0) {
+            r = v / (1.0f + expf(-v));
+        } else if (op == 1) {
+            const double d = (double)v;
+            r = (float)(0.5 * d * (1.0 + erf(d * 0.70710678118654752440)));
+        } else if (op == 2) {
+            r = 0.5f * v * (1.0f + tanhf(0.7978846f * (v + 0.044715f * v * v * v)));
+        } else {
+            r = v < 0.0f ? 0.0f : v;
+        }
+        D::store(y, i, r);
     }
 }
 
@@ -293,8 +302,9 @@ __device__ void attention(const typename D::T* q, const float* k, const float* v
     extern "C" __global__ void bm_mul_##name(const D::T* a, const D::T* b, D::T* y, u64 n) {        \
         mul<D>(a, b, y, n);                                                                      \
     }                                                                                            \
-    extern "C" __global__ void bm_silu_##name(const D::T* x, D::T* y, u64 n) { silu<D>(x, y, n); } \
-    extern "C" __global__ void bm_gelu_##name(const D::T* x, D::T* y, u64 n) { gelu<D>(x, y, n); } \
+    extern "C" __global__ void bm_unary_##name(const D::T* x, D::T* y, u64 n, u32 op) {            \
+        unary<D>(x, y, n, op);                                                                   \
+    }                                                                                            \
     extern "C" __global__ void bm_bias_epilogue_##name(const float* acc, const D::T* bias, D::T* y, \
                                                        u64 rows, u64 cols) {                     \
         bias_epilogue<D>(acc, bias, y, rows, cols);                                              \
