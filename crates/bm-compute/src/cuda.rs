@@ -11,8 +11,8 @@
 //! a compute tensor, so none of this runs.
 
 use bm_device::{
-    Activation, AttentionMask, AttentionShape, DeviceBuffer, DeviceSlice, FourBitParts, GemmShape,
-    Gpu, GpuKind, Int8Parts,
+    Activation, AttentionMask, AttentionShape, BLayout, DeviceBuffer, DeviceSlice, FourBitParts,
+    GemmShape, Gpu, GpuKind, Int8Parts,
 };
 use bm_tensor::DType;
 
@@ -161,11 +161,12 @@ pub(crate) fn columns(x: &Tensor, start: usize, width: usize) -> Result<Tensor, 
     Ok(out)
 }
 
-/// `x · wᵀ + bias` with x `[m, k]` (any leading shape flattened), w `[n, k]`.
+/// `x · wᵀ + bias` with x `[m, k]` (any leading shape flattened), w `[n, k]`
+/// (`BLayout::OutIn`), or `x · w + bias` with w `[k, n]` (`BLayout::InOut`).
 pub(crate) fn linear(
     gpu: &Gpu,
     x: &Tensor,
-    weight: &Tensor,
+    (weight, layout): (&Tensor, BLayout),
     bias: Option<&Tensor>,
     (m, k, n): (usize, usize, usize),
     out_shape: &[usize],
@@ -180,13 +181,17 @@ pub(crate) fn linear(
     let ws = on_gpu(weight, gpu, compute)?;
     let bs = bias.map(|b| on_gpu(b, gpu, dtype)).transpose()?;
     let mut acc = gpu.alloc(m * n * 4)?;
+    let shape = match layout {
+        BLayout::OutIn => GemmShape::new(m, n, k),
+        BLayout::InOut => GemmShape::new(m, n, k).b_in_out(),
+    };
     gpu.gemm(
         buffer(&xs),
         buffer(&ws),
         &mut acc,
         compute,
         DType::F32,
-        GemmShape::new(m, n, k),
+        shape,
     )?;
     let mut out = empty(gpu, dtype, out_shape)?;
     gpu.bias_epilogue(

@@ -6,7 +6,7 @@
 //! operand. Half-precision inputs are widened to f32 and results rounded
 //! once, PyTorch's rule for CPU kernels that accumulate in f32.
 
-use bm_device::Activation;
+use bm_device::{Activation, BLayout};
 use bm_tensor::DType;
 use half::{bf16, f16};
 
@@ -143,7 +143,14 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
     let mut shape = x.shape().to_vec();
     *shape.last_mut().expect("input has a last dimension") = n;
     match backend {
-        Backend::Cuda(_) => cuda::linear(&gpu_for(&operands), x, weight, bias, (m, k, n), &shape),
+        Backend::Cuda(_) => cuda::linear(
+            &gpu_for(&operands),
+            x,
+            (weight, BLayout::OutIn),
+            bias,
+            (m, k, n),
+            &shape,
+        ),
         Backend::Cpu => {
             let xs = x.f32_values();
             let bs = bias.map(|b| b.f32_values());
@@ -179,9 +186,14 @@ pub fn linear_t(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Te
     let mut shape = x.shape().to_vec();
     *shape.last_mut().expect("input has a last dimension") = n;
     match backend_of(&operands) {
-        Backend::Cuda(_) => Err(Error::NotOnCuda {
-            op: "linear_t (Conv1D weights stored [in, out])",
-        }),
+        Backend::Cuda(_) => cuda::linear(
+            &gpu_for(&operands),
+            x,
+            (weight, BLayout::InOut),
+            bias,
+            (m, k, n),
+            &shape,
+        ),
         Backend::Cpu => {
             let xs = x.f32_values();
             let bs = bias.map(|b| b.f32_values());

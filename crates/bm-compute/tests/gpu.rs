@@ -168,10 +168,20 @@ fn every_op_on_a_gpu_matches_the_cpu_op() {
             )
             .unwrap(),
         );
-        // Ops without a CUDA side yet say so instead of computing.
+        // Conv1D's [in, out] weight, on the GPU and streamed from the host.
         let wt = host(dtype, &[hidden, out], 9);
+        assert_matches(
+            "linear_t",
+            &ops::linear_t(&gx, &wt.to_gpu(gpu).unwrap(), Some(&gbias)).unwrap(),
+            &ops::linear_t(&x, &wt, Some(&bias)).unwrap(),
+        );
+        assert_matches(
+            "linear_t with a host F32 weight",
+            &ops::linear_t(&gx, &wt.to_dtype(DType::F32).unwrap(), None).unwrap(),
+            &ops::linear_t(&x, &wt.to_dtype(DType::F32).unwrap(), None).unwrap(),
+        );
+        // Ops without a CUDA side yet say so instead of computing.
         let missing = [
-            ops::linear_t(&gx, &wt, None).unwrap_err(),
             ops::softcap(&gx, 30.0).unwrap_err(),
             Rope::with_frequencies(16, vec![1.0; 4], 1.0)
                 .unwrap()

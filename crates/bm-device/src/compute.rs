@@ -2,7 +2,8 @@
 //! [`DeviceBuffer`]s, enqueued on the GPU's compute stream.
 //!
 //! * [`Gpu::gemm`]: `C = A · Bᵀ` in row-major order (the product of
-//!   `nn.Linear`, whose weight is stored `[out, in]`), optionally strided
+//!   `nn.Linear`, whose weight is stored `[out, in]`), or `C = A · B` for
+//!   B stored `[in, out]` (`Conv1D`, GPT-2), optionally strided
 //!   batched, through cuBLAS with f32 accumulation. A and B share one type;
 //!   C is that type or F32.
 //! * Kernels compiled at run time with NVRTC (no toolkit at build time) and
@@ -56,8 +57,19 @@ pub struct KernelModuleInfo {
     pub from_cache: bool,
 }
 
-/// Sizes of a row-major `C[m, n] = A[m, k] · B[n, k]ᵀ`, repeated `batch`
-/// times with the given element strides between consecutive matrices.
+/// How the B operand of a [`GemmShape`] is stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BLayout {
+    /// `[n, k]` row-major, `C = A · Bᵀ`: `nn.Linear`'s weight `[out, in]`.
+    OutIn,
+    /// `[k, n]` row-major, `C = A · B`: transformers' `Conv1D` weight
+    /// `[in, out]` (GPT-2), read in place rather than transposed.
+    InOut,
+}
+
+/// Sizes of a row-major `C[m, n] = A[m, k] · B[n, k]ᵀ` (or `A · B[k, n]`,
+/// per [`BLayout`]), repeated `batch` times with the given element strides
+/// between consecutive matrices.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GemmShape {
     /// Rows of A and C.
@@ -74,6 +86,8 @@ pub struct GemmShape {
     pub stride_b: usize,
     /// Elements from one C to the next.
     pub stride_c: usize,
+    /// How B is stored.
+    pub b_layout: BLayout,
 }
 
 impl GemmShape {
@@ -87,6 +101,15 @@ impl GemmShape {
             stride_a: m * k,
             stride_b: n * k,
             stride_c: m * n,
+            b_layout: BLayout::OutIn,
+        }
+    }
+
+    /// The same product with B stored `[k, n]`: `C = A · B`.
+    pub fn b_in_out(self) -> Self {
+        GemmShape {
+            b_layout: BLayout::InOut,
+            ..self
         }
     }
 

@@ -167,8 +167,9 @@ mod stream;
 
 pub use buffer::{COPY_CHUNK, DeviceBuffer};
 pub use compute::{
-    Activation, AttentionMask, AttentionShape, DeviceSlice, FourBitParts, GEMM_WORKSPACE_BYTES,
-    GemmShape, Int8Parts, KernelModuleInfo, MAX_ATTENTION_KEYS, MAX_QUANTIZED_ROWS,
+    Activation, AttentionMask, AttentionShape, BLayout, DeviceSlice, FourBitParts,
+    GEMM_WORKSPACE_BYTES, GemmShape, Int8Parts, KernelModuleInfo, MAX_ATTENTION_KEYS,
+    MAX_QUANTIZED_ROWS,
 };
 pub use device::{Device, ParseDeviceError};
 pub use error::{Error, Result};

@@ -76,6 +76,41 @@ fn gemm_matches_host_product_single_and_batched() {
         .unwrap();
     assert_close("batched gemm", &download(&dc, batch * m * n), &want, 1e-5);
 
+    // B stored [k, n] (Conv1D): C = A · B, the same values read in place.
+    let mut want_in_out = vec![0f32; batch * m * n];
+    for p in 0..batch {
+        for i in 0..m {
+            for j in 0..n {
+                want_in_out[p * m * n + i * n + j] = (0..k)
+                    .map(|l| a[p * m * k + i * k + l] * b[p * n * k + l * n + j])
+                    .sum();
+            }
+        }
+    }
+    g.gemm(&da, &db, &mut dc, DType::F32, DType::F32, shape.b_in_out())
+        .unwrap();
+    assert_close(
+        "gemm, B [k, n]",
+        &download(&dc, m * n),
+        &want_in_out[..m * n],
+        1e-5,
+    );
+    g.gemm(
+        &da,
+        &db,
+        &mut dc,
+        DType::F32,
+        DType::F32,
+        batched.b_in_out(),
+    )
+    .unwrap();
+    assert_close(
+        "batched gemm, B [k, n]",
+        &download(&dc, batch * m * n),
+        &want_in_out,
+        1e-5,
+    );
+
     // Half inputs, F32 output: the product of the rounded inputs,
     // accumulated in f32.
     for (half, round) in [

@@ -29,7 +29,7 @@ use parking_lot::Mutex;
 use super::{CudaGpu, driver_error, driver_major};
 use bm_tensor::DType;
 
-use crate::compute::{GemmShape, KernelModuleInfo, LaunchShape, RawArg};
+use crate::compute::{BLayout, GemmShape, KernelModuleInfo, LaunchShape, RawArg};
 use crate::kernel_cache::{self, CacheEnv, ImageKind, KernelCache, KernelImage, Origin};
 use crate::libs::{self, CudaLibrary, LoadedLibrary};
 use crate::{Device, Error, Result};
@@ -485,8 +485,15 @@ impl CudaGpu {
         // column-major Cᵀ (n×m, ld n) = Bᵀ-as-stored transposed · A-as-stored:
         // B's bytes read column-major are k×n (ld k), transposed to n×k; A's
         // are k×m (ld k), used as they are.
+        // With B stored [k, n] (row-major C[m, n] = A[m, k] · B[k, n]),
+        // Cᵀ (n×m, ld n) = Bᵀ · Aᵀ: B's bytes read column-major are already
+        // n×k (ld n), used as they are; A's as above.
         let op_t = blas_sys::cublasOperation_t::CUBLAS_OP_T;
         let op_n = blas_sys::cublasOperation_t::CUBLAS_OP_N;
+        let (op_b, ld_b) = match shape.b_layout {
+            BLayout::OutIn => (op_t, k),
+            BLayout::InOut => (op_n, n),
+        };
         let compute = blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F;
         let algo = blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT;
         let handle = *blas_handle.handle.handle();
@@ -496,7 +503,7 @@ impl CudaGpu {
             unsafe {
                 blas::gemm_ex(
                     handle,
-                    op_t,
+                    op_b,
                     op_n,
                     n,
                     m,
@@ -504,7 +511,7 @@ impl CudaGpu {
                     alpha,
                     b as *const c_void,
                     in_type,
-                    k,
+                    ld_b,
                     a as *const c_void,
                     in_type,
                     k,
@@ -527,7 +534,7 @@ impl CudaGpu {
             unsafe {
                 blas::gemm_strided_batched_ex(
                     handle,
-                    op_t,
+                    op_b,
                     op_n,
                     n,
                     m,
@@ -535,7 +542,7 @@ impl CudaGpu {
                     alpha,
                     b as *const c_void,
                     in_type,
-                    k,
+                    ld_b,
                     stride(shape.stride_b)?,
                     a as *const c_void,
                     in_type,
