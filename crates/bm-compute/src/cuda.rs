@@ -11,8 +11,8 @@
 //! a compute tensor, so none of this runs.
 
 use bm_device::{
-    Activation, AttentionMask, AttentionShape, BLayout, DeviceBuffer, DeviceSlice, FourBitParts,
-    GemmShape, Gpu, GpuKind, Int8Parts,
+    Activation, AttentionMask, AttentionScores, AttentionShape, BLayout, DeviceBuffer, DeviceSlice,
+    FourBitParts, GemmShape, Gpu, GpuKind, Int8Parts,
 };
 use bm_tensor::DType;
 
@@ -392,9 +392,20 @@ impl DeviceKv {
         Ok(())
     }
 
-    pub(crate) fn attention(&self, q: &Tensor, heads: Heads, mask: Mask) -> Result<Tensor, Error> {
+    /// Attention of `q` over this cache, scores `q · k · scale` plus the
+    /// position bias if any (`[heads, keys + queries - 1]`, uploaded and
+    /// widened to F32 for the kernel).
+    pub(crate) fn attention(
+        &self,
+        q: &Tensor,
+        heads: Heads,
+        mask: Mask,
+        scale: f32,
+        bias: Option<&Tensor>,
+    ) -> Result<Tensor, Error> {
         let gpu = self.keys.gpu().clone();
         let qs = on_gpu(q, &gpu, q.dtype())?;
+        let bs = bias.map(|b| on_gpu(b, &gpu, DType::F32)).transpose()?;
         let mut out = empty(&gpu, q.dtype(), q.shape())?;
         let shape = AttentionShape {
             queries: q.shape()[0],
@@ -408,13 +419,18 @@ impl DeviceKv {
                 Mask::SlidingWindow(w) => AttentionMask::SlidingWindow(w),
             },
         };
-        gpu.attention(
+        let scores = AttentionScores {
+            scale,
+            bias: bs.as_deref().map(buffer),
+        };
+        gpu.attention_with(
             buffer(&qs),
             &self.keys,
             &self.values,
             out_buffer(&mut out),
             q.dtype(),
             shape,
+            scores,
         )?;
         Ok(out)
     }

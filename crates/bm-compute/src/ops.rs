@@ -667,7 +667,7 @@ pub fn attention_with(
 /// `[heads, keys + queries - 1]`, entry `r + keys - 1` for relative
 /// position r, from `-(keys - 1)` to `queries - 1` (the queries are the
 /// last positions, as the cache's). Memory grows with the sequence, not
-/// its square. Computed on the host.
+/// its square. Runs where the cache is (host or GPU).
 pub fn attention_biased(
     q: &Tensor,
     cache: &LayerCache,
@@ -755,6 +755,14 @@ fn attend(
         .iter()
         .map(|p| p.saturating_sub(cache.dropped))
         .collect();
+    if let Some(kv) = &cache.device {
+        return match scores.softcap {
+            Some(_) => Err(Error::NotOnCuda {
+                op: "attention with soft-capping",
+            }),
+            None => kv.attention(q, heads, mask, scores.scale, bias),
+        };
+    }
     let bias = match bias {
         Some(b) => Some(b.to_host()?.f32_values().into_owned()),
         None => None,
@@ -772,16 +780,9 @@ fn attend(
             )
         })
     };
-    match (&cache.device, q.backend()) {
-        (Some(_), _) if bias.is_some() => Err(Error::NotOnCuda {
-            op: "attention with a position bias",
-        }),
-        (Some(kv), _) if scores == Scores::standard(heads.head_dim) => kv.attention(q, heads, mask),
-        (Some(_), _) => Err(Error::NotOnCuda {
-            op: "attention with a non-standard scale or soft-capping",
-        }),
-        (None, Backend::Cpu) => on_host(&q.f32_values()),
-        (None, Backend::Cuda(_)) => on_host(&q.to_host()?.f32_values()),
+    match q.backend() {
+        Backend::Cpu => on_host(&q.f32_values()),
+        Backend::Cuda(_) => on_host(&q.to_host()?.f32_values()),
     }
 }
 

@@ -214,6 +214,28 @@ fn every_op_on_a_gpu_matches_the_cpu_op() {
                     &ops::attention(&q.to_gpu(gpu).unwrap(), &gpu_cache, heads, mask).unwrap(),
                     &ops::attention(&q, &cpu_cache, heads, mask).unwrap(),
                 );
+                // T5's scores: unscaled, plus a bias by head and relative
+                // position ([heads, keys + queries - 1]).
+                let unscaled = Scores {
+                    scale: 1.0,
+                    softcap: None,
+                };
+                let gq = q.to_gpu(gpu).unwrap();
+                assert_matches(
+                    &format!("unscaled attention {mask:?} step {step}"),
+                    &ops::attention_with(&gq, &gpu_cache, heads, mask, unscaled).unwrap(),
+                    &ops::attention_with(&q, &cpu_cache, heads, mask, unscaled).unwrap(),
+                );
+                let bias = host(dtype, &[4, cpu_cache.len() + rows - 1], 40 + step);
+                for b in [&bias, &bias.to_gpu(gpu).unwrap()] {
+                    assert_matches(
+                        &format!("biased attention {mask:?} step {step}"),
+                        &ops::attention_biased(&gq, &gpu_cache, heads, (mask, unscaled), b)
+                            .unwrap(),
+                        &ops::attention_biased(&q, &cpu_cache, heads, (mask, unscaled), &bias)
+                            .unwrap(),
+                    );
+                }
                 let capped = Scores {
                     scale: 0.1,
                     softcap: Some(5.0),
@@ -222,6 +244,26 @@ fn every_op_on_a_gpu_matches_the_cpu_op() {
                     ops::attention_with(&q.to_gpu(gpu).unwrap(), &gpu_cache, heads, mask, capped)
                         .unwrap_err();
                 assert!(matches!(err, bm_compute::Error::NotOnCuda { .. }), "{err}");
+            }
+            // More queries than keys, every key seen (T5's cross-attention).
+            if mask == Mask::Bidirectional {
+                let q = host(dtype, &[7, 64], 50);
+                let unscaled = Scores {
+                    scale: 1.0,
+                    softcap: None,
+                };
+                assert_matches(
+                    "cross-attention, 7 queries over 5 keys",
+                    &ops::attention_with(
+                        &q.to_gpu(gpu).unwrap(),
+                        &gpu_cache,
+                        heads,
+                        mask,
+                        unscaled,
+                    )
+                    .unwrap(),
+                    &ops::attention_with(&q, &cpu_cache, heads, mask, unscaled).unwrap(),
+                );
             }
         }
     }

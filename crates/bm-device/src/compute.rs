@@ -11,7 +11,8 @@
 //!   tanh GELU, ReLU), the bias epilogue of a linear layer, embedding
 //!   gather, RMSNorm, LayerNorm,
 //!   rotary embedding (`rotate_half`), softmax, a fused attention with
-//!   bidirectional, causal or sliding-window masks and grouped-query heads,
+//!   bidirectional, causal or sliding-window masks, grouped-query heads and
+//!   an optional relative position bias (T5),
 //!   bitsandbytes' dequantization (4-bit NF4/FP4 with plain or nested
 //!   scales, LLM.int8() rows) and quantized linear layers reading the
 //!   packed weight in place (4-bit, LLM.int8()), whose parts may be
@@ -187,6 +188,18 @@ impl Activation {
             Activation::Relu => 3,
         }
     }
+}
+
+/// How [`Gpu::attention_with`] forms scores: `q · k · scale`, plus the
+/// bias when there is one.
+#[derive(Clone, Copy, Debug)]
+pub struct AttentionScores<'a> {
+    /// Factor on `q · k`.
+    pub scale: f32,
+    /// F32 `[heads, keys + queries - 1]`: per head, one value per relative
+    /// position `key - query` (entry `key - query + keys - 1`), as T5's
+    /// relative position bias.
+    pub bias: Option<&'a DeviceBuffer>,
 }
 
 /// Most keys one query may see: the fused attention kernel keeps a query's
@@ -939,6 +952,27 @@ impl Gpu {
         ty: DType,
         shape: AttentionShape,
     ) -> Result<()> {
+        let scores = AttentionScores {
+            scale: 1.0 / (shape.head_dim as f32).sqrt(),
+            bias: None,
+        };
+        self.attention_with(q, keys, values, out, ty, shape, scores)
+    }
+
+    /// [`Gpu::attention`] with the scores formed as `scores` says: another
+    /// scale, and a position bias (T5). Under a bidirectional mask without
+    /// a bias there may be more queries than keys (T5's cross-attention).
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_with(
+        &self,
+        q: &DeviceBuffer,
+        keys: &DeviceBuffer,
+        values: &DeviceBuffer,
+        out: &mut DeviceBuffer,
+        ty: DType,
+        shape: AttentionShape,
+        scores: AttentionScores<'_>,
+    ) -> Result<()> {
         const OP: &str = "attention";
         let AttentionShape {
             queries,
@@ -948,10 +982,18 @@ impl Gpu {
             head_dim,
             mask,
         } = shape;
-        if queries == 0 || head_dim == 0 || kv_heads == 0 || heads % kv_heads != 0 {
+        if queries == 0
+            || t == 0
+            || heads == 0
+            || head_dim == 0
+            || kv_heads == 0
+            || heads % kv_heads != 0
+        {
             return Err(bad(OP, format!("unusable geometry {shape:?}")));
         }
-        if queries > t {
+        // Masks and the bias place the queries at the last positions.
+        let positional = mask != AttentionMask::Bidirectional || scores.bias.is_some();
+        if positional && queries > t {
             return Err(bad(
                 OP,
                 format!("{queries} queries but only {t} cached positions"),
@@ -974,7 +1016,11 @@ impl Gpu {
         }
         let q_count = product(OP, &[queries, heads, head_dim])?;
         let kv_count = product(OP, &[t, kv_heads, head_dim])?;
-        let scale = 1.0 / (head_dim as f32).sqrt();
+        // The bias covers every relative position key - query.
+        let bias_count = match scores.bias {
+            Some(_) => product(OP, &[heads, t + queries - 1])?,
+            None => 0,
+        };
         let u = |what, v| to_u32(OP, what, v);
         self.launch(
             OP,
@@ -986,6 +1032,7 @@ impl Gpu {
                 buf(q, ty, q_count),
                 buf(keys, DType::F32, kv_count),
                 buf(values, DType::F32, kv_count),
+                opt_buf(scores.bias, DType::F32, bias_count),
                 buf(out, ty, q_count),
                 Arg::U32(u("query count", queries)?),
                 Arg::U32(u("key count", t)?),
@@ -994,7 +1041,7 @@ impl Gpu {
                 Arg::U32(u("head size", head_dim)?),
                 Arg::U32(mask_kind),
                 Arg::U32(u("window", window)?),
-                Arg::F32(scale),
+                Arg::F32(scores.scale),
             ],
         )
     }

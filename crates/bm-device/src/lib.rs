@@ -167,7 +167,7 @@ mod stream;
 
 pub use buffer::{COPY_CHUNK, DeviceBuffer};
 pub use compute::{
-    Activation, AttentionMask, AttentionShape, BLayout, DeviceSlice, FourBitParts,
+    Activation, AttentionMask, AttentionScores, AttentionShape, BLayout, DeviceSlice, FourBitParts,
     GEMM_WORKSPACE_BYTES, GemmShape, Int8Parts, KernelModuleInfo, MAX_ATTENTION_KEYS,
     MAX_QUANTIZED_ROWS,
 };

@@ -244,11 +244,13 @@ __device__ void rotary(const typename D::T* x, typename D::T* y, u64 rows, u64 w
 // Scaled dot-product attention of query block (blockIdx.x = query row,
 // blockIdx.y = head) over f32 keys/values [t, kv_heads * head_dim]; the
 // queries are the last `s` of the `t` positions. mask: 0 every key,
-// 1 causal, 2 causal within the last `window` positions.
+// 1 causal, 2 causal within the last `window` positions. Each score is
+// q . k * scale, plus, when `bias` is not null (T5), bias[h, j - pos + t - 1]
+// (f32 [heads, t + s - 1], by relative position key - query; s <= t).
 template <typename D>
-__device__ void attention(const typename D::T* q, const float* k, const float* v, typename D::T* y,
-                          u32 s, u32 t, u32 heads, u32 kv_heads, u32 head_dim, u32 mask,
-                          u32 window, float scale) {
+__device__ void attention(const typename D::T* q, const float* k, const float* v,
+                          const float* bias, typename D::T* y, u32 s, u32 t, u32 heads,
+                          u32 kv_heads, u32 head_dim, u32 mask, u32 window, float scale) {
     extern __shared__ float scores[];
     __shared__ float scratch[32];
     const u32 i = blockIdx.x, h = blockIdx.y;
@@ -266,6 +268,8 @@ __device__ void attention(const typename D::T* q, const float* k, const float* v
         float dot = 0.0f;
         for (u32 d = 0; d < head_dim; ++d) dot += D::load(q, q_at + d) * kj[d];
         dot *= scale;
+        // j - pos + t - 1 = j + s - 1 - i, never negative as i < s.
+        if (bias != 0) dot += bias[(u64)h * (t + s - 1) + (j + s - 1 - i)];
         scores[j - lo] = dot;
         m = fmaxf(m, dot);
     }
@@ -325,10 +329,10 @@ __device__ void attention(const typename D::T* q, const float* k, const float* v
         rotary<D>(x, y, rows, width, head_dim, start_pos, theta);                                \
     }                                                                                            \
     extern "C" __global__ void bm_attention_##name(const D::T* q, const float* k, const float* v,   \
-                                                   D::T* y, u32 s, u32 t, u32 heads, u32 kv_heads, \
-                                                   u32 head_dim, u32 mask, u32 window,           \
-                                                   float scale) {                                \
-        attention<D>(q, k, v, y, s, t, heads, kv_heads, head_dim, mask, window, scale);          \
+                                                   const float* bias, D::T* y, u32 s, u32 t,     \
+                                                   u32 heads, u32 kv_heads, u32 head_dim,        \
+                                                   u32 mask, u32 window, float scale) {          \
+        attention<D>(q, k, v, bias, y, s, t, heads, kv_heads, head_dim, mask, window, scale);    \
     }
 
 CAST(F32, F32, f32_f32)
