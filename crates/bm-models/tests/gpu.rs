@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 
 use bigmodel::device::{DeviceSet, Gpu};
 use bm_models::{
-    Backend, CausalLm, Error, FolderWeights, GenerateOptions, Logits, Seq2SeqLm, T5Config, Tensor,
+    Backend, CausalLm, Error, FolderWeights, GenerateOptions, Logits, T5, T5Config, Tensor,
     WeightSource,
 };
 use bm_tensor::DType;
@@ -207,8 +207,51 @@ fn tiny_decoders_on_gpu_match_transformers() {
     }
 }
 
-/// Families whose ops have no CUDA side yet (GPT-2's Conv1D, tanh GELU,
-/// soft-capping, LongRoPE) say so when their weights are on a GPU.
+/// Largest absolute difference of two logit tensors of one shape.
+fn max_diff(gpu: &Tensor, cpu: &Tensor) -> f32 {
+    assert_eq!(gpu.shape(), cpu.shape());
+    let (g, c) = (gpu.to_host().unwrap().to_f32_vec(), cpu.to_f32_vec());
+    g.iter()
+        .zip(&c)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max)
+}
+
+/// GPT-2 (Conv1D weights, tanh GELU, learned positions) with every weight
+/// on GPU 0 computes the CPU's logits, over a prefill and a decode step.
+#[test]
+fn tiny_gpt2_on_gpu_matches_the_cpu_model() {
+    let Some(set) = DeviceSet::cuda_for_gpu_tests() else {
+        return;
+    };
+    let root = fixtures();
+    let dir = root.path().join("tiny-gpt2");
+    let lm = CausalLm::open(&dir, Some(DType::F32)).unwrap();
+    let cpu = FolderWeights::open(&dir, Some(DType::F32)).unwrap();
+    let gpu = GpuWeights {
+        folder: FolderWeights::open(&dir, Some(DType::F32)).unwrap(),
+        gpu: set.gpu(0).unwrap().clone(),
+        cache: Mutex::new(HashMap::new()),
+    };
+    let (mut cpu_cache, mut gpu_cache) = (lm.decoder().new_cache(), lm.decoder().new_cache());
+    for (step, ids) in [[1u32, 2, 3, 4].as_slice(), &[5]].into_iter().enumerate() {
+        let want = lm
+            .decoder()
+            .forward(&cpu, ids, &mut cpu_cache, Logits::All)
+            .unwrap();
+        let got = lm
+            .decoder()
+            .forward(&gpu, ids, &mut gpu_cache, Logits::All)
+            .unwrap();
+        assert_eq!(got.backend(), Backend::Cuda(0));
+        let diff = max_diff(&got, &want);
+        println!("tiny-gpt2 on GPU, step {step}: max |diff| {diff:e}");
+        assert!(diff <= 1e-4, "tiny-gpt2 step {step}: max |diff| {diff}");
+    }
+}
+
+/// Families whose ops have no CUDA side yet (soft-capping, LongRoPE) say
+/// so when their weights are on a GPU.
 #[test]
 fn families_with_ops_missing_on_cuda_refuse_with_a_typed_error() {
     let Some(set) = DeviceSet::cuda_for_gpu_tests() else {
@@ -216,7 +259,7 @@ fn families_with_ops_missing_on_cuda_refuse_with_a_typed_error() {
     };
     let gpu = set.gpu(0).unwrap();
     let root = fixtures();
-    for model in ["tiny-gpt2", "tiny-gemma2", "tiny-phi3"] {
+    for model in ["tiny-gemma2", "tiny-phi3"] {
         let dir = root.path().join(model);
         let lm = CausalLm::open(&dir, Some(DType::F32)).unwrap();
         let weights = GpuWeights {
@@ -236,33 +279,44 @@ fn families_with_ops_missing_on_cuda_refuse_with_a_typed_error() {
     }
 }
 
-/// T5's attention adds a position bias, which has no CUDA side yet: with
-/// its weights on a GPU it says so instead of computing.
+/// T5 (relative position bias, unscaled attention, cross-attention) with
+/// every weight on GPU 0 computes the CPU's encoder output and decoder
+/// logits, over a decoder prefill of three tokens and one step.
 #[test]
-fn t5_on_cuda_refuses_with_a_typed_error() {
+fn tiny_t5_on_gpu_matches_the_cpu_model() {
     let Some(set) = DeviceSet::cuda_for_gpu_tests() else {
         return;
     };
     let root = fixtures();
     let dir = root.path().join("tiny-t5");
-    let weights = GpuWeights {
+    let cpu = FolderWeights::open(&dir, Some(DType::F32)).unwrap();
+    let gpu = GpuWeights {
         folder: FolderWeights::open(&dir, Some(DType::F32)).unwrap(),
         gpu: set.gpu(0).unwrap().clone(),
         cache: Mutex::new(HashMap::new()),
     };
-    let config = T5Config::from_dir(&dir).unwrap().tie_to(&weights.folder);
-    let lm = Seq2SeqLm::with_weights(&dir, config, DType::F32, Box::new(weights)).unwrap();
-    let options = GenerateOptions {
-        max_new_tokens: 1,
-        ..GenerateOptions::default()
-    };
-    let err = lm
-        .generate_ids(&[5, 6, 7], &options, &mut |_| {})
-        .unwrap_err();
-    assert!(
-        matches!(err, Error::Compute(bm_compute::Error::NotOnCuda { .. })),
-        "{err}"
+    let config = T5Config::from_dir(&dir).unwrap().tie_to(&cpu);
+    let t5 = T5::new(config, DType::F32).unwrap();
+    let input = [5u32, 6, 7, 8];
+    let (cpu_encoded, gpu_encoded) = (
+        t5.encode(&cpu, &input).unwrap(),
+        t5.encode(&gpu, &input).unwrap(),
     );
+    assert_eq!(gpu_encoded.backend(), Backend::Cuda(0));
+    let diff = max_diff(&gpu_encoded, &cpu_encoded);
+    println!("tiny-t5 encoder on GPU: max |diff| {diff:e}");
+    assert!(diff <= 1e-4, "tiny-t5 encoder: max |diff| {diff}");
+    let mut cpu_cache = t5.new_cache(cpu_encoded);
+    let mut gpu_cache = t5.new_cache(gpu_encoded);
+    let start = t5.config().decoder_start_token_id;
+    for (step, ids) in [[start, 9, 10].as_slice(), &[11]].into_iter().enumerate() {
+        let want = t5.decode(&cpu, ids, &mut cpu_cache).unwrap();
+        let got = t5.decode(&gpu, ids, &mut gpu_cache).unwrap();
+        assert_eq!(got.backend(), Backend::Cuda(0));
+        let diff = max_diff(&got, &want);
+        println!("tiny-t5 decoder on GPU, step {step}: max |diff| {diff:e}");
+        assert!(diff <= 1e-4, "tiny-t5 step {step}: max |diff| {diff}");
+    }
 }
 
 /// The tiny Llama loaded through dispatch with GPU 0 as the execution
