@@ -287,6 +287,32 @@ pub(crate) fn rotary(
     Ok(out)
 }
 
+/// Rotary embedding of `x` (`[rows, heads * head_dim]`) from the host's
+/// cos/sin tables (`rows × rotary_dim / 2`), uploaded for the kernel.
+pub(crate) fn rotary_table(
+    x: &Tensor,
+    (head_dim, rotary_dim): (usize, usize),
+    cos: &[f32],
+    sin: &[f32],
+) -> Result<Tensor, Error> {
+    let b = buffer(x);
+    let gpu = b.gpu().clone();
+    let bytes = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|f| f.to_le_bytes()).collect() };
+    let (c, s) = (upload(&gpu, &bytes(cos))?, upload(&gpu, &bytes(sin))?);
+    let (rows, width) = (x.shape()[0], x.shape()[1]);
+    let mut out = empty(&gpu, x.dtype(), x.shape())?;
+    gpu.rotary_table(
+        b,
+        (&c, &s),
+        out_buffer(&mut out),
+        x.dtype(),
+        rows,
+        width,
+        (head_dim, rotary_dim),
+    )?;
+    Ok(out)
+}
+
 pub(crate) fn softmax(x: &Tensor) -> Result<Tensor, Error> {
     let b = buffer(x);
     let gpu = b.gpu().clone();

@@ -362,21 +362,13 @@ impl Rope {
             ));
         }
         let rotary_dim = 2 * self.inv_freq.len();
-        if let Backend::Cuda(_) = x.backend() {
-            // The kernel places row r at `start + r`.
+        if let (Backend::Cuda(_), Some(theta)) = (x.backend(), self.theta) {
+            // The default kernel computes its own angles, row r at `start + r`.
             let start = positions.first().copied().unwrap_or(0);
             let consecutive = positions.iter().enumerate().all(|(r, &p)| p == start + r);
-            return match self.theta {
-                Some(theta) if rotary_dim == self.head_dim && consecutive => {
-                    cuda::rotary(x, self.head_dim, start, theta)
-                }
-                Some(_) if rotary_dim == self.head_dim => Err(Error::NotOnCuda {
-                    op: "rotary embedding of a batch (rows at their own positions)",
-                }),
-                _ => Err(Error::NotOnCuda {
-                    op: "rotary embedding with scaled or partial frequencies",
-                }),
-            };
+            if rotary_dim == self.head_dim && consecutive {
+                return cuda::rotary(x, self.head_dim, start, theta);
+            }
         }
         // transformers multiplies cos/sin by the attention scaling in f32,
         // then casts them to the activation dtype.
@@ -394,10 +386,15 @@ impl Rope {
                 sin.push(round(angle.sin() * self.scaling));
             }
         }
-        let xs = x.f32_values();
-        Tensor::build(x.dtype(), x.shape(), |out| {
-            cpu::rotary(&xs, self.head_dim, rotary_dim, &cos, &sin, out)
-        })
+        match x.backend() {
+            Backend::Cuda(_) => cuda::rotary_table(x, (self.head_dim, rotary_dim), &cos, &sin),
+            Backend::Cpu => {
+                let xs = x.f32_values();
+                Tensor::build(x.dtype(), x.shape(), |out| {
+                    cpu::rotary(&xs, self.head_dim, rotary_dim, &cos, &sin, out)
+                })
+            }
+        }
     }
 }
 

@@ -180,17 +180,25 @@ fn every_op_on_a_gpu_matches_the_cpu_op() {
             &ops::linear_t(&gx, &wt.to_dtype(DType::F32).unwrap(), None).unwrap(),
             &ops::linear_t(&x, &wt.to_dtype(DType::F32).unwrap(), None).unwrap(),
         );
-        // Ops without a CUDA side yet say so instead of computing.
-        let missing = [
-            ops::softcap(&gx, 30.0).unwrap_err(),
-            Rope::with_frequencies(16, vec![1.0; 4], 1.0)
-                .unwrap()
-                .apply(&gx, 0)
-                .unwrap_err(),
-        ];
-        for err in missing {
-            assert!(matches!(err, bm_compute::Error::NotOnCuda { .. }), "{err}");
+        // Rotary from host tables: rows at their own positions, given
+        // frequencies over part of each head, a cos/sin scaling.
+        let positions = [3, 0, 9, 4, 4];
+        assert_matches(
+            "rotary at given positions",
+            &rope.apply_at(&gx, &positions).unwrap(),
+            &rope.apply_at(&x, &positions).unwrap(),
+        );
+        let partial = Rope::with_frequencies(16, vec![1.0, 0.3, 0.05], 1.2).unwrap();
+        for (what, start) in [("partial rotary", 0), ("partial rotary from 6", 6)] {
+            assert_matches(
+                what,
+                &partial.apply(&gx, start).unwrap(),
+                &partial.apply(&x, start).unwrap(),
+            );
         }
+        // Ops without a CUDA side yet say so instead of computing.
+        let err = ops::softcap(&gx, 30.0).unwrap_err();
+        assert!(matches!(err, bm_compute::Error::NotOnCuda { .. }), "{err}");
 
         // Attention over a cache filled in two appends (prefill, one step).
         let heads = Heads {

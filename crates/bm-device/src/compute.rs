@@ -10,7 +10,9 @@
 //!   loaded once per GPU: cast, add, mul, activations (SiLU, exact and
 //!   tanh GELU, ReLU), the bias epilogue of a linear layer, embedding
 //!   gather, RMSNorm, LayerNorm,
-//!   rotary embedding (`rotate_half`), softmax, a fused attention with
+//!   rotary embedding (`rotate_half`; default frequencies computed on the
+//!   GPU, or any frequencies and positions from host tables), softmax, a
+//!   fused attention with
 //!   bidirectional, causal or sliding-window masks, grouped-query heads and
 //!   an optional relative position bias (T5),
 //!   bitsandbytes' dequantization (4-bit NF4/FP4 with plain or nested
@@ -935,6 +937,56 @@ impl Gpu {
                 Arg::U64(head_dim as u64),
                 Arg::U64(start_pos as u64),
                 Arg::F32(theta),
+            ],
+        )
+    }
+
+    /// Rotary embedding (`rotate_half`) of `rows` rows of `width` (whole
+    /// heads of `head_dim`) from F32 tables `cos` and `sin` (`rows ×
+    /// rotary_dim / 2`, as the host computed them: any frequencies and
+    /// positions): pair i of each head of row r turns by `cos[r, i]`,
+    /// `sin[r, i]`; dimensions from `rotary_dim` on are copied.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rotary_table(
+        &self,
+        x: &DeviceBuffer,
+        (cos, sin): (&DeviceBuffer, &DeviceBuffer),
+        out: &mut DeviceBuffer,
+        ty: DType,
+        rows: usize,
+        width: usize,
+        (head_dim, rotary_dim): (usize, usize),
+    ) -> Result<()> {
+        const OP: &str = "rotary";
+        if head_dim == 0 || width == 0 || width % head_dim != 0 {
+            return Err(bad(
+                OP,
+                format!("width {width} is not a whole number of heads of size {head_dim}"),
+            ));
+        }
+        if rotary_dim == 0 || rotary_dim % 2 != 0 || rotary_dim > head_dim {
+            return Err(bad(
+                OP,
+                format!("{rotary_dim} rotated dimensions of heads of {head_dim}"),
+            ));
+        }
+        let count = product(OP, &[rows, width])?;
+        let table = product(OP, &[rows, rotary_dim / 2])?;
+        self.launch(
+            OP,
+            format!("bm_rotary_table_{}", suffix(OP, ty)?),
+            grid_for(count),
+            THREADS,
+            0,
+            &[
+                buf(x, ty, count),
+                buf(cos, DType::F32, table),
+                buf(sin, DType::F32, table),
+                buf(out, ty, count),
+                Arg::U64(rows as u64),
+                Arg::U64(width as u64),
+                Arg::U64(head_dim as u64),
+                Arg::U64(rotary_dim as u64),
             ],
         )
     }

@@ -241,6 +241,30 @@ __device__ void rotary(const typename D::T* x, typename D::T* y, u64 rows, u64 w
     }
 }
 
+// Rotary embedding from tables the host computed (given or scaled
+// frequencies, partial rotary, rows at their own positions), one element a
+// thread: pair i (i < rotary_dim / 2) of every head of row r turns by
+// cos[r, i], sin[r, i], already scaled and rounded as transformers does;
+// dimensions from rotary_dim on pass through.
+template <typename D>
+__device__ void rotary_table(const typename D::T* x, const float* cos, const float* sin,
+                             typename D::T* y, u64 rows, u64 width, u64 head_dim,
+                             u64 rotary_dim) {
+    const u64 half = rotary_dim / 2;
+    const u64 n = rows * width;
+    for (u64 e = grid_start(); e < n; e += grid_stride()) {
+        const u64 row = e / width, d = (e % width) % head_dim;
+        if (d >= rotary_dim) {
+            D::store(y, e, D::load(x, e));
+            continue;
+        }
+        const u64 i = d % half, head = e - d;
+        const float c = cos[row * half + i], s = sin[row * half + i];
+        const float a = D::load(x, head + i), b = D::load(x, head + i + half);
+        D::store(y, e, d < half ? a * c - b * s : b * c + a * s);
+    }
+}
+
 // Scaled dot-product attention of query block (blockIdx.x = query row,
 // blockIdx.y = head) over f32 keys/values [t, kv_heads * head_dim]; the
 // queries are the last `s` of the `t` positions. mask: 0 every key,
@@ -327,6 +351,11 @@ __device__ void attention(const typename D::T* q, const float* k, const float* v
     extern "C" __global__ void bm_rotary_##name(const D::T* x, D::T* y, u64 rows, u64 width,      \
                                                 u64 head_dim, u64 start_pos, float theta) {      \
         rotary<D>(x, y, rows, width, head_dim, start_pos, theta);                                \
+    }                                                                                            \
+    extern "C" __global__ void bm_rotary_table_##name(const D::T* x, const float* cos,            \
+                                                      const float* sin, D::T* y, u64 rows,        \
+                                                      u64 width, u64 head_dim, u64 rotary_dim) {  \
+        rotary_table<D>(x, cos, sin, y, rows, width, head_dim, rotary_dim);                      \
     }                                                                                            \
     extern "C" __global__ void bm_attention_##name(const D::T* q, const float* k, const float* v,   \
                                                    const float* bias, D::T* y, u32 s, u32 t,     \
