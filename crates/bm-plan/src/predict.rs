@@ -446,10 +446,12 @@ impl Pass {
 
     /// Where `map` puts each block's weights.
     pub fn placement(&self, map: &DeviceMap) -> Result<Vec<Device>, Error> {
+        let lookup = map.lookup();
         self.blocks
             .iter()
             .map(|b| {
-                map.device_of(&b.name)
+                lookup
+                    .device_of(&b.name)
                     .ok_or_else(|| Error::BadDeviceMap(format!("no device for {:?}", b.name)))
             })
             .collect()

@@ -316,17 +316,7 @@ fn device_bytes(tree: &ModuleTree, map: &DeviceMap, options: &PlanOptions) -> Ve
             rule: SizeRule::Loaded,
         },
     );
-    let mut bytes: Vec<(Device, u64)> = Vec::new();
-    for (i, t) in tree.tensors().iter().enumerate() {
-        if let Some(d) = map.device_of(&t.name) {
-            match bytes.iter_mut().find(|(x, _)| *x == d) {
-                Some((_, b)) => *b += sizes.tensor[i],
-                None => bytes.push((d, sizes.tensor[i])),
-            }
-        }
-    }
-    bytes.sort();
-    bytes
+    map.bytes_per_device(tree, &sizes)
 }
 
 #[cfg(test)]
