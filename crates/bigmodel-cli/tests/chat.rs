@@ -194,6 +194,74 @@ fn chat_keeps_its_cache_and_replies_as_a_fresh_run_would() {
 }
 
 #[test]
+fn chat_quantized_replies_as_a_quantized_run_would() {
+    let dir = chat_model();
+    let d = dir.path().to_str().unwrap();
+    let doc = json_of(&bigmodel(
+        &[
+            "chat",
+            d,
+            "--quantize",
+            "nf4",
+            "--max-new-tokens",
+            "4",
+            "--json",
+        ],
+        "Hello\n",
+    ));
+    let ids = chat_ids(dir.path(), &[json!({"role": "user", "content": "Hello"})]);
+    let run = |quantize: &[&str]| {
+        let mut args = vec![
+            "run",
+            d,
+            "--prompt-ids",
+            &ids,
+            "--max-new-tokens",
+            "4",
+            "--json",
+        ];
+        args.extend_from_slice(quantize);
+        json_of(&bigmodel(&args, ""))["generated_ids"].clone()
+    };
+    assert_eq!(
+        doc["turns"][0]["generated_ids"],
+        run(&["--quantize", "nf4"])
+    );
+    // The flag reaches the model: NF4 weights are not the F32 ones (if the
+    // tiny model's greedy tokens happened to agree, this would say so).
+    let dense = run(&[]);
+    let logits_differ = {
+        let dump = |quantize: &[&str], name: &str| {
+            let path = dir.path().join(name);
+            let p = path.to_str().unwrap();
+            let mut args = vec![
+                "run",
+                d,
+                "--prompt-ids",
+                &ids,
+                "--max-new-tokens",
+                "1",
+                "--dump-logits",
+                p,
+            ];
+            args.extend_from_slice(quantize);
+            let out = bigmodel(&args, "");
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            std::fs::read(&path).unwrap()
+        };
+        dump(&["--quantize", "nf4"], "nf4.bin") != dump(&[], "f32.bin")
+    };
+    assert!(
+        logits_differ,
+        "nf4 and f32 logits are equal; greedy ids: {dense}"
+    );
+}
+
+#[test]
 fn chat_errors_name_what_is_missing() {
     let tiny = fixtures().join("tiny-llama");
     let t = tiny.to_str().unwrap();

@@ -8,11 +8,13 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use bigmodel::device::DeviceSet;
-use bm_models::{ChatTemplate, GenerateOptions, open_causal_lm};
+use bm_models::{ChatTemplate, GenerateOptions, open_causal_lm, open_causal_lm_quantized};
 use serde_json::{Value, json};
 
 use super::CmdResult;
-use super::run::{PlacementArgs, SamplingArgs, TextStream, load_progress_bar, parse_dtype};
+use super::run::{
+    PlacementArgs, QuantizeArgs, SamplingArgs, TextStream, load_progress_bar, parse_dtype,
+};
 
 /// Arguments of `bigmodel chat`.
 #[derive(clap::Args)]
@@ -29,6 +31,8 @@ pub struct Args {
     #[arg(long)]
     dtype: Option<String>,
     #[command(flatten)]
+    quantize: QuantizeArgs,
+    #[command(flatten)]
     sampling: SamplingArgs,
     /// Print nothing while chatting; at the end of the input, one JSON
     /// document: turns (user, generated_ids, text) and seed when sampling.
@@ -40,12 +44,17 @@ pub struct Args {
 /// or a line `/exit`.
 pub fn run(args: Args) -> CmdResult {
     let dtype = args.dtype.as_deref().map(parse_dtype).transpose()?;
+    let quantize = args.quantize.options()?;
     let template = ChatTemplate::open_in(&args.model_dir)?;
     let mut options = args.placement.options(dtype)?;
     let (bar, progress) = load_progress_bar(args.json);
     options.load_progress = Some(progress);
-    let dispatched = open_causal_lm(&args.model_dir, Arc::new(DeviceSet::probe()), &options)
-        .map_err(|e| format!("{}: {e}", args.model_dir.display()))?;
+    let devices = Arc::new(DeviceSet::probe());
+    let dispatched = match &quantize {
+        Some(q) => open_causal_lm_quantized(&args.model_dir, devices, &options, q),
+        None => open_causal_lm(&args.model_dir, devices, &options),
+    }
+    .map_err(|e| format!("{}: {e}", args.model_dir.display()))?;
     bar.finish_and_clear();
     let lm = &dispatched.model;
     lm.tokenizer().ok_or_else(|| {

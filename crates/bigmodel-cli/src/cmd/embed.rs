@@ -22,14 +22,8 @@ pub struct Args {
     texts: Vec<String>,
     #[command(flatten)]
     placement: PlacementArgs,
-    /// Quantize the linear layers while loading: nf4, fp4 or int8 (as
-    /// `run --quantize`).
-    #[arg(long, value_name = "nf4|fp4|int8")]
-    quantize: Option<String>,
-    /// With --quantize and a --device-map file: the modules the map puts on
-    /// `cpu` or `disk` stay unquantized (as `run --fp32-cpu-offload`).
-    #[arg(long, requires = "quantize")]
-    fp32_cpu_offload: bool,
+    #[command(flatten)]
+    quantize: super::run::QuantizeArgs,
     /// Print one JSON document: `embeddings` (one list of floats per text).
     #[arg(long)]
     json: bool,
@@ -40,7 +34,7 @@ pub fn run(args: Args) -> CmdResult {
     if let Some(i) = args.texts.iter().position(String::is_empty) {
         return Err(format!("text {} is empty: give some text", i + 1).into());
     }
-    let quantize = super::run::parse_quantize(args.quantize.as_deref(), args.fp32_cpu_offload)?;
+    let quantize = args.quantize.options()?;
     let mut options = args.placement.options(None)?;
     let (bar, progress) = super::run::load_progress_bar(args.json);
     options.load_progress = Some(progress);

@@ -39,15 +39,8 @@ pub struct Args {
     /// A mode (as --mode) or a JSON device map to check against the model.
     #[arg(long)]
     device_map: Option<String>,
-    /// Size the linear layers quantized: nf4, fp4 or int8 (as `run
-    /// --quantize` loads them: packed codes and quant state).
-    #[arg(long, value_name = "nf4|fp4|int8")]
-    quantize: Option<String>,
-    /// With --quantize and a --device-map file: the modules the map puts on
-    /// `cpu` or `disk` stay unquantized (transformers'
-    /// `llm_int8_enable_fp32_cpu_offload`).
-    #[arg(long, requires = "quantize")]
-    fp32_cpu_offload: bool,
+    #[command(flatten)]
+    quantize: super::run::QuantizeArgs,
     /// Keep the buffers of offloaded modules offloaded.
     #[arg(long)]
     offload_buffers: bool,
@@ -226,7 +219,7 @@ pub fn run(args: Args) -> CmdResult {
         return Err("--fallback-allocation applies to --compat accelerate only".into());
     }
 
-    let quantize = super::run::parse_quantize(args.quantize.as_deref(), args.fp32_cpu_offload)?;
+    let quantize = args.quantize.options()?;
     let source = load_source(&args.source)?;
     let custom_map = match custom_map {
         Some(path) => {

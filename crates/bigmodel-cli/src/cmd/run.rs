@@ -75,16 +75,8 @@ pub struct Args {
     dtype: Option<String>,
     #[command(flatten)]
     sampling: SamplingArgs,
-    /// Quantize the linear layers while loading: nf4, fp4 (bitsandbytes'
-    /// 4-bit, block size 64, compute in f32) or int8 (LLM.int8()). A folder
-    /// saved pre-quantized by bitsandbytes loads quantized without it.
-    #[arg(long, value_name = "nf4|fp4|int8")]
-    quantize: Option<String>,
-    /// With --quantize and a --device-map file: the modules the map puts on
-    /// `cpu` or `disk` stay unquantized, in the load dtype (transformers'
-    /// `llm_int8_enable_fp32_cpu_offload`).
-    #[arg(long, requires = "quantize")]
-    fp32_cpu_offload: bool,
+    #[command(flatten)]
+    quantize: QuantizeArgs,
     /// Write the first forward's logits (F32, [prompt_len, vocab]; T5: the
     /// first decoder step's, [1, vocab]) to this safetensors file, as tensor
     /// `logits` (one prompt only).
@@ -283,19 +275,47 @@ fn read_device_map(path: &Path) -> Result<DeviceMap, String> {
     DeviceMap::from_json(&doc).map_err(|e| format!("{}: {e}", path.display()))
 }
 
-/// `--quantize`: nf4, fp4 or int8, with bitsandbytes' and transformers'
-/// defaults; `--fp32-cpu-offload` (clap makes it need `--quantize`) is
-/// transformers' `llm_int8_enable_fp32_cpu_offload`.
-pub fn parse_quantize(
-    text: Option<&str>,
+/// `--quantize` and `--fp32-cpu-offload`, the same on every command that
+/// loads or plans a model.
+#[derive(clap::Args)]
+pub struct QuantizeArgs {
+    /// Quantize the linear layers while loading (plan: size them so):
+    /// nf4, fp4 (bitsandbytes' 4-bit, block size 64, compute in f32) or
+    /// int8 (LLM.int8()). A folder saved pre-quantized by bitsandbytes
+    /// loads quantized without it.
+    #[arg(long, value_name = "nf4|fp4|int8")]
+    quantize: Option<String>,
+    /// With --quantize and a --device-map file: the modules the map puts on
+    /// `cpu` or `disk` stay unquantized, in the load dtype (transformers'
+    /// `llm_int8_enable_fp32_cpu_offload`).
+    #[arg(long, requires = "quantize")]
     fp32_cpu_offload: bool,
-) -> Result<Option<QuantizeOptions>, String> {
-    text.map(|q| {
-        let mut options = QuantizeOptions::named(q).map_err(|e| format!("--quantize: {e}"))?;
-        options.llm_int8_enable_fp32_cpu_offload = fp32_cpu_offload;
-        Ok(options)
-    })
-    .transpose()
+}
+
+impl QuantizeArgs {
+    /// The options asked for, with bitsandbytes' and transformers'
+    /// defaults, or `None` without `--quantize`.
+    pub fn options(&self) -> Result<Option<QuantizeOptions>, String> {
+        self.quantize
+            .as_deref()
+            .map(|q| {
+                let mut options = parse_quantize(q)?;
+                options.llm_int8_enable_fp32_cpu_offload = self.fp32_cpu_offload;
+                Ok(options)
+            })
+            .transpose()
+    }
+
+    /// Whether `--quantize` was given.
+    pub fn is_given(&self) -> bool {
+        self.quantize.is_some()
+    }
+}
+
+/// `--quantize`'s value: nf4, fp4 or int8, with bitsandbytes' and
+/// transformers' defaults.
+pub fn parse_quantize(text: &str) -> Result<QuantizeOptions, String> {
+    QuantizeOptions::named(text).map_err(|e| format!("--quantize: {e}"))
 }
 
 /// `--dtype`: f32, f16 or bf16 (or their torch names).
@@ -601,7 +621,7 @@ pub fn run(args: Args) -> CmdResult {
     use std::io::IsTerminal;
 
     let dtype = args.dtype.as_deref().map(parse_dtype).transpose()?;
-    let quantize = parse_quantize(args.quantize.as_deref(), args.fp32_cpu_offload)?;
+    let quantize = args.quantize.options()?;
     let mut options = args.placement.options(dtype)?;
     options.experts_on = args
         .experts_on
@@ -775,7 +795,7 @@ pub fn run(args: Args) -> CmdResult {
 fn refuse_seq2seq_flags(args: &Args) -> Result<(), String> {
     let given = [
         ("--chat", args.chat),
-        ("--quantize", args.quantize.is_some()),
+        ("--quantize", args.quantize.is_given()),
         ("--experts-on", args.experts_on.is_some()),
         ("--batch-size", args.batch_size.is_some()),
     ];

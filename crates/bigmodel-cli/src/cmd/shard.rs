@@ -47,7 +47,11 @@ pub fn run(args: Args) -> CmdResult {
     let max_shard_size =
         parse_size(&args.max_shard_size).map_err(|e| format!("--max-shard-size: {e}"))?;
     let dtype = args.dtype.as_deref().map(parse_dtype).transpose()?;
-    let quantize = super::run::parse_quantize(args.quantize.as_deref(), false)?;
+    let quantize = args
+        .quantize
+        .as_deref()
+        .map(super::run::parse_quantize)
+        .transpose()?;
     let ckpt = Checkpoint::open(&args.checkpoint)?;
     refuse_own_folder(&ckpt, &args.out_dir)?;
     let Some(quantize) = quantize else {
