@@ -21,7 +21,7 @@ use std::collections::HashMap;
 use crate::Error;
 use crate::device::{Device, MaxMemory};
 use crate::plan::{DeviceMap, Mode, Plan, PlanOptions};
-use crate::sizes::{ModuleSizes, SizeOptions, SizeRule};
+use crate::sizes::{ModuleSizes, SizeRule};
 use crate::tree::{ModuleId, ModuleTree, Node};
 
 /// Accelerate's `get_balanced_memory`. `sizes` must be computed with
@@ -379,14 +379,7 @@ fn tensor_list(tree: &ModuleTree, tensors: &[crate::tree::TensorId]) -> String {
 /// Runs `get_balanced_memory` (unless the mode is `sequential`) and then
 /// `infer_auto_device_map`, as `load_checkpoint_and_dispatch` does.
 pub fn plan(tree: &ModuleTree, options: &PlanOptions) -> Result<Plan, Error> {
-    let sizes = ModuleSizes::compute(
-        tree,
-        &SizeOptions {
-            dtype: options.dtype,
-            special_dtypes: options.special_dtypes.clone(),
-            rule: SizeRule::Accelerate,
-        },
-    );
+    let sizes = options.sizes(tree, SizeRule::Accelerate);
     let max_memory = match options.mode {
         Mode::Sequential => options.max_memory.clone(),
         mode => get_balanced_memory(

@@ -34,7 +34,7 @@ use crate::experts::expert_lists;
 use crate::ledger::{Ledger, LedgerItem};
 use crate::plan::{DeviceMap, Mode, Plan, PlanOptions};
 use crate::size::human_bytes;
-use crate::sizes::{ModuleSizes, SizeOptions, SizeRule};
+use crate::sizes::{ModuleSizes, SizeRule};
 use crate::tree::{ModuleTree, Node};
 
 /// A group of units placed together (a unit plus its tied partners; with
@@ -578,14 +578,7 @@ fn fits_on_gpus(items: &[Item], caps: &[u64]) -> bool {
 
 /// Plans `tree` with bigmodel's planner.
 pub fn plan(tree: &ModuleTree, options: &PlanOptions) -> Result<Plan, Error> {
-    let sizes = ModuleSizes::compute(
-        tree,
-        &SizeOptions {
-            dtype: options.dtype,
-            special_dtypes: options.special_dtypes.clone(),
-            rule: SizeRule::Loaded,
-        },
-    );
+    let sizes = options.sizes(tree, SizeRule::Loaded);
     let items = items_of(tree, &sizes, options);
     if options.experts_on.is_some() && !items.iter().any(|i| i.expert) {
         return Err(Error::NoExperts);
@@ -916,14 +909,7 @@ fn unit_module(tree: &ModuleTree, unit: Node) -> usize {
 /// module or tensor resolves to; offloaded units execute on the map's first
 /// GPU, or the CPU (as bm-dispatch runs them).
 pub fn ledger(tree: &ModuleTree, map: &DeviceMap, options: &PlanOptions) -> Result<Ledger, Error> {
-    let sizes = ModuleSizes::compute(
-        tree,
-        &SizeOptions {
-            dtype: options.dtype,
-            special_dtypes: options.special_dtypes.clone(),
-            rule: SizeRule::Loaded,
-        },
-    );
+    let sizes = options.sizes(tree, SizeRule::Loaded);
     let items = items_of(tree, &sizes, options);
     let mut devices: Vec<Device> = map.iter().map(|(_, d)| d).collect();
     devices.extend(options.overheads.iter().map(|(d, _, _)| *d));

@@ -79,14 +79,7 @@ pub fn plan_with(tree: &ModuleTree, options: &PlanOptions, compat: Compat) -> Re
         (Compat::Accelerate, Some(device)) => {
             let mut plan = accelerate::plan(tree, options)?;
             plan.device_map = place_experts(tree, &plan.device_map, device)?;
-            let sizes = ModuleSizes::compute(
-                tree,
-                &SizeOptions {
-                    dtype: options.dtype,
-                    special_dtypes: options.special_dtypes.clone(),
-                    rule: SizeRule::Accelerate,
-                },
-            );
+            let sizes = options.sizes(tree, SizeRule::Accelerate);
             plan.device_bytes = plan.device_map.bytes_per_device(tree, &sizes);
             Ok(plan)
         }

@@ -8,7 +8,7 @@ use bm_tensor::DType;
 use crate::Error;
 use crate::device::{Device, MaxMemory};
 use crate::ledger::{Ledger, LedgerItem};
-use crate::sizes::ModuleSizes;
+use crate::sizes::{ModuleSizes, SizeOptions, SizeRule};
 use crate::tree::{ModuleId, ModuleTree, Node};
 
 /// How budgets are shared out, as `device_map=` spells it in Accelerate.
@@ -103,6 +103,21 @@ pub struct PlanOptions {
     /// the experts are moved here afterwards ([`crate::place_experts`]).
     /// The ledger of any map counts experts as the units they then are.
     pub experts_on: Option<Device>,
+}
+
+impl PlanOptions {
+    /// The sizes of `tree`'s modules and tensors in these options' dtype
+    /// and special dtypes, counted by `rule`.
+    pub fn sizes(&self, tree: &ModuleTree, rule: SizeRule) -> ModuleSizes {
+        ModuleSizes::compute(
+            tree,
+            &SizeOptions {
+                dtype: self.dtype,
+                special_dtypes: self.special_dtypes.clone(),
+                rule,
+            },
+        )
+    }
 }
 
 /// A device per module (or tensor), in traversal order.

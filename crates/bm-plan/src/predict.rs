@@ -59,7 +59,7 @@ use crate::device::Device;
 use crate::hf::HfModel;
 use crate::ledger::{ModelShape, Workload};
 use crate::plan::{DeviceMap, PlanOptions};
-use crate::sizes::{ModuleSizes, SizeOptions, SizeRule};
+use crate::sizes::SizeRule;
 use crate::tree::{Node, TensorKind};
 
 /// Parallel ops a decoder layer runs on one row (seven projections and
@@ -381,14 +381,7 @@ impl Pass {
     /// whether buffers are offloaded).
     pub fn of(model: &HfModel, options: &PlanOptions) -> Pass {
         let tree = &model.tree;
-        let sizes = ModuleSizes::compute(
-            tree,
-            &SizeOptions {
-                dtype: options.dtype,
-                special_dtypes: options.special_dtypes.clone(),
-                rule: SizeRule::Loaded,
-            },
-        );
+        let sizes = options.sizes(tree, SizeRule::Loaded);
         let mut blocks = Vec::new();
         let layer_set: std::collections::HashSet<usize> = model.layers.iter().copied().collect();
         let mut stack = vec![0usize];

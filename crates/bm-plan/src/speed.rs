@@ -32,7 +32,7 @@ use crate::ledger::{LedgerItem, Workload};
 use crate::plan::{Compat, DeviceMap, Plan, PlanOptions, check_device_map};
 use crate::plan_with;
 use crate::predict::{BlockKind, Calibration, Pass, Prediction};
-use crate::sizes::{ModuleSizes, SizeOptions, SizeRule};
+use crate::sizes::SizeRule;
 use crate::tree::ModuleTree;
 
 /// How many of the fastest placements that fit on paper are checked against
@@ -308,14 +308,7 @@ fn next_choice<T>(choice: &mut [usize], options: &[Vec<T>]) -> bool {
 
 /// Bytes per device under `map`, in device order.
 fn device_bytes(tree: &ModuleTree, map: &DeviceMap, options: &PlanOptions) -> Vec<(Device, u64)> {
-    let sizes = ModuleSizes::compute(
-        tree,
-        &SizeOptions {
-            dtype: options.dtype,
-            special_dtypes: options.special_dtypes.clone(),
-            rule: SizeRule::Loaded,
-        },
-    );
+    let sizes = options.sizes(tree, SizeRule::Loaded);
     map.bytes_per_device(tree, &sizes)
 }
 
