@@ -6,7 +6,6 @@ use bm_device::Gpu;
 
 use super::format;
 use super::tensor::{QuantFormat, QuantizedTensor, state_error};
-use crate::ops::{bad, expect_vector, rows_cols};
 use crate::{Error, SharedDeviceBuffer, Tensor};
 
 /// A linear layer's weight (`[out_features, in_features]`) in a
@@ -136,24 +135,7 @@ pub fn linear_quantized_on_gpu(
     weight: &QuantizedOnGpu,
     bias: Option<&Tensor>,
 ) -> Result<Tensor, Error> {
-    const OP: &str = "linear_quantized";
-    let (m, k) = rows_cols(x);
-    let [n, cols] = weight.shape;
-    if cols != k || x.shape().is_empty() {
-        return Err(bad(
-            OP,
-            format!(
-                "input of shape {:?} does not fit weight of shape {:?}",
-                x.shape(),
-                weight.shape
-            ),
-        ));
-    }
-    if let Some(b) = bias {
-        expect_vector(OP, b, n, "bias")?;
-    }
-    let mut shape = x.shape().to_vec();
-    *shape.last_mut().expect("input has a last dimension") = n;
+    let ((m, k, n), shape) = super::matmul::product_shape(x, weight.shape, bias)?;
     crate::cuda::linear_quantized(x, weight, bias, (m, k, n), &shape)
 }
 

@@ -47,23 +47,7 @@ pub fn linear_quantized(
     if bias.is_some_and(|b| b.backend() != Backend::Cpu) {
         return Err(Error::NotOnCuda { op: OP });
     }
-    let (m, k) = rows_cols(x);
-    let [n, cols] = weight.shape;
-    if cols != k || x.shape().is_empty() {
-        return Err(bad(
-            OP,
-            format!(
-                "input of shape {:?} does not fit weight of shape {:?}",
-                x.shape(),
-                weight.shape
-            ),
-        ));
-    }
-    if let Some(b) = bias {
-        expect_vector(OP, b, n, "bias")?;
-    }
-    let mut shape = x.shape().to_vec();
-    *shape.last_mut().expect("input has a last dimension") = n;
+    let ((m, k, n), shape) = product_shape(x, weight.shape, bias)?;
     match &weight.data {
         Data::FourBit(_) => four_bit(x, weight, bias, (m, k, n), &shape),
         Data::Int8(int8) => llm_int8(x, weight, int8, bias, (m, k, n), &shape),
@@ -203,6 +187,36 @@ fn llm_int8(
             }
         }
     })
+}
+
+/// A product's (rows, k, n) and its output shape.
+pub(super) type ProductShape = ((usize, usize, usize), Vec<usize>);
+
+/// `x` ([.., k]) times a quantized weight of `weight_shape` ([n, k]) plus
+/// `bias` ([n]): the product's shape, or why they do not fit.
+pub(super) fn product_shape(
+    x: &Tensor,
+    weight_shape: [usize; 2],
+    bias: Option<&Tensor>,
+) -> Result<ProductShape, Error> {
+    const OP: &str = "linear_quantized";
+    let (m, k) = rows_cols(x);
+    let [n, cols] = weight_shape;
+    if cols != k || x.shape().is_empty() {
+        return Err(bad(
+            OP,
+            format!(
+                "input of shape {:?} does not fit weight of shape {weight_shape:?}",
+                x.shape(),
+            ),
+        ));
+    }
+    if let Some(b) = bias {
+        expect_vector(OP, b, n, "bias")?;
+    }
+    let mut shape = x.shape().to_vec();
+    *shape.last_mut().expect("input has a last dimension") = n;
+    Ok(((m, k, n), shape))
 }
 
 #[cfg(test)]
