@@ -16,7 +16,7 @@ use bm_device::{
 };
 use bm_tensor::DType;
 
-use crate::ops::{Heads, Mask};
+use crate::ops::{Heads, Mask, Scores};
 use crate::quant::tensor::{
     Data, INV_127, INV_127_SQUARED, PackedLayout, QuantFormat, Scales, packed_layout,
 };
@@ -426,7 +426,7 @@ impl DeviceKv {
         q: &Tensor,
         heads: Heads,
         mask: Mask,
-        scale: f32,
+        scores: Scores,
         bias: Option<&Tensor>,
     ) -> Result<Tensor, Error> {
         let gpu = self.keys.gpu().clone();
@@ -446,7 +446,8 @@ impl DeviceKv {
             },
         };
         let scores = AttentionScores {
-            scale,
+            scale: scores.scale,
+            softcap: scores.softcap,
             bias: bs.as_deref().map(buffer),
         };
         gpu.attention_with(

@@ -753,12 +753,7 @@ fn attend(
         .map(|p| p.saturating_sub(cache.dropped))
         .collect();
     if let Some(kv) = &cache.device {
-        return match scores.softcap {
-            Some(_) => Err(Error::NotOnCuda {
-                op: "attention with soft-capping",
-            }),
-            None => kv.attention(q, heads, mask, scores.scale, bias),
-        };
+        return kv.attention(q, heads, mask, scores, bias);
     }
     let bias = match bias {
         Some(b) => Some(b.to_host()?.f32_values().into_owned()),
@@ -842,7 +837,7 @@ pub fn relu(x: &Tensor) -> Result<Tensor, Error> {
 
 /// `cap · tanh(x / cap)` elementwise: soft-capping (Gemma 2's final logits).
 pub fn softcap(x: &Tensor, cap: f32) -> Result<Tensor, Error> {
-    unary(x, |v| cpu::soft_cap(v, cap), Err("softcap"))
+    unary(x, |v| cpu::soft_cap(v, cap), Ok(Activation::SoftCap(cap)))
 }
 
 /// `x · factor` elementwise, rounded once to `x`'s dtype (the factor is

@@ -196,9 +196,18 @@ fn every_op_on_a_gpu_matches_the_cpu_op() {
                 &partial.apply(&x, start).unwrap(),
             );
         }
-        // Ops without a CUDA side yet say so instead of computing.
-        let err = ops::softcap(&gx, 30.0).unwrap_err();
-        assert!(matches!(err, bm_compute::Error::NotOnCuda { .. }), "{err}");
+        // Soft-capping, with values well past the cap.
+        let wide = Tensor::from_f32(dtype, &[4], &[100.0, -100.0, 0.5, -3.0]).unwrap();
+        assert_matches(
+            "softcap",
+            &ops::softcap(&wide.to_gpu(gpu).unwrap(), 30.0).unwrap(),
+            &ops::softcap(&wide, 30.0).unwrap(),
+        );
+        assert_matches(
+            "softcap",
+            &ops::softcap(&gx, 0.5).unwrap(),
+            &ops::softcap(&x, 0.5).unwrap(),
+        );
 
         // Attention over a cache filled in two appends (prefill, one step).
         let heads = Heads {
@@ -248,10 +257,12 @@ fn every_op_on_a_gpu_matches_the_cpu_op() {
                     scale: 0.1,
                     softcap: Some(5.0),
                 };
-                let err =
-                    ops::attention_with(&q.to_gpu(gpu).unwrap(), &gpu_cache, heads, mask, capped)
-                        .unwrap_err();
-                assert!(matches!(err, bm_compute::Error::NotOnCuda { .. }), "{err}");
+                assert_matches(
+                    &format!("soft-capped attention {mask:?} step {step}"),
+                    &ops::attention_with(&q.to_gpu(gpu).unwrap(), &gpu_cache, heads, mask, capped)
+                        .unwrap(),
+                    &ops::attention_with(&q, &cpu_cache, heads, mask, capped).unwrap(),
+                );
             }
             // More queries than keys, every key seen (T5's cross-attention).
             if mask == Mask::Bidirectional {

@@ -158,7 +158,7 @@ pub struct AttentionShape {
 }
 
 /// An elementwise activation of [`Gpu::unary`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Activation {
     /// SiLU, `x · sigmoid(x)`.
     Silu,
@@ -169,6 +169,9 @@ pub enum Activation {
     GeluTanh,
     /// ReLU, `max(x, 0)`, NaN kept.
     Relu,
+    /// Soft-capping, `cap · tanh(x / cap)` (Gemma 2's final logits); the
+    /// cap is positive.
+    SoftCap(f32),
 }
 
 impl Activation {
@@ -178,6 +181,7 @@ impl Activation {
             Activation::Gelu => "gelu",
             Activation::GeluTanh => "gelu_tanh",
             Activation::Relu => "relu",
+            Activation::SoftCap(_) => "softcap",
         }
     }
 
@@ -188,16 +192,27 @@ impl Activation {
             Activation::Gelu => 1,
             Activation::GeluTanh => 2,
             Activation::Relu => 3,
+            Activation::SoftCap(_) => 4,
+        }
+    }
+
+    /// The kernel's argument: the cap, else unused.
+    fn arg(self) -> f32 {
+        match self {
+            Activation::SoftCap(cap) => cap,
+            _ => 0.0,
         }
     }
 }
 
-/// How [`Gpu::attention_with`] forms scores: `q · k · scale`, plus the
-/// bias when there is one.
+/// How [`Gpu::attention_with`] forms scores: `q · k · scale`, soft-capped
+/// when there is a cap, plus the bias when there is one.
 #[derive(Clone, Copy, Debug)]
 pub struct AttentionScores<'a> {
     /// Factor on `q · k`.
     pub scale: f32,
+    /// Gemma 2's soft-capping, `cap · tanh(score / cap)` (positive).
+    pub softcap: Option<f32>,
     /// F32 `[heads, keys + queries - 1]`: per head, one value per relative
     /// position `key - query` (entry `key - query + keys - 1`), as T5's
     /// relative position bias.
@@ -676,6 +691,11 @@ impl Gpu {
         count: usize,
     ) -> Result<()> {
         let name = op.name();
+        if let Activation::SoftCap(cap) = op
+            && !(cap > 0.0 && cap.is_finite())
+        {
+            return Err(bad(name, format!("a cap of {cap}: it must be positive")));
+        }
         self.launch(
             name,
             format!("bm_unary_{}", suffix(name, ty)?),
@@ -687,6 +707,7 @@ impl Gpu {
                 buf(out, ty, count),
                 Arg::U64(count as u64),
                 Arg::U32(op.code()),
+                Arg::F32(op.arg()),
             ],
         )
     }
@@ -1006,13 +1027,14 @@ impl Gpu {
     ) -> Result<()> {
         let scores = AttentionScores {
             scale: 1.0 / (shape.head_dim as f32).sqrt(),
+            softcap: None,
             bias: None,
         };
         self.attention_with(q, keys, values, out, ty, shape, scores)
     }
 
     /// [`Gpu::attention`] with the scores formed as `scores` says: another
-    /// scale, and a position bias (T5). Under a bidirectional mask without
+    /// scale, soft-capping (Gemma 2), and a position bias (T5). Under a bidirectional mask without
     /// a bias there may be more queries than keys (T5's cross-attention).
     #[allow(clippy::too_many_arguments)]
     pub fn attention_with(
@@ -1050,6 +1072,11 @@ impl Gpu {
                 OP,
                 format!("{queries} queries but only {t} cached positions"),
             ));
+        }
+        if let Some(cap) = scores.softcap
+            && !(cap > 0.0 && cap.is_finite())
+        {
+            return Err(bad(OP, format!("a soft-cap of {cap}: it must be positive")));
         }
         let (mask_kind, window) = match mask {
             AttentionMask::Bidirectional => (0u32, 0usize),
@@ -1094,6 +1121,7 @@ impl Gpu {
                 Arg::U32(mask_kind),
                 Arg::U32(u("window", window)?),
                 Arg::F32(scores.scale),
+                Arg::F32(scores.softcap.unwrap_or(0.0)),
             ],
         )
     }

@@ -217,16 +217,17 @@ fn max_diff(gpu: &Tensor, cpu: &Tensor) -> f32 {
         .fold(0.0f32, f32::max)
 }
 
-/// GPT-2 (Conv1D weights, tanh GELU, learned positions) and Phi-3
-/// (LongRoPE frequencies, rotary from host tables) with every weight on
-/// GPU 0 compute the CPU's logits, over a prefill and a decode step.
+/// GPT-2 (Conv1D weights, tanh GELU, learned positions), Phi-3 (LongRoPE
+/// frequencies, rotary from host tables) and Gemma 2 (soft-capped
+/// attention and logits, sliding-window layers) with every weight on GPU 0
+/// compute the CPU's logits, over a prefill and a decode step.
 #[test]
-fn tiny_gpt2_and_phi3_on_gpu_match_the_cpu_model() {
+fn tiny_gpt2_phi3_and_gemma2_on_gpu_match_the_cpu_model() {
     let Some(set) = DeviceSet::cuda_for_gpu_tests() else {
         return;
     };
     let root = fixtures();
-    for model in ["tiny-gpt2", "tiny-phi3"] {
+    for model in ["tiny-gpt2", "tiny-phi3", "tiny-gemma2"] {
         let dir = root.path().join(model);
         let lm = CausalLm::open(&dir, Some(DType::F32)).unwrap();
         let cpu = FolderWeights::open(&dir, Some(DType::F32)).unwrap();
@@ -251,32 +252,6 @@ fn tiny_gpt2_and_phi3_on_gpu_match_the_cpu_model() {
             assert!(diff <= 1e-4, "{model} step {step}: max |diff| {diff}");
         }
     }
-}
-
-/// Gemma 2, whose soft-capping has no CUDA side yet, says so when its
-/// weights are on a GPU.
-#[test]
-fn gemma2_on_cuda_refuses_with_a_typed_error() {
-    let Some(set) = DeviceSet::cuda_for_gpu_tests() else {
-        return;
-    };
-    let root = fixtures();
-    let dir = root.path().join("tiny-gemma2");
-    let lm = CausalLm::open(&dir, Some(DType::F32)).unwrap();
-    let weights = GpuWeights {
-        folder: FolderWeights::open(&dir, Some(DType::F32)).unwrap(),
-        gpu: set.gpu(0).unwrap().clone(),
-        cache: Mutex::new(HashMap::new()),
-    };
-    let mut cache = lm.decoder().new_cache();
-    let err = lm
-        .decoder()
-        .forward(&weights, &[1, 2, 3], &mut cache, Logits::All)
-        .unwrap_err();
-    assert!(
-        matches!(err, Error::Compute(bm_compute::Error::NotOnCuda { .. })),
-        "{err}"
-    );
 }
 
 /// T5 (relative position bias, unscaled attention, cross-attention) with

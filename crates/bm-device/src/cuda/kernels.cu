@@ -121,7 +121,7 @@ __device__ void mul(const typename D::T* a, const typename D::T* b, typename D::
 //   as bm-compute's CPU kernel (GPT-2's gelu_new);
 // 3 ReLU, max(x, 0) with NaN kept (x < 0 is false for NaN).
 template <typename D>
-__device__ void unary(const typename D::T* x, typename D::T* y, u64 n, u32 op) {
+__device__ void unary(const typename D::T* x, typename D::T* y, u64 n, u32 op, float arg) {
     for (u64 i = grid_start(); i < n; i += grid_stride()) {
         const float v = D::load(x, i);
         float r;
@@ -132,8 +132,11 @@ __device__ void unary(const typename D::T* x, typename D::T* y, u64 n, u32 op) {
             r = (float)(0.5 * d * (1.0 + erf(d * 0.70710678118654752440)));
         } else if (op == 2) {
             r = 0.5f * v * (1.0f + tanhf(0.7978846f * (v + 0.044715f * v * v * v)));
-        } else {
+        } else if (op == 3) {
             r = v < 0.0f ? 0.0f : v;
+        } else {
+            // Soft-capping (Gemma 2's logits): arg · tanh(v / arg).
+            r = tanhf(v / arg) * arg;
         }
         D::store(y, i, r);
     }
@@ -269,12 +272,14 @@ __device__ void rotary_table(const typename D::T* x, const float* cos, const flo
 // blockIdx.y = head) over f32 keys/values [t, kv_heads * head_dim]; the
 // queries are the last `s` of the `t` positions. mask: 0 every key,
 // 1 causal, 2 causal within the last `window` positions. Each score is
-// q . k * scale, plus, when `bias` is not null (T5), bias[h, j - pos + t - 1]
+// q . k * scale, then, when `softcap` > 0 (Gemma 2), softcap * tanh(score /
+// softcap), plus, when `bias` is not null (T5), bias[h, j - pos + t - 1]
 // (f32 [heads, t + s - 1], by relative position key - query; s <= t).
 template <typename D>
 __device__ void attention(const typename D::T* q, const float* k, const float* v,
                           const float* bias, typename D::T* y, u32 s, u32 t, u32 heads,
-                          u32 kv_heads, u32 head_dim, u32 mask, u32 window, float scale) {
+                          u32 kv_heads, u32 head_dim, u32 mask, u32 window, float scale,
+                          float softcap) {
     extern __shared__ float scores[];
     __shared__ float scratch[32];
     const u32 i = blockIdx.x, h = blockIdx.y;
@@ -292,6 +297,7 @@ __device__ void attention(const typename D::T* q, const float* k, const float* v
         float dot = 0.0f;
         for (u32 d = 0; d < head_dim; ++d) dot += D::load(q, q_at + d) * kj[d];
         dot *= scale;
+        if (softcap > 0.0f) dot = tanhf(dot / softcap) * softcap;
         // j - pos + t - 1 = j + s - 1 - i, never negative as i < s.
         if (bias != 0) dot += bias[(u64)h * (t + s - 1) + (j + s - 1 - i)];
         scores[j - lo] = dot;
@@ -330,8 +336,8 @@ __device__ void attention(const typename D::T* q, const float* k, const float* v
     extern "C" __global__ void bm_mul_##name(const D::T* a, const D::T* b, D::T* y, u64 n) {        \
         mul<D>(a, b, y, n);                                                                      \
     }                                                                                            \
-    extern "C" __global__ void bm_unary_##name(const D::T* x, D::T* y, u64 n, u32 op) {            \
-        unary<D>(x, y, n, op);                                                                   \
+    extern "C" __global__ void bm_unary_##name(const D::T* x, D::T* y, u64 n, u32 op, float arg) { \
+        unary<D>(x, y, n, op, arg);                                                              \
     }                                                                                            \
     extern "C" __global__ void bm_bias_epilogue_##name(const float* acc, const D::T* bias, D::T* y, \
                                                        u64 rows, u64 cols) {                     \
@@ -360,8 +366,10 @@ __device__ void attention(const typename D::T* q, const float* k, const float* v
     extern "C" __global__ void bm_attention_##name(const D::T* q, const float* k, const float* v,   \
                                                    const float* bias, D::T* y, u32 s, u32 t,     \
                                                    u32 heads, u32 kv_heads, u32 head_dim,        \
-                                                   u32 mask, u32 window, float scale) {          \
-        attention<D>(q, k, v, bias, y, s, t, heads, kv_heads, head_dim, mask, window, scale);    \
+                                                   u32 mask, u32 window, float scale,            \
+                                                   float softcap) {                              \
+        attention<D>(q, k, v, bias, y, s, t, heads, kv_heads, head_dim, mask, window, scale,     \
+                     softcap);                                                                   \
     }
 
 CAST(F32, F32, f32_f32)
