@@ -14,98 +14,56 @@
 //! their ratios, measured in the same run. `BM_BENCH_MOE_LAYERS` changes the
 //! layer count (e.g. 2 for a quick run).
 
+mod common;
+
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Instant;
 
 use bigmodel::device::DeviceSet;
-use bigmodel::plan::{Device, DeviceMap};
+use bigmodel::plan::Device;
 use bigmodel::{DeviceMapSpec, Options};
-use bigmodel_benches::safetensors_f32;
-use bm_models::{CausalLm, Dispatched, Logits, WeightSource, open_causal_lm};
+use bm_models::{CausalLm, Dispatched, open_causal_lm};
+use common::{
+    Dims, device_map, layers_from_env, median_seconds, one_token, streamed_per_token, write_decoder,
+};
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use serde_json::json;
 
-const VOCAB: usize = 8000;
-const HIDDEN: usize = 1024;
+const DIMS: Dims = Dims {
+    vocab: 8000,
+    hidden: 1024,
+    heads: 16,
+    kv_heads: 4,
+};
 const EXPERT_WIDTH: usize = 1408;
 const EXPERTS: usize = 8;
 const TOP_K: usize = 2;
-const HEADS: usize = 16;
-const KV_HEADS: usize = 4;
 
-fn layers() -> usize {
-    std::env::var("BM_BENCH_MOE_LAYERS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(6)
-}
-
-/// Writes config.json and a single model.safetensors of deterministic
-/// small F32 weights (norm weights 1) in Mixtral's checkpoint names.
+/// Writes a Mixtral-style checkpoint: each layer's router and experts in
+/// Mixtral's names.
 fn write_model(dir: &Path, layers: usize) {
-    let kv = KV_HEADS * HIDDEN / HEADS;
-    let mut tensors = vec![("model.embed_tokens.weight".to_string(), vec![VOCAB, HIDDEN])];
-    for l in 0..layers {
-        let p = format!("model.layers.{l}");
-        tensors.extend([
-            (format!("{p}.self_attn.q_proj.weight"), vec![HIDDEN, HIDDEN]),
-            (format!("{p}.self_attn.k_proj.weight"), vec![kv, HIDDEN]),
-            (format!("{p}.self_attn.v_proj.weight"), vec![kv, HIDDEN]),
-            (format!("{p}.self_attn.o_proj.weight"), vec![HIDDEN, HIDDEN]),
-            (
-                format!("{p}.block_sparse_moe.gate.weight"),
-                vec![EXPERTS, HIDDEN],
-            ),
-        ]);
+    let hidden = DIMS.hidden;
+    let experts = |p: &str| {
+        let mut tensors = vec![(
+            format!("{p}.block_sparse_moe.gate.weight"),
+            vec![EXPERTS, hidden],
+        )];
         for e in 0..EXPERTS {
             let x = format!("{p}.block_sparse_moe.experts.{e}");
             tensors.extend([
-                (format!("{x}.w1.weight"), vec![EXPERT_WIDTH, HIDDEN]),
-                (format!("{x}.w2.weight"), vec![HIDDEN, EXPERT_WIDTH]),
-                (format!("{x}.w3.weight"), vec![EXPERT_WIDTH, HIDDEN]),
+                (format!("{x}.w1.weight"), vec![EXPERT_WIDTH, hidden]),
+                (format!("{x}.w2.weight"), vec![hidden, EXPERT_WIDTH]),
+                (format!("{x}.w3.weight"), vec![EXPERT_WIDTH, hidden]),
             ]);
         }
-        tensors.extend([
-            (format!("{p}.input_layernorm.weight"), vec![HIDDEN]),
-            (format!("{p}.post_attention_layernorm.weight"), vec![HIDDEN]),
-        ]);
-    }
-    tensors.push(("model.norm.weight".to_string(), vec![HIDDEN]));
-    tensors.push(("lm_head.weight".to_string(), vec![VOCAB, HIDDEN]));
-
-    safetensors_f32::write_random(&dir.join("model.safetensors"), &tensors).unwrap();
+        tensors
+    };
     let config = json!({
-        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "dtype": "float32",
-        "vocab_size": VOCAB, "hidden_size": HIDDEN, "intermediate_size": EXPERT_WIDTH,
-        "num_hidden_layers": layers, "num_attention_heads": HEADS,
-        "num_key_value_heads": KV_HEADS, "num_local_experts": EXPERTS,
-        "num_experts_per_tok": TOP_K, "rms_norm_eps": 1e-5, "eos_token_id": 2,
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+        "intermediate_size": EXPERT_WIDTH, "num_local_experts": EXPERTS,
+        "num_experts_per_tok": TOP_K,
     });
-    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
-}
-
-/// One token through every block with an empty cache.
-fn one_token(lm: &CausalLm, src: &dyn WeightSource) {
-    let mut cache = lm.decoder().new_cache();
-    let logits = lm
-        .decoder()
-        .forward(src, &[17], &mut cache, Logits::Last)
-        .unwrap();
-    std::hint::black_box(logits);
-}
-
-/// Median seconds of `runs` calls of `f`.
-fn median_seconds(runs: usize, mut f: impl FnMut()) -> f64 {
-    let mut times: Vec<f64> = (0..runs)
-        .map(|_| {
-            let t = Instant::now();
-            f();
-            t.elapsed().as_secs_f64()
-        })
-        .collect();
-    times.sort_by(f64::total_cmp);
-    times[runs / 2]
+    write_decoder(dir, &DIMS, layers, experts, config);
 }
 
 /// The model opened with `place(unit)` for each top unit (layers listed
@@ -117,18 +75,8 @@ fn open(
     place: impl Fn(&str) -> &'static str,
     experts_on: Option<Device>,
 ) -> Dispatched<CausalLm> {
-    let mut map = serde_json::Map::new();
-    let mut units: Vec<String> = vec!["model.embed_tokens".into()];
-    units.extend((0..layers).map(|l| format!("model.layers.{l}")));
-    units.extend(["model.norm", "model.rotary_emb", "lm_head"].map(String::from));
-    for unit in units {
-        let device = place(&unit);
-        map.insert(unit, json!(device));
-    }
     let options = Options {
-        device_map: Some(DeviceMapSpec::Map(
-            DeviceMap::from_json(&serde_json::Value::Object(map)).unwrap(),
-        )),
+        device_map: Some(DeviceMapSpec::Map(device_map(layers, place))),
         offload_folder: Some(dir.join(offload)),
         force_hooks: true,
         experts_on,
@@ -137,15 +85,8 @@ fn open(
     open_causal_lm(dir, Arc::new(DeviceSet::cpu_only()), &options).unwrap()
 }
 
-/// Offloaded bytes handed to the blocks by one token.
-fn streamed_per_token(model: &Dispatched<CausalLm>) -> u64 {
-    let before = model.weights.streamed_bytes();
-    one_token(&model.model, &model.weights);
-    model.weights.streamed_bytes() - before
-}
-
 fn moe_offload(c: &mut Criterion) {
-    let layers = layers();
+    let layers = layers_from_env("BM_BENCH_MOE_LAYERS", 6);
     let dir = tempfile::tempdir().unwrap();
     write_model(dir.path(), layers);
 

@@ -20,126 +20,76 @@
 //! bm-models' CUDA compute; they print why they are skipped.
 //! `BM_BENCH_OFFLOAD_LAYERS` changes the layer count (e.g. 4 for a quick run).
 
+mod common;
+
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Instant;
 
 use bigmodel::device::DeviceSet;
-use bigmodel::plan::DeviceMap;
 use bigmodel::{DeviceMapSpec, Options};
-use bigmodel_benches::safetensors_f32;
 use bm_models::{
-    CausalLm, FolderWeights, Logits, QuantizeOptions, WeightSource, open_causal_lm,
-    open_causal_lm_quantized,
+    CausalLm, FolderWeights, QuantizeOptions, open_causal_lm, open_causal_lm_quantized,
+};
+use common::{
+    Dims, device_map, layers_from_env, median_seconds, one_token, streamed_per_token, write_decoder,
 };
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use serde_json::json;
 
-const VOCAB: usize = 16000;
-const HIDDEN: usize = 768;
+const DIMS: Dims = Dims {
+    vocab: 16000,
+    hidden: 768,
+    heads: 12,
+    kv_heads: 4,
+};
 const INTERMEDIATE: usize = 2048;
-const HEADS: usize = 12;
-const KV_HEADS: usize = 4;
 
-fn layers() -> usize {
-    std::env::var("BM_BENCH_OFFLOAD_LAYERS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(12)
-}
-
-/// Writes config.json and a single model.safetensors of deterministic
-/// small F32 weights (norm weights 1).
+/// Writes a Llama checkpoint.
 fn write_model(dir: &Path, layers: usize) {
-    let kv = KV_HEADS * HIDDEN / HEADS;
-    let mut tensors = vec![("model.embed_tokens.weight".to_string(), vec![VOCAB, HIDDEN])];
-    for l in 0..layers {
-        let p = format!("model.layers.{l}");
-        tensors.extend([
-            (format!("{p}.self_attn.q_proj.weight"), vec![HIDDEN, HIDDEN]),
-            (format!("{p}.self_attn.k_proj.weight"), vec![kv, HIDDEN]),
-            (format!("{p}.self_attn.v_proj.weight"), vec![kv, HIDDEN]),
-            (format!("{p}.self_attn.o_proj.weight"), vec![HIDDEN, HIDDEN]),
+    let hidden = DIMS.hidden;
+    let mlp = |p: &str| {
+        vec![
             (
                 format!("{p}.mlp.gate_proj.weight"),
-                vec![INTERMEDIATE, HIDDEN],
+                vec![INTERMEDIATE, hidden],
             ),
             (
                 format!("{p}.mlp.up_proj.weight"),
-                vec![INTERMEDIATE, HIDDEN],
+                vec![INTERMEDIATE, hidden],
             ),
             (
                 format!("{p}.mlp.down_proj.weight"),
-                vec![HIDDEN, INTERMEDIATE],
+                vec![hidden, INTERMEDIATE],
             ),
-            (format!("{p}.input_layernorm.weight"), vec![HIDDEN]),
-            (format!("{p}.post_attention_layernorm.weight"), vec![HIDDEN]),
-        ]);
-    }
-    tensors.push(("model.norm.weight".to_string(), vec![HIDDEN]));
-    tensors.push(("lm_head.weight".to_string(), vec![VOCAB, HIDDEN]));
-
-    safetensors_f32::write_random(&dir.join("model.safetensors"), &tensors).unwrap();
+        ]
+    };
     let config = json!({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "dtype": "float32",
-        "vocab_size": VOCAB, "hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE,
-        "num_hidden_layers": layers, "num_attention_heads": HEADS,
-        "num_key_value_heads": KV_HEADS, "rms_norm_eps": 1e-5, "eos_token_id": 2,
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "intermediate_size": INTERMEDIATE,
     });
-    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
-}
-
-/// One token through every block with an empty cache.
-fn one_token(lm: &CausalLm, src: &dyn WeightSource) {
-    let mut cache = lm.decoder().new_cache();
-    let logits = lm
-        .decoder()
-        .forward(src, &[17], &mut cache, Logits::Last)
-        .unwrap();
-    std::hint::black_box(logits);
-}
-
-/// Bytes of offloaded weights one token streams.
-fn streamed_per_token(d: &bm_models::Dispatched<CausalLm>) -> u64 {
-    let before = d.weights.streamed_bytes();
-    one_token(&d.model, &d.weights);
-    d.weights.streamed_bytes() - before
-}
-
-/// Median seconds of `runs` calls of `f`.
-fn median_seconds(runs: usize, mut f: impl FnMut()) -> f64 {
-    let mut times: Vec<f64> = (0..runs)
-        .map(|_| {
-            let t = Instant::now();
-            f();
-            t.elapsed().as_secs_f64()
-        })
-        .collect();
-    times.sort_by(f64::total_cmp);
-    times[runs / 2]
+    write_decoder(dir, &DIMS, layers, mlp, config);
 }
 
 fn offload(c: &mut Criterion) {
-    let layers = layers();
+    let layers = layers_from_env("BM_BENCH_OFFLOAD_LAYERS", 12);
     let dir = tempfile::tempdir().unwrap();
     write_model(dir.path(), layers);
 
     let in_ram = CausalLm::open(dir.path(), None).unwrap();
     let folder = FolderWeights::open(dir.path(), None).unwrap();
 
-    let mut map = serde_json::Map::new();
-    map.insert("model.embed_tokens".into(), json!("cpu"));
-    for l in 0..layers {
-        let place = if l < layers / 2 { "cpu" } else { "disk" };
-        map.insert(format!("model.layers.{l}"), json!(place));
-    }
-    for name in ["model.norm", "model.rotary_emb", "lm_head"] {
-        map.insert(name.into(), json!("cpu"));
-    }
+    // The second half of the layers on disk.
+    let map = device_map(layers, |unit| {
+        let layer = unit
+            .strip_prefix("model.layers.")
+            .map(|l| l.parse::<usize>());
+        match layer {
+            Some(Ok(l)) if l >= layers / 2 => "disk",
+            _ => "cpu",
+        }
+    });
     let options = Options {
-        device_map: Some(DeviceMapSpec::Map(
-            DeviceMap::from_json(&serde_json::Value::Object(map)).unwrap(),
-        )),
+        device_map: Some(DeviceMapSpec::Map(map)),
         offload_folder: Some(dir.path().join("offload")),
         ..Options::default()
     };

@@ -4,62 +4,32 @@
 //! still generates what a fresh run of the whole conversation generates,
 //! replies are printed as they come, and bad input is a clear error.
 
-use std::io::Write;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+mod common;
+
+use std::path::Path;
 
 use bm_models::{ChatTemplate, TextTokenizer};
+use common::{
+    bigmodel, bigmodel_with_stdin, copy_folder, edit_json, fixture, json_of, run_json, succeeds,
+    tiny_llama,
+};
 use serde_json::{Value, json};
-
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../bm-models/tests/fixtures")
-}
 
 /// The tiny Llama with Qwen2.5's tokenizer_config.json (its template),
 /// and room for the template's long default system message: 1024
 /// positions (the rotary frequencies do not depend on the count).
 fn chat_model() -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
-    for entry in std::fs::read_dir(fixtures().join("tiny-llama")).unwrap() {
-        let path = entry.unwrap().path();
-        std::fs::copy(&path, dir.path().join(path.file_name().unwrap())).unwrap();
-    }
-    let config = dir.path().join("config.json");
-    let mut doc: Value = serde_json::from_str(&std::fs::read_to_string(&config).unwrap()).unwrap();
-    doc["max_position_embeddings"] = json!(1024);
-    std::fs::write(&config, doc.to_string()).unwrap();
+    copy_folder(&tiny_llama(), dir.path());
+    edit_json(&dir.path().join("config.json"), |doc| {
+        doc["max_position_embeddings"] = json!(1024)
+    });
     std::fs::copy(
-        fixtures().join("chat/qwen2/tokenizer_config.json"),
+        fixture("chat/qwen2/tokenizer_config.json"),
         dir.path().join("tokenizer_config.json"),
     )
     .unwrap();
     dir
-}
-
-fn bigmodel(args: &[&str], stdin: &str) -> Output {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_bigmodel"))
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("run bigmodel");
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(stdin.as_bytes())
-        .unwrap();
-    child.wait_with_output().unwrap()
-}
-
-fn json_of(out: &Output) -> Value {
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).expect("one JSON document on stdout")
 }
 
 /// The ids `apply_chat_template(messages, add_generation_prompt=True)`
@@ -75,41 +45,19 @@ fn chat_ids(dir: &Path, messages: &[Value]) -> String {
 #[test]
 fn run_chat_generates_from_the_rendered_conversation() {
     let dir = chat_model();
-    let d = dir.path().to_str().unwrap();
-    let chat = json_of(&bigmodel(
-        &[
-            "run",
-            d,
-            "--chat",
-            "--prompt",
-            "Hi there",
-            "--max-new-tokens",
-            "5",
-            "--json",
-        ],
-        "",
-    ));
+    let chat = run_json(
+        dir.path(),
+        &["--chat", "--prompt", "Hi there", "--max-new-tokens", "5"],
+    );
     let ids = chat_ids(
         dir.path(),
         &[json!({"role": "user", "content": "Hi there"})],
     );
-    let plain = json_of(&bigmodel(
-        &[
-            "run",
-            d,
-            "--prompt-ids",
-            &ids,
-            "--max-new-tokens",
-            "5",
-            "--json",
-        ],
-        "",
-    ));
+    let plain = run_json(dir.path(), &["--prompt-ids", &ids, "--max-new-tokens", "5"]);
     assert_eq!(chat["generated_ids"], plain["generated_ids"]);
-    let system = json_of(&bigmodel(
+    let system = run_json(
+        dir.path(),
         &[
-            "run",
-            d,
             "--chat",
             "--system",
             "Be brief.",
@@ -117,10 +65,8 @@ fn run_chat_generates_from_the_rendered_conversation() {
             "Hi there",
             "--max-new-tokens",
             "5",
-            "--json",
         ],
-        "",
-    ));
+    );
     let ids = chat_ids(
         dir.path(),
         &[
@@ -128,18 +74,7 @@ fn run_chat_generates_from_the_rendered_conversation() {
             json!({"role": "user", "content": "Hi there"}),
         ],
     );
-    let plain = json_of(&bigmodel(
-        &[
-            "run",
-            d,
-            "--prompt-ids",
-            &ids,
-            "--max-new-tokens",
-            "5",
-            "--json",
-        ],
-        "",
-    ));
+    let plain = run_json(dir.path(), &["--prompt-ids", &ids, "--max-new-tokens", "5"]);
     assert_eq!(system["generated_ids"], plain["generated_ids"]);
 }
 
@@ -147,7 +82,7 @@ fn run_chat_generates_from_the_rendered_conversation() {
 fn chat_keeps_its_cache_and_replies_as_a_fresh_run_would() {
     let dir = chat_model();
     let d = dir.path().to_str().unwrap();
-    let out = bigmodel(
+    let out = bigmodel_with_stdin(
         &["chat", d, "--max-new-tokens", "4", "--json"],
         "Hello\n\nHow are you?\n",
     );
@@ -159,33 +94,18 @@ fn chat_keeps_its_cache_and_replies_as_a_fresh_run_would() {
     let second = json!({"role": "user", "content": "How are you?"});
     for (turn, messages) in [(0, vec![first.clone()]), (1, vec![first, reply, second])] {
         let ids = chat_ids(dir.path(), &messages);
-        let fresh = json_of(&bigmodel(
-            &[
-                "run",
-                d,
-                "--prompt-ids",
-                &ids,
-                "--max-new-tokens",
-                "4",
-                "--json",
-            ],
-            "",
-        ));
+        let fresh = run_json(dir.path(), &["--prompt-ids", &ids, "--max-new-tokens", "4"]);
         assert_eq!(
             turns[turn]["generated_ids"], fresh["generated_ids"],
             "turn {turn}"
         );
     }
     // Without --json the replies are printed as they come; /exit ends.
-    let out = bigmodel(
+    let out = bigmodel_with_stdin(
         &["chat", d, "--max-new-tokens", "4"],
         "Hello\n/exit\nignored\n",
     );
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    succeeds(&out);
     let stdout = String::from_utf8(out.stdout).unwrap();
     assert_eq!(
         stdout.trim_end_matches('\n'),
@@ -197,7 +117,7 @@ fn chat_keeps_its_cache_and_replies_as_a_fresh_run_would() {
 fn chat_quantized_replies_as_a_quantized_run_would() {
     let dir = chat_model();
     let d = dir.path().to_str().unwrap();
-    let doc = json_of(&bigmodel(
+    let doc = json_of(&bigmodel_with_stdin(
         &[
             "chat",
             d,
@@ -211,17 +131,9 @@ fn chat_quantized_replies_as_a_quantized_run_would() {
     ));
     let ids = chat_ids(dir.path(), &[json!({"role": "user", "content": "Hello"})]);
     let run = |quantize: &[&str]| {
-        let mut args = vec![
-            "run",
-            d,
-            "--prompt-ids",
-            &ids,
-            "--max-new-tokens",
-            "4",
-            "--json",
-        ];
+        let mut args = vec!["--prompt-ids", &ids, "--max-new-tokens", "4"];
         args.extend_from_slice(quantize);
-        json_of(&bigmodel(&args, ""))["generated_ids"].clone()
+        run_json(dir.path(), &args)["generated_ids"].clone()
     };
     assert_eq!(
         doc["turns"][0]["generated_ids"],
@@ -245,12 +157,7 @@ fn chat_quantized_replies_as_a_quantized_run_would() {
                 p,
             ];
             args.extend_from_slice(quantize);
-            let out = bigmodel(&args, "");
-            assert!(
-                out.status.success(),
-                "{}",
-                String::from_utf8_lossy(&out.stderr)
-            );
+            succeeds(&bigmodel(&args));
             std::fs::read(&path).unwrap()
         };
         dump(&["--quantize", "nf4"], "nf4.bin") != dump(&[], "f32.bin")
@@ -263,18 +170,18 @@ fn chat_quantized_replies_as_a_quantized_run_would() {
 
 #[test]
 fn chat_errors_name_what_is_missing() {
-    let tiny = fixtures().join("tiny-llama");
+    let tiny = tiny_llama();
     let t = tiny.to_str().unwrap();
-    let out = bigmodel(&["chat", t], "Hello\n");
+    let out = bigmodel_with_stdin(&["chat", t], "Hello\n");
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("no chat template"), "{stderr}");
     let dir = chat_model();
     let d = dir.path().to_str().unwrap();
-    let out = bigmodel(&["run", d, "--chat", "--prompt-ids", "1,2"], "");
+    let out = bigmodel(&["run", d, "--chat", "--prompt-ids", "1,2"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("--chat takes text prompts"), "{stderr}");
-    let out = bigmodel(&["run", d, "--system", "x", "--prompt", "hi"], "");
+    let out = bigmodel(&["run", d, "--system", "x", "--prompt", "hi"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         !out.status.success() && stderr.contains("--chat"),
@@ -285,7 +192,7 @@ fn chat_errors_name_what_is_missing() {
         r#"{"chat_template": "{{ raise_exception('Only user messages') }}"}"#,
     )
     .unwrap();
-    let out = bigmodel(&["chat", d], "Hello\n");
+    let out = bigmodel_with_stdin(&["chat", d], "Hello\n");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         !out.status.success()

@@ -5,9 +5,12 @@
 //! `.bin` folders (run against transformers' logits and tokens), and a
 //! malicious pickle is refused with nothing run.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+use common::{bigmodel, fails, json_of, succeeds};
 use serde_json::Value;
 
 fn torch_fixture(rel: &str) -> PathBuf {
@@ -16,38 +19,13 @@ fn torch_fixture(rel: &str) -> PathBuf {
         .join(rel)
 }
 
+/// The built binary run in `cwd` (relative paths resolve there).
 fn bigmodel_in(cwd: &Path, args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_bigmodel"))
         .args(args)
         .current_dir(cwd)
         .output()
         .expect("run bigmodel")
-}
-
-fn bigmodel(args: &[&str]) -> Output {
-    bigmodel_in(Path::new(env!("CARGO_MANIFEST_DIR")), args)
-}
-
-fn succeeds(out: &Output) {
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-fn json_of(out: &Output) -> Value {
-    succeeds(out);
-    serde_json::from_slice(&out.stdout).expect("one JSON document on stdout")
-}
-
-fn fails(out: &Output, needle: &str) {
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "succeeded: {stderr}");
-    assert!(
-        stderr.contains(needle) && !stderr.contains("panicked"),
-        "{stderr}"
-    );
 }
 
 fn fnv1a64(bytes: &[u8]) -> String {

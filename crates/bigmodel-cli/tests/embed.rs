@@ -2,30 +2,15 @@
 //! the same embeddings), all-MiniLM-L6-v2 against sentence-transformers
 //! when BM_MINILM_DIR is set, and bad input.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+mod common;
 
+use std::process::Output;
+
+use common::{bigmodel, fixture, succeeds};
 use serde_json::{Value, json};
 
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../bm-models/tests/fixtures")
-        .join(name)
-}
-
-fn bigmodel(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_bigmodel"))
-        .args(args)
-        .output()
-        .expect("run bigmodel")
-}
-
 fn embeddings(out: &Output) -> Vec<Vec<f64>> {
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    succeeds(out);
     let v: Value = serde_json::from_slice(&out.stdout).expect("one JSON document");
     v["embeddings"]
         .as_array()

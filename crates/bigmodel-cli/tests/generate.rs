@@ -4,43 +4,10 @@
 //! folder's defaults apply unless a flag says otherwise, generation stops
 //! at the model's positions and says so, and bad flags are clear errors.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+mod common;
 
+use common::{bigmodel, copy_folder, fails_with, json_of, run_json, tiny_llama};
 use serde_json::Value;
-
-fn tiny_llama() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../bm-models/tests/fixtures/tiny-llama")
-}
-
-fn bigmodel(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_bigmodel"))
-        .args(args)
-        .output()
-        .expect("run bigmodel")
-}
-
-/// `bigmodel run MODEL ARGS --json`'s document.
-fn run_json(model: &Path, args: &[&str]) -> Value {
-    let mut all = vec!["run", model.to_str().unwrap()];
-    all.extend_from_slice(args);
-    all.push("--json");
-    let out = bigmodel(&all);
-    assert!(
-        out.status.success(),
-        "{args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).expect("one JSON document on stdout")
-}
-
-fn fails_with(args: &[&str], needle: &str) {
-    let out = bigmodel(args);
-    assert!(!out.status.success(), "{args:?} succeeded");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains(needle), "{args:?}: {stderr}");
-    assert!(!stderr.contains("panicked"), "{stderr}");
-}
 
 const PROMPTS: [&str; 3] = ["1,15,27,100,3", "9", "1,2,3,4,5,6,7,8,9,10,11,12"];
 
@@ -174,10 +141,7 @@ fn a_seed_repeats_its_tokens_and_top_k_1_is_greedy() {
 #[test]
 fn generation_config_json_is_honoured_and_flags_override_it() {
     let dir = tempfile::tempdir().unwrap();
-    for entry in std::fs::read_dir(tiny_llama()).unwrap() {
-        let path = entry.unwrap().path();
-        std::fs::copy(&path, dir.path().join(path.file_name().unwrap())).unwrap();
-    }
+    copy_folder(&tiny_llama(), dir.path());
     std::fs::write(
         dir.path().join("generation_config.json"),
         r#"{"do_sample": true, "temperature": 3.0, "top_k": null, "max_new_tokens": 5}"#,
@@ -249,12 +213,7 @@ fn generation_stops_at_the_models_positions_and_says_so() {
         "1000000000",
         "--json",
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let doc: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let doc = json_of(&out);
     assert_eq!(doc["generated_ids"].as_array().unwrap().len(), 3);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(

@@ -29,8 +29,12 @@
 //! and `bigmodel demo` runs at its tiny test scale (`BM_DEMO_SCALE=tiny`)
 //! with its cache in the scratch folder, instead of creating 1 GB.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
+
+use common::copy_folder;
 
 const GUIDE: &str = include_str!("../../../docs/guide.md");
 
@@ -147,14 +151,6 @@ fn fixtures(crate_dir: &str) -> PathBuf {
         .join("tests/fixtures")
 }
 
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for entry in std::fs::read_dir(from).unwrap() {
-        let entry = entry.unwrap();
-        std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
-    }
-}
-
 /// The scratch folder with the guide's example paths in place.
 fn guide_folder() -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
@@ -165,11 +161,11 @@ fn guide_folder() -> tempfile::TempDir {
         root.join("Llama-2-7b-hf/config.json"),
     )
     .unwrap();
-    copy_dir(
+    copy_folder(
         &fixtures("bm-models").join("tiny-llama"),
         &root.join("tiny-llama"),
     );
-    copy_dir(
+    copy_folder(
         &fixtures("bm-models").join("tiny-bert"),
         &root.join("tiny-bert"),
     );
@@ -179,16 +175,16 @@ fn guide_folder() -> tempfile::TempDir {
         root.join("Mixtral-8x7B-v0.1/config.json"),
     )
     .unwrap();
-    copy_dir(
+    copy_folder(
         &fixtures("bm-models").join("tiny-mixtral"),
         &root.join("tiny-mixtral"),
     );
-    copy_dir(
+    copy_folder(
         &fixtures("bm-models").join("tiny-t5"),
         &root.join("tiny-t5"),
     );
     let torch = fixtures("bm-shard").join("torch");
-    copy_dir(&torch.join("tiny-llama"), &root.join("old-model"));
+    copy_folder(&torch.join("tiny-llama"), &root.join("old-model"));
     std::fs::create_dir(root.join("evil")).unwrap();
     std::fs::copy(
         torch.join("bad/malicious_system.bin"),
@@ -196,7 +192,7 @@ fn guide_folder() -> tempfile::TempDir {
     )
     .unwrap();
     std::fs::write(root.join("partial-map.json"), PARTIAL_MAP).unwrap();
-    copy_dir(
+    copy_folder(
         &fixtures("bm-models").join("tiny-llama"),
         &root.join("tiny-chat"),
     );

@@ -6,25 +6,16 @@
 //! stderr that names what failed (or succeed where that is right), and
 //! never with a panic, an abort or a signal.
 
+mod common;
+
 use std::ffi::OsString;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::{copy_folder, edit_json, fixture, tiny_llama, write_raw_safetensors};
 use serde_json::{Value, json};
-
-fn fixture(rel: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join(rel)
-}
-
-fn tiny_llama() -> PathBuf {
-    fixture("../bm-models/tests/fixtures/tiny-llama")
-}
-
-fn tiny_gpt2() -> PathBuf {
-    fixture("../bm-models/tests/fixtures/tiny-gpt2")
-}
 
 /// What a case must give.
 enum Expect {
@@ -134,29 +125,10 @@ fn err(needles: &[&str]) -> Expect {
     Expect::Err(needles.iter().map(|n| n.to_string()).collect())
 }
 
-/// A safetensors file of `json` (padded) and `data` after it.
-fn safetensors(path: &Path, json: &str, data: &[u8]) {
-    let mut json = json.to_string();
-    while json.len() % 8 != 0 {
-        json.push(' ');
-    }
-    let mut bytes = (json.len() as u64).to_le_bytes().to_vec();
-    bytes.extend_from_slice(json.as_bytes());
-    bytes.extend_from_slice(data);
-    std::fs::write(path, bytes).unwrap();
-}
-
 /// A copy of a fixture folder with config.json edited by `edit`.
 fn edited_copy(from: &Path, to: &Path, edit: impl FnOnce(&mut Value)) -> PathBuf {
-    std::fs::create_dir_all(to).unwrap();
-    for entry in std::fs::read_dir(from).unwrap() {
-        let entry = entry.unwrap();
-        std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
-    }
-    let mut config: Value =
-        serde_json::from_str(&std::fs::read_to_string(to.join("config.json")).unwrap()).unwrap();
-    edit(&mut config);
-    std::fs::write(to.join("config.json"), config.to_string()).unwrap();
+    copy_folder(from, to);
+    edit_json(&to.join("config.json"), edit);
     to.to_path_buf()
 }
 
@@ -177,9 +149,9 @@ fn hostile_inputs_across_every_command_are_clear_errors() {
     let empty = write(&p("empty.safetensors"), b"");
     let huge_len = write(&p("huge-len.safetensors"), u64::MAX.to_le_bytes());
     let list = p("list.safetensors");
-    safetensors(&list, "[]", &[]);
+    write_raw_safetensors(&list, "[]", &[]);
     let not_utf8 = p("not-utf8.safetensors");
-    safetensors(&not_utf8, "{\"\u{1}\":1}", &[]);
+    write_raw_safetensors(&not_utf8, "{\"\u{1}\":1}", &[]);
     std::fs::write(&not_utf8, {
         let mut b = std::fs::read(&not_utf8).unwrap();
         b[10] = 0xff;
@@ -187,13 +159,13 @@ fn hostile_inputs_across_every_command_are_clear_errors() {
     })
     .unwrap();
     let nul_name = p("nul-name.safetensors");
-    safetensors(
+    write_raw_safetensors(
         &nul_name,
         r#"{"a\u0000b":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}"#,
         &[1],
     );
     let absurd_shape = p("absurd-shape.safetensors");
-    safetensors(
+    write_raw_safetensors(
         &absurd_shape,
         r#"{"w":{"dtype":"F32","shape":[4294967296,4294967296,4],"data_offsets":[0,4]}}"#,
         &[0; 4],
@@ -246,10 +218,10 @@ fn hostile_inputs_across_every_command_are_clear_errors() {
         c["num_hidden_layers"] = json!(9000)
     });
     let llama_1 = edited_copy(&llama, &p("llama-1"), |c| c["num_hidden_layers"] = json!(1));
-    let gpt2 = tiny_gpt2();
+    let gpt2 = fixture("tiny-gpt2");
     // T5 folders: no decoder start, a feed-forward not run, a config whose
     // sizes disagree with the tensors, more decoder blocks than stored.
-    let t5 = fixture("../bm-models/tests/fixtures/tiny-t5");
+    let t5 = fixture("tiny-t5");
     let t5_no_start = edited_copy(&t5, &p("t5-no-start"), |c| {
         c.as_object_mut().unwrap().remove("decoder_start_token_id");
     });

@@ -1,19 +1,15 @@
 //! `bigmodel inspect` and `bigmodel shard` through the built binary.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+mod common;
 
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use common::bigmodel;
 use serde_json::Value;
 
 fn fixture() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../bm-shard/tests/fixtures/hf_llama_tiny")
-}
-
-fn bigmodel(args: &[&std::ffi::OsStr]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_bigmodel"))
-        .args(args)
-        .output()
-        .unwrap()
 }
 
 fn ok_json(args: &[&std::ffi::OsStr]) -> Value {

@@ -1,8 +1,11 @@
 //! `bigmodel plan` end to end: JSON keys, the human table, --explain, and
 //! clear errors on bad input.
 
+mod common;
+
 use std::path::PathBuf;
-use std::process::Command;
+
+use common::{bigmodel, write_raw_safetensors};
 
 fn fixture(path: &str) -> String {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -13,11 +16,7 @@ fn fixture(path: &str) -> String {
 }
 
 fn plan(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_bigmodel"))
-        .arg("plan")
-        .args(args)
-        .output()
-        .unwrap();
+    let out = bigmodel(&[&["plan"], args].concat());
     (
         out.status.success(),
         String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -168,14 +167,8 @@ fn write_safetensors(path: &std::path::Path, tensors: &[(&str, &[usize])]) {
         );
         offset += bytes;
     }
-    let mut text = serde_json::Value::Object(header).to_string();
-    while text.len() % 8 != 0 {
-        text.push(' ');
-    }
-    let mut file = (text.len() as u64).to_le_bytes().to_vec();
-    file.extend_from_slice(text.as_bytes());
-    file.resize(file.len() + offset, 0);
-    std::fs::write(path, file).unwrap();
+    let text = serde_json::Value::Object(header).to_string();
+    write_raw_safetensors(path, &text, &vec![0; offset]);
 }
 
 #[test]

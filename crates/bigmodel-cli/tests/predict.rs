@@ -9,30 +9,12 @@
 //! `cargo test --release -p bigmodel-cli --test predict -- --ignored --nocapture`
 //! (`cargo xtask bench` has the same rows for its larger Llama).
 
+mod common;
+
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
+use common::{bigmodel, json_of, tiny_llama};
 use serde_json::{Value, json};
-
-fn tiny_llama() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../bm-models/tests/fixtures/tiny-llama")
-}
-
-fn bigmodel(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_bigmodel"))
-        .args(args)
-        .output()
-        .unwrap()
-}
-
-fn json_of(out: &Output) -> Value {
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
-}
 
 /// A calibration of a made-up machine with a slow cold disk.
 fn calibration(host_available_bytes: u64) -> Value {

@@ -3,76 +3,18 @@
 //! packed bytes streamed and planned, the folder `shard --quantize` writes
 //! against the one transformers saved, and bad input.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
+use common::{
+    Tensor, bigmodel, failure, fixture, json_of, max_abs_diff, read_safetensors, write_safetensors,
+};
 use serde_json::{Value, json};
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../bm-models/tests/fixtures")
-        .join(name)
-}
 
 fn base() -> PathBuf {
     fixture("tiny-llama-bnb/base")
-}
-
-fn bigmodel(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_bigmodel"))
-        .args(args)
-        .output()
-        .expect("run bigmodel")
-}
-
-fn json_of(out: &Output) -> Value {
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).expect("one JSON document on stdout")
-}
-
-fn failure(out: &Output) -> String {
-    assert!(!out.status.success(), "succeeded");
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
-
-/// Tensors of a safetensors file: name -> (dtype, shape, bytes).
-fn read_safetensors(path: &Path) -> BTreeMap<String, (String, Vec<u64>, Vec<u8>)> {
-    let bytes = std::fs::read(path).unwrap();
-    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-    let header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
-    let data = &bytes[8 + n..];
-    header
-        .as_object()
-        .unwrap()
-        .iter()
-        .filter(|(k, _)| *k != "__metadata__")
-        .map(|(k, v)| {
-            let shape = v["shape"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|d| d.as_u64().unwrap())
-                .collect();
-            let (a, b) = (
-                v["data_offsets"][0].as_u64().unwrap() as usize,
-                v["data_offsets"][1].as_u64().unwrap() as usize,
-            );
-            let dtype = v["dtype"].as_str().unwrap().to_string();
-            (k.clone(), (dtype, shape, data[a..b].to_vec()))
-        })
-        .collect()
-}
-
-fn floats(bytes: &[u8]) -> Vec<f32> {
-    bytes
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-        .collect()
 }
 
 /// A device map file putting the decoder layer on disk.
@@ -92,7 +34,7 @@ fn disk_map(dir: &Path) -> PathBuf {
 fn run_quantized_offloaded_matches_bitsandbytes_and_streams_packed_bytes() {
     let reference = read_safetensors(&fixture("tiny-llama-bnb/reference.safetensors"));
     let ids: Vec<String> = reference["prompt.0"]
-        .2
+        .bytes
         .chunks_exact(8)
         .map(|c| i64::from_le_bytes(c.try_into().unwrap()).to_string())
         .collect();
@@ -124,14 +66,8 @@ fn run_quantized_offloaded_matches_bitsandbytes_and_streams_packed_bytes() {
     };
     let dump = dir.path().join("fp4.safetensors");
     let fp4 = run(Some("fp4"), &dump);
-    let ours = floats(&read_safetensors(&dump)["logits"].2);
-    let want = floats(&reference["logits_fp4.0"].2);
-    let diff = ours
-        .iter()
-        .zip(&want)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0f32, f32::max);
-    assert_eq!(ours.len(), want.len());
+    let ours = &read_safetensors(&dump)["logits"].bytes;
+    let diff = max_abs_diff(ours, &reference["logits_fp4.0"].bytes);
     assert!(diff <= 1e-3, "max |diff| {diff}");
     let dense = run(None, &dir.path().join("dense.safetensors"));
     let streamed = |v: &Value| v["bytes_streamed_per_token"].as_u64().unwrap();
@@ -203,7 +139,7 @@ fn plan_of_a_pre_quantized_folder_counts_its_packed_bytes() {
     // base/ stores float16: its tensors in float32.
     let stored_dense: u64 = read_safetensors(&base().join("model.safetensors"))
         .values()
-        .map(|(_, shape, _)| 4 * shape.iter().product::<u64>())
+        .map(|t| 4 * t.shape.iter().product::<usize>() as u64)
         .sum();
     // The buffers config.json declares that no checkpoint stores (rotary
     // frequencies).
@@ -212,7 +148,7 @@ fn plan_of_a_pre_quantized_folder_counts_its_packed_bytes() {
         let folder = fixture(&format!("tiny-llama-bnb/{format}"));
         let stored: u64 = read_safetensors(&folder.join("model.safetensors"))
             .iter()
-            .map(|(name, (_, _, bytes))| {
+            .map(|(name, Tensor { bytes, .. })| {
                 if name.ends_with(".quant_map") && !name.ends_with(".nested_quant_map")
                     || name.contains(".quant_state.")
                     || name.ends_with(".weight_format")
@@ -303,7 +239,7 @@ fn fp32_cpu_offload_keeps_offloaded_layers_dense() {
         args.extend(["--dump-logits", dump.to_str().unwrap(), "--json"]);
         args.extend(extra);
         json_of(&bigmodel(&args));
-        read_safetensors(&dump)["logits"].2.clone()
+        read_safetensors(&dump).remove("logits").unwrap().bytes
     };
     assert_eq!(
         logits(
@@ -398,24 +334,6 @@ fn shard_quantize_writes_what_transformers_saves() {
     assert!(again.contains("already quantized"), "{again}");
 }
 
-/// Writes `tensors` as a safetensors file.
-fn write_safetensors(path: &Path, tensors: &BTreeMap<String, (String, Vec<u64>, Vec<u8>)>) {
-    let mut header = serde_json::Map::new();
-    let mut data = Vec::new();
-    for (name, (dtype, shape, bytes)) in tensors {
-        header.insert(
-            name.clone(),
-            json!({"dtype": dtype, "shape": shape, "data_offsets": [data.len(), data.len() + bytes.len()]}),
-        );
-        data.extend_from_slice(bytes);
-    }
-    let header = Value::Object(header).to_string();
-    let mut file = (header.len() as u64).to_le_bytes().to_vec();
-    file.extend_from_slice(header.as_bytes());
-    file.extend_from_slice(&data);
-    std::fs::write(path, file).unwrap();
-}
-
 // tiny-bert is a task model (`bert.` names), whose tree comes from the
 // checkpoint (no class names, nothing to quantize); saved as a bare
 // BertModel its tree comes from config.json.
@@ -467,8 +385,8 @@ fn embed_quantized_stays_close_to_dense() {
     assert!(cosine > 0.99 && cosine < 1.0 + 1e-9, "cosine {cosine}");
 }
 
-/// A safetensors file's tensors: name -> (dtype, shape, bytes).
-type Tensors = BTreeMap<String, (String, Vec<u64>, Vec<u8>)>;
+/// A safetensors file's tensors by name.
+type Tensors = BTreeMap<String, Tensor>;
 
 // A pre-quantized folder with a part missing or unsupported: `plan` and
 // `run` end with an error naming the weight and the field, never a panic.
@@ -491,10 +409,10 @@ fn broken_pre_quantized_folders_are_errors_naming_tensor_and_field() {
         let state_key = state_key.clone();
         move |t: &mut Tensors| {
             let entry = t.get_mut(&state_key).unwrap();
-            let mut state: Value = serde_json::from_slice(&entry.2).unwrap();
+            let mut state: Value = serde_json::from_slice(&entry.bytes).unwrap();
             state[key] = value.clone();
-            entry.2 = state.to_string().into_bytes();
-            entry.1 = vec![entry.2.len() as u64];
+            entry.bytes = state.to_string().into_bytes();
+            entry.shape = vec![entry.bytes.len()];
         }
     };
     let cases = [

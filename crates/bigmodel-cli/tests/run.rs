@@ -3,103 +3,20 @@
 //! weights with the same output, and bad input; and on the tiny fixture of
 //! every other decoder family, with and without disk offload.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+mod common;
 
+use std::path::Path;
+
+use common::{
+    bigmodel, fails_with, fixture, generated_ids, ids_arg, json_of, max_abs_diff, only_tensor,
+    reference_ids_of, reference_of, tiny_llama,
+};
 use serde_json::{Value, json};
-
-fn tiny_llama() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../bm-models/tests/fixtures/tiny-llama")
-}
-
-fn bigmodel(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_bigmodel"))
-        .args(args)
-        .output()
-        .expect("run bigmodel")
-}
-
-fn json_of(out: &Output) -> Value {
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).expect("one JSON document on stdout")
-}
-
-/// Tensors of a safetensors file: name -> (shape, bytes).
-fn read_safetensors(path: &Path) -> Vec<(String, Vec<usize>, Vec<u8>)> {
-    let bytes = std::fs::read(path).unwrap();
-    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-    let header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
-    let data = &bytes[8 + n..];
-    header
-        .as_object()
-        .unwrap()
-        .iter()
-        .filter(|(k, _)| *k != "__metadata__")
-        .map(|(k, v)| {
-            let shape = v["shape"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|d| d.as_u64().unwrap() as usize)
-                .collect();
-            let (a, b) = (
-                v["data_offsets"][0].as_u64().unwrap() as usize,
-                v["data_offsets"][1].as_u64().unwrap() as usize,
-            );
-            (k.clone(), shape, data[a..b].to_vec())
-        })
-        .collect()
-}
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../bm-models/tests/fixtures")
-        .join(name)
-}
-
-fn reference(name: &str) -> (Vec<usize>, Vec<u8>) {
-    reference_of(&tiny_llama(), name)
-}
-
-fn reference_of(model: &Path, name: &str) -> (Vec<usize>, Vec<u8>) {
-    read_safetensors(&model.join("reference.safetensors"))
-        .into_iter()
-        .find(|(k, _, _)| k == name)
-        .map(|(_, s, b)| (s, b))
-        .unwrap()
-}
-
-fn reference_ids(name: &str) -> Vec<u64> {
-    reference_ids_of(&tiny_llama(), name)
-}
-
-fn reference_ids_of(model: &Path, name: &str) -> Vec<u64> {
-    reference_of(model, name)
-        .1
-        .chunks_exact(8)
-        .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u64)
-        .collect()
-}
-
-fn floats(bytes: &[u8]) -> Vec<f32> {
-    bytes
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-        .collect()
-}
-
-fn ids_arg(ids: &[u64]) -> String {
-    ids.iter().map(u64::to_string).collect::<Vec<_>>().join(",")
-}
 
 #[test]
 fn json_has_every_key_and_greedy_ids_match_transformers() {
-    let prompt = ids_arg(&reference_ids("prompt.0"));
-    let want = reference_ids("generated.0");
+    let prompt = ids_arg(&reference_ids_of(&tiny_llama(), "prompt.0"));
+    let want = reference_ids_of(&tiny_llama(), "generated.0");
     let dir = tempfile::tempdir().unwrap();
     let dump = dir.path().join("logits.safetensors");
     let out = bigmodel(&[
@@ -126,12 +43,7 @@ fn json_has_every_key_and_greedy_ids_match_transformers() {
     ] {
         assert!(v.get(key).is_some(), "missing {key}: {v}");
     }
-    let got: Vec<u64> = v["generated_ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|i| i.as_u64().unwrap())
-        .collect();
+    let got = generated_ids(&v);
     // Generation stops early at eos (2); transformers' run did not.
     assert!(!got.is_empty() && got.len() <= want.len());
     assert_eq!(got[..], want[..got.len()]);
@@ -139,17 +51,14 @@ fn json_has_every_key_and_greedy_ids_match_transformers() {
     assert_eq!(v["bytes_streamed_per_token"], 0);
     assert!(v["peak_host_bytes"].as_u64().unwrap() > 0);
 
-    let dumped = read_safetensors(&dump);
-    assert_eq!(dumped.len(), 1);
-    let (name, shape, bytes) = &dumped[0];
-    assert_eq!((name.as_str(), shape.as_slice()), ("logits", &[5, 256][..]));
-    let (want_shape, want_bytes) = reference("logits.0");
-    assert_eq!(shape, &want_shape);
-    let diff = floats(bytes)
-        .iter()
-        .zip(floats(&want_bytes))
-        .map(|(a, b)| (a - b).abs())
-        .fold(0f32, f32::max);
+    let (name, dumped) = only_tensor(&dump);
+    assert_eq!(
+        (name.as_str(), dumped.shape.as_slice()),
+        ("logits", &[5, 256][..])
+    );
+    let want = reference_of(&tiny_llama(), "logits.0");
+    assert_eq!(dumped.shape, want.shape);
+    let diff = max_abs_diff(&dumped.bytes, &want.bytes);
     assert!(diff <= 1e-4, "max |diff| {diff}");
 }
 
@@ -166,7 +75,7 @@ fn every_decoder_family_runs_in_memory_and_with_disk_offload() {
         // The longest prompt: past every sliding window.
         let prompt = ids_arg(&reference_ids_of(&model, "prompt.2"));
         let want = reference_ids_of(&model, "generated.2");
-        let (want_shape, want_logits) = reference_of(&model, "logits.2");
+        let want_logits = reference_of(&model, "logits.2");
         let dir = tempfile::tempdir().unwrap();
         let dump = dir.path().join("logits.safetensors");
         let offload = dir.path().join("offload");
@@ -193,24 +102,18 @@ fn every_decoder_family_runs_in_memory_and_with_disk_offload() {
                 ]);
             }
             let v = json_of(&bigmodel(&args));
-            let got: Vec<u64> = v["generated_ids"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|i| i.as_u64().unwrap())
-                .collect();
+            let got = generated_ids(&v);
             // Generation stops early at eos (2); transformers' run did not.
             assert!(!got.is_empty(), "{family}");
             assert_eq!(got[..], want[..got.len()], "{family} {budget:?}");
             assert!(got.len() == want.len() || got.last() == Some(&2));
             streamed.push(v["bytes_streamed_per_token"].as_u64().unwrap());
-            let (name, shape, bytes) = read_safetensors(&dump).remove(0);
-            assert_eq!((name.as_str(), &shape), ("logits", &want_shape));
-            let diff = floats(&bytes)
-                .iter()
-                .zip(floats(&want_logits))
-                .map(|(a, b)| (a - b).abs())
-                .fold(0f32, f32::max);
+            let (name, dumped) = only_tensor(&dump);
+            assert_eq!(
+                (name.as_str(), &dumped.shape),
+                ("logits", &want_logits.shape)
+            );
+            let diff = max_abs_diff(&dumped.bytes, &want_logits.bytes);
             assert!(diff <= 1e-4, "{family} {budget:?}: max |diff| {diff}");
         }
         assert_eq!(streamed[0], 0, "{family}");
@@ -305,7 +208,7 @@ fn experts_on_disk_refills_ram_and_streams_less_with_the_same_output() {
             ];
             args.extend(extra);
             let v = json_of(&bigmodel(&args));
-            (v, read_safetensors(&dump).remove(0).2)
+            (v, only_tensor(&dump).1.bytes)
         };
         let (in_ram, ram_logits) = run(&[], "ram.safetensors");
         let whole_layers = json_of(&bigmodel(&[
@@ -374,17 +277,6 @@ fn experts_on_disk_refills_ram_and_streams_less_with_the_same_output() {
             streamed(&moved)
         );
     }
-}
-
-fn fails_with(args: &[&str], needle: &str) {
-    let out = bigmodel(args);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "{args:?} succeeded");
-    assert!(
-        stderr.contains(needle),
-        "{args:?}: {stderr:?} lacks {needle:?}"
-    );
-    assert!(!stderr.contains("panicked"), "{stderr}");
 }
 
 #[test]
@@ -567,7 +459,7 @@ fn t5_takes_the_prompt_as_encoder_input() {
         let dir = fixture(model);
         let prompt = ids_arg(&reference_ids_of(&dir, "prompt.3"));
         let want = reference_ids_of(&dir, "generated.3");
-        let (want_shape, want_logits) = reference_of(&dir, "logits.3");
+        let want_logits = reference_of(&dir, "logits.3");
         let out_dir = tempfile::tempdir().unwrap();
         let disk_map = out_dir.path().join("map.json");
         std::fs::write(
@@ -608,24 +500,18 @@ fn t5_takes_the_prompt_as_encoder_input() {
             ];
             args.extend(placement);
             let doc = json_of(&bigmodel(&args));
-            let ids: Vec<u64> = doc["generated_ids"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|v| v.as_u64().unwrap())
-                .collect();
-            assert_eq!(ids, want, "{model} {label}");
+            assert_eq!(generated_ids(&doc), want, "{model} {label}");
             let streamed = doc["bytes_streamed_per_token"].as_u64().unwrap();
             assert_eq!(streamed > 0, label == "cpu+disk", "{model} {label}");
-            let [(name, shape, bytes)] = read_safetensors(&dump).try_into().unwrap();
-            assert_eq!((name.as_str(), &shape), ("logits", &want_shape), "{model}");
-            let diff = floats(&bytes)
-                .iter()
-                .zip(floats(&want_logits))
-                .map(|(a, b)| (a - b).abs())
-                .fold(0f32, f32::max);
+            let (name, dumped) = only_tensor(&dump);
+            assert_eq!(
+                (name.as_str(), &dumped.shape),
+                ("logits", &want_logits.shape),
+                "{model}"
+            );
+            let diff = max_abs_diff(&dumped.bytes, &want_logits.bytes);
             assert!(diff <= 1e-4, "{model} {label}: {diff}");
-            dumps.push(bytes);
+            dumps.push(dumped.bytes);
         }
         assert_eq!(dumps[0], dumps[1], "{model}: placements differ");
     }

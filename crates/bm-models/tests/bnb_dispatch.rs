@@ -5,45 +5,21 @@
 //! exactly those bytes, and the logits equal the in-memory quantized
 //! model's bit for bit and transformers + bitsandbytes' within 1e-3.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::Path;
 use std::sync::Arc;
 
 use bigmodel::device::DeviceSet;
 use bigmodel::plan::{DeviceMap, ModuleSizes, SizeOptions};
 use bigmodel::{DeviceMapSpec, Options};
-use bm_compute::quant::{FourBitType, QuantFormat};
 use bm_models::{
-    CausalLm, Dispatched, FolderWeights, Logits, QuantizeOptions, WeightSource, load_tree,
-    open_causal_lm, open_causal_lm_quantized,
+    CausalLm, Dispatched, FolderWeights, Logits, WeightSource, load_tree, open_causal_lm,
+    open_causal_lm_quantized,
 };
 use bm_tensor::DType;
-use safetensors::SafeTensors;
+use common::{Reference, bnb_fixture, bnb_options, max_abs_diff};
 use serde_json::json;
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/tiny-llama-bnb")
-        .join(name)
-}
-
-/// The options transformers quantized each saved folder with.
-fn options(format: &str) -> QuantizeOptions {
-    let mut o = QuantizeOptions::named(format).unwrap();
-    o.format = match o.format {
-        QuantFormat::FourBit {
-            kind: FourBitType::Nf4,
-            blocksize,
-            ..
-        } => QuantFormat::FourBit {
-            kind: FourBitType::Nf4,
-            blocksize,
-            double_quant: true,
-        },
-        QuantFormat::Int8 { .. } => QuantFormat::Int8 { threshold: 2.5 },
-        other => other,
-    };
-    o
-}
 
 /// The decoder layer on disk, the rest on the CPU.
 fn disk_options(offload: &Path) -> Options {
@@ -60,46 +36,12 @@ fn disk_options(offload: &Path) -> Options {
     }
 }
 
-fn reference() -> Vec<u8> {
-    std::fs::read(fixture("reference.safetensors")).unwrap()
-}
-
-fn prompt(reference: &[u8], i: usize) -> Vec<u32> {
-    SafeTensors::deserialize(reference)
-        .unwrap()
-        .tensor(&format!("prompt.{i}"))
-        .unwrap()
-        .data()
-        .chunks_exact(8)
-        .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
-        .collect()
-}
-
-fn want(reference: &[u8], format: &str, i: usize) -> Vec<f32> {
-    SafeTensors::deserialize(reference)
-        .unwrap()
-        .tensor(&format!("logits_{format}.{i}"))
-        .unwrap()
-        .data()
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-        .collect()
-}
-
 fn logits(lm: &CausalLm, weights: &dyn WeightSource, ids: &[u32]) -> Vec<f32> {
     let mut cache = lm.decoder().new_cache();
     lm.decoder()
         .forward(weights, ids, &mut cache, Logits::All)
         .unwrap()
         .to_f32_vec()
-}
-
-fn max_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
 }
 
 /// Bytes the model's tree holds under `model.layers.0`, loaded in F32.
@@ -118,21 +60,23 @@ fn layer_bytes(d: &Dispatched<CausalLm>) -> u64 {
 
 #[test]
 fn quantized_on_load_and_offloaded_streams_packed_and_matches_bitsandbytes() {
-    let reference = reference();
+    let reference = Reference::of("tiny-llama-bnb");
     let offload = tempfile::tempdir().unwrap();
     let dense = open_causal_lm(
-        fixture("base"),
+        bnb_fixture("base"),
         Arc::new(DeviceSet::cpu_only()),
         &disk_options(&offload.path().join("dense")),
     )
     .unwrap();
     for format in ["nf4", "fp4", "int8"] {
-        let o = options(format);
-        let in_memory = CausalLm::open_quantized(fixture("base"), DType::F32, o.clone()).unwrap();
+        let o = bnb_options(format);
+        let in_memory =
+            CausalLm::open_quantized(bnb_fixture("base"), DType::F32, o.clone()).unwrap();
         let folder =
-            FolderWeights::open_quantized(fixture("base"), Some(DType::F32), o.clone()).unwrap();
+            FolderWeights::open_quantized(bnb_fixture("base"), Some(DType::F32), o.clone())
+                .unwrap();
         let d = open_causal_lm_quantized(
-            fixture("base"),
+            bnb_fixture("base"),
             Arc::new(DeviceSet::cpu_only()),
             &disk_options(&offload.path().join(format)),
             &o,
@@ -157,7 +101,7 @@ fn quantized_on_load_and_offloaded_streams_packed_and_matches_bitsandbytes() {
         assert_eq!(packed, linears + norms, "{format}");
         assert!(packed < layer_bytes(&dense) / 2, "{format}");
         for i in 0..3 {
-            let ids = prompt(&reference, i);
+            let ids = reference.ids(&format!("prompt.{i}"));
             let before = d.weights.streamed_bytes();
             let ours = logits(&d.model, &d.weights, &ids);
             // One forward streams the offloaded layer once, packed.
@@ -168,7 +112,7 @@ fn quantized_on_load_and_offloaded_streams_packed_and_matches_bitsandbytes() {
                 expected.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
                 "{format} prompt {i}: offloaded differs from in memory"
             );
-            let diff = max_diff(&ours, &want(&reference, format, i));
+            let diff = max_abs_diff(&ours, &reference.floats(&format!("logits_{format}.{i}")).1);
             println!("{format} prompt {i}: max |diff| vs transformers + bitsandbytes {diff:e}");
             assert!(diff <= 1e-3, "{format} prompt {i}: {diff}");
         }
@@ -177,32 +121,34 @@ fn quantized_on_load_and_offloaded_streams_packed_and_matches_bitsandbytes() {
 
 #[test]
 fn pre_quantized_folders_load_under_a_device_map_without_options() {
-    let reference = reference();
+    let reference = Reference::of("tiny-llama-bnb");
     let offload = tempfile::tempdir().unwrap();
     for format in ["nf4", "fp4", "int8"] {
         let d = open_causal_lm(
-            fixture(format),
+            bnb_fixture(format),
             Arc::new(DeviceSet::cpu_only()),
             &disk_options(&offload.path().join(format)),
         )
         .unwrap();
         let layer = layer_bytes(&d);
-        let ids = prompt(&reference, 0);
+        let ids = reference.ids("prompt.0");
         let before = d.weights.streamed_bytes();
         let ours = logits(&d.model, &d.weights, &ids);
         assert_eq!(d.weights.streamed_bytes() - before, layer, "{format}");
-        let diff = max_diff(&ours, &want(&reference, format, 0));
+        let diff = max_abs_diff(&ours, &reference.floats(&format!("logits_{format}.0")).1);
         assert!(diff <= 1e-3, "{format}: {diff}");
         // What `bigmodel plan` plans is the tree loading dispatched: every
         // tensor at the size the checkpoint stores.
         let config = bigmodel::plan::config::HfConfig::from_value(
-            serde_json::from_slice(&std::fs::read(fixture(format).join("config.json")).unwrap())
-                .unwrap(),
-            fixture(format).join("config.json"),
+            serde_json::from_slice(
+                &std::fs::read(bnb_fixture(format).join("config.json")).unwrap(),
+            )
+            .unwrap(),
+            bnb_fixture(format).join("config.json"),
         )
         .unwrap();
         let dense_tree = bigmodel::plan::hf::tree_from_config(&config).unwrap().tree;
-        let planned = load_tree(Some(&fixture(format)), &dense_tree, None, None).unwrap();
+        let planned = load_tree(Some(&bnb_fixture(format)), &dense_tree, None, None).unwrap();
         let sizes = |t: &bigmodel::plan::ModuleTree| {
             t.tensors()
                 .iter()
@@ -211,19 +157,19 @@ fn pre_quantized_folders_load_under_a_device_map_without_options() {
         };
         assert_eq!(sizes(&planned), sizes(d.weights.model().tree()), "{format}");
         let err = load_tree(
-            Some(&fixture(format)),
+            Some(&bnb_fixture(format)),
             &dense_tree,
-            Some(&options("nf4")),
+            Some(&bnb_options("nf4")),
             None,
         )
         .unwrap_err();
         assert!(err.to_string().contains("already quantized"), "{err}");
         // Quantizing a folder that is already quantized is refused.
         let err = open_causal_lm_quantized(
-            fixture(format),
+            bnb_fixture(format),
             Arc::new(DeviceSet::cpu_only()),
             &disk_options(&offload.path().join("again")),
-            &options("nf4"),
+            &bnb_options("nf4"),
         )
         .unwrap_err();
         assert!(err.to_string().contains("already quantized"), "{err}");
@@ -234,10 +180,10 @@ fn pre_quantized_folders_load_under_a_device_map_without_options() {
 fn planning_quantized_sizes_linear_weights_packed_and_names_what_cannot_be() {
     let config = bigmodel::plan::config::HfConfig::from_value(
         serde_json::from_str(
-            &std::fs::read_to_string(fixture("base").join("config.json")).unwrap(),
+            &std::fs::read_to_string(bnb_fixture("base").join("config.json")).unwrap(),
         )
         .unwrap(),
-        fixture("base").join("config.json"),
+        bnb_fixture("base").join("config.json"),
     )
     .unwrap();
     let tree = bigmodel::plan::hf::tree_from_config(&config).unwrap().tree;
@@ -251,8 +197,20 @@ fn planning_quantized_sizes_linear_weights_packed_and_names_what_cannot_be() {
         )
         .total()
     };
-    let nf4 = load_tree(Some(&fixture("base")), &tree, Some(&options("nf4")), None).unwrap();
-    let int8 = load_tree(Some(&fixture("base")), &tree, Some(&options("int8")), None).unwrap();
+    let nf4 = load_tree(
+        Some(&bnb_fixture("base")),
+        &tree,
+        Some(&bnb_options("nf4")),
+        None,
+    )
+    .unwrap();
+    let int8 = load_tree(
+        Some(&bnb_fixture("base")),
+        &tree,
+        Some(&bnb_options("int8")),
+        None,
+    )
+    .unwrap();
     assert!(total(&nf4) < total(&int8) && total(&int8) < total(&tree));
     // The head stays dense by default; naming no skip quantizes it too.
     let head = |t: &bigmodel::plan::ModuleTree| match t.find("lm_head.weight") {
@@ -260,13 +218,13 @@ fn planning_quantized_sizes_linear_weights_packed_and_names_what_cannot_be() {
         other => panic!("{other:?}"),
     };
     assert_eq!(head(&nf4), head(&tree));
-    let mut all = options("nf4");
+    let mut all = bnb_options("nf4");
     all.skip_modules = Some(Vec::new());
     assert_eq!(
         head(&load_tree(None, &tree, Some(&all), None).unwrap()),
         DType::U8
     );
-    let mut none = options("nf4");
+    let mut none = bnb_options("nf4");
     none.skip_modules = Some(vec!["model".into(), "lm_head".into()]);
     let err = load_tree(None, &tree, Some(&none), None).unwrap_err();
     assert!(
@@ -281,7 +239,7 @@ fn planning_quantized_sizes_linear_weights_packed_and_names_what_cannot_be() {
 /// dtype), the GPU-placed ones are quantized; a strategy is refused.
 #[test]
 fn fp32_cpu_offload_keeps_offloaded_modules_dense() {
-    let reference = reference();
+    let reference = Reference::of("tiny-llama-bnb");
     let offload = tempfile::tempdir().unwrap();
     let map = json!({
         "model.embed_tokens": "cpu", "model.layers.0.self_attn": 0,
@@ -294,10 +252,11 @@ fn fp32_cpu_offload_keeps_offloaded_modules_dense() {
         ..disk_options(&offload.path().join(folder))
     };
     for format in ["int8", "nf4"] {
-        let mut o = options(format);
+        let mut o = bnb_options(format);
         o.llm_int8_enable_fp32_cpu_offload = true;
         let devices = || Arc::new(DeviceSet::emulated(&[1 << 30]));
-        let d = open_causal_lm_quantized(fixture("base"), devices(), &on_gpu(format), &o).unwrap();
+        let d =
+            open_causal_lm_quantized(bnb_fixture("base"), devices(), &on_gpu(format), &o).unwrap();
         let tree = d.weights.model().tree();
         let dtype = |name: &str| match tree.find(name) {
             Some(bigmodel::plan::Node::Tensor(id)) => tree.tensor(id).meta.dtype,
@@ -314,26 +273,34 @@ fn fp32_cpu_offload_keeps_offloaded_modules_dense() {
         }
         // The plan `bigmodel plan --device-map` makes is this tree.
         let config = bigmodel::plan::config::HfConfig::from_value(
-            serde_json::from_slice(&std::fs::read(fixture("base").join("config.json")).unwrap())
-                .unwrap(),
-            fixture("base").join("config.json"),
+            serde_json::from_slice(
+                &std::fs::read(bnb_fixture("base").join("config.json")).unwrap(),
+            )
+            .unwrap(),
+            bnb_fixture("base").join("config.json"),
         )
         .unwrap();
         let dense_tree = bigmodel::plan::hf::tree_from_config(&config).unwrap().tree;
         let map = DeviceMap::from_json(&map).unwrap();
-        let planned = load_tree(Some(&fixture("base")), &dense_tree, Some(&o), Some(&map)).unwrap();
+        let planned = load_tree(
+            Some(&bnb_fixture("base")),
+            &dense_tree,
+            Some(&o),
+            Some(&map),
+        )
+        .unwrap();
         assert_eq!(planned.tensors().len(), tree.tensors().len());
         for (a, b) in planned.tensors().iter().zip(tree.tensors()) {
             assert_eq!((&a.name, &a.meta), (&b.name, &b.meta));
         }
         // It runs (the emulated GPU's layers compute on the host) as the
         // model whose MLP is skipped by name does, bit for bit.
-        let mut skipped = options(format);
+        let mut skipped = bnb_options(format);
         skipped.skip_modules = Some(vec!["lm_head".into(), "model.layers.0.mlp".into()]);
         let by_name =
-            open_causal_lm_quantized(fixture("base"), devices(), &on_gpu("by-name"), &skipped)
+            open_causal_lm_quantized(bnb_fixture("base"), devices(), &on_gpu("by-name"), &skipped)
                 .unwrap();
-        let ids = prompt(&reference, 0);
+        let ids = reference.ids("prompt.0");
         let ours = logits(&d.model, &d.weights, &ids);
         let expected = logits(&by_name.model, &by_name.weights, &ids);
         assert_eq!(
@@ -341,14 +308,15 @@ fn fp32_cpu_offload_keeps_offloaded_modules_dense() {
             expected.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
             "{format}"
         );
-        let diff = max_diff(&ours, &want(&reference, format, 0));
+        let diff = max_abs_diff(&ours, &reference.floats(&format!("logits_{format}.0")).1);
         println!("{format}: attention quantized only, max |diff| vs all quantized {diff:e}");
         // A strategy cannot say which modules it would offload.
         let strategy = Options {
             device_map: Some(DeviceMapSpec::Strategy(bigmodel::plan::Mode::Auto)),
             ..on_gpu("strategy")
         };
-        let err = open_causal_lm_quantized(fixture("base"), devices(), &strategy, &o).unwrap_err();
+        let err =
+            open_causal_lm_quantized(bnb_fixture("base"), devices(), &strategy, &o).unwrap_err();
         assert!(
             err.to_string()
                 .contains("llm_int8_enable_fp32_cpu_offload needs a device map"),

@@ -4,23 +4,17 @@
 //! quantizing the dense folder while loading; the quantized parts we make
 //! against the saved ones; and broken pre-quantized folders.
 
-use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+mod common;
 
-use bm_compute::quant::{FourBitType, QuantFormat};
+use std::collections::HashMap;
+
 use bm_models::{
-    CausalLm, DecoderConfig, Error, FolderWeights, LinearWeight, Logits, QuantizeOptions,
-    WeightLayout, WeightSource,
+    CausalLm, DecoderConfig, Error, FolderWeights, LinearWeight, Logits, WeightLayout, WeightSource,
 };
 use bm_tensor::DType;
+use common::{Reference, bnb_fixture, bnb_options, fixture, max_abs_diff};
 use safetensors::SafeTensors;
 use safetensors::tensor::TensorView;
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/tiny-llama-bnb")
-        .join(name)
-}
 
 /// Linear weights of the one-layer model.
 const LINEARS: [&str; 7] = [
@@ -37,61 +31,21 @@ fn linear_names() -> impl Iterator<Item = String> {
     LINEARS.iter().map(|l| format!("model.layers.0.{l}.weight"))
 }
 
-/// The options transformers quantized each folder with.
-fn options(format: &str) -> QuantizeOptions {
-    let mut o = QuantizeOptions::named(format).unwrap();
-    o.format = match o.format {
-        QuantFormat::FourBit {
-            kind: FourBitType::Nf4,
-            blocksize,
-            ..
-        } => QuantFormat::FourBit {
-            kind: FourBitType::Nf4,
-            blocksize,
-            double_quant: true,
-        },
-        QuantFormat::Int8 { .. } => QuantFormat::Int8 { threshold: 2.5 },
-        other => other,
-    };
-    o
-}
-
-fn floats(st: &SafeTensors<'_>, name: &str) -> Vec<f32> {
-    st.tensor(name)
-        .unwrap()
-        .data()
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-        .collect()
-}
-
 /// Max |ours - transformers'| over the reference prompts.
 fn logits_diff(weights: &dyn WeightSource, format: &str) -> f32 {
-    let bytes = std::fs::read(fixture("reference.safetensors")).unwrap();
-    let reference = SafeTensors::deserialize(&bytes).unwrap();
-    let config = DecoderConfig::from_dir(fixture("base")).unwrap();
+    let reference = Reference::of("tiny-llama-bnb");
+    let config = DecoderConfig::from_dir(bnb_fixture("base")).unwrap();
     let decoder = bm_models::Decoder::new(config, DType::F32).unwrap();
     let mut worst = 0f32;
     for i in 0..3 {
-        let ids: Vec<u32> = reference
-            .tensor(&format!("prompt.{i}"))
-            .unwrap()
-            .data()
-            .chunks_exact(8)
-            .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
-            .collect();
-        let want = floats(&reference, &format!("logits_{format}.{i}"));
+        let ids = reference.ids(&format!("prompt.{i}"));
+        let (_, want) = reference.floats(&format!("logits_{format}.{i}"));
         let mut cache = decoder.new_cache();
         let logits = decoder
             .forward(weights, &ids, &mut cache, Logits::All)
             .unwrap();
         assert_eq!(logits.shape(), [ids.len(), 64]);
-        let diff = logits
-            .to_f32_vec()
-            .iter()
-            .zip(&want)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0, f32::max);
+        let diff = max_abs_diff(&logits.to_f32_vec(), &want);
         println!("{format} prompt {i}: max |diff| {diff:e}");
         worst = worst.max(diff);
     }
@@ -101,12 +55,15 @@ fn logits_diff(weights: &dyn WeightSource, format: &str) -> f32 {
 #[test]
 fn four_bit_logits_match_transformers_bitsandbytes_within_1e_3() {
     for format in ["nf4", "fp4"] {
-        let saved = FolderWeights::open(fixture(format), Some(DType::F32)).unwrap();
+        let saved = FolderWeights::open(bnb_fixture(format), Some(DType::F32)).unwrap();
         let diff = logits_diff(&saved, format);
         assert!(diff <= 1e-3, "{format} pre-quantized: {diff}");
-        let on_load =
-            FolderWeights::open_quantized(fixture("base"), Some(DType::F32), options(format))
-                .unwrap();
+        let on_load = FolderWeights::open_quantized(
+            bnb_fixture("base"),
+            Some(DType::F32),
+            bnb_options(format),
+        )
+        .unwrap();
         let diff = logits_diff(&on_load, format);
         assert!(diff <= 1e-3, "{format} quantized on load: {diff}");
     }
@@ -117,11 +74,12 @@ fn four_bit_logits_match_transformers_bitsandbytes_within_1e_3() {
 // summation order differs: the documented tolerance is 1e-3 (docs/compat.md).
 #[test]
 fn int8_logits_match_transformers_bitsandbytes_within_1e_3() {
-    let saved = FolderWeights::open(fixture("int8"), Some(DType::F32)).unwrap();
+    let saved = FolderWeights::open(bnb_fixture("int8"), Some(DType::F32)).unwrap();
     let diff = logits_diff(&saved, "int8");
     assert!(diff <= 1e-3, "int8 pre-quantized: {diff}");
     let on_load =
-        FolderWeights::open_quantized(fixture("base"), Some(DType::F32), options("int8")).unwrap();
+        FolderWeights::open_quantized(bnb_fixture("base"), Some(DType::F32), bnb_options("int8"))
+            .unwrap();
     let diff = logits_diff(&on_load, "int8");
     assert!(diff <= 1e-3, "int8 quantized on load: {diff}");
 }
@@ -129,11 +87,14 @@ fn int8_logits_match_transformers_bitsandbytes_within_1e_3() {
 #[test]
 fn quantizing_on_load_writes_what_transformers_saved() {
     for format in ["nf4", "fp4", "int8"] {
-        let bytes = std::fs::read(fixture(format).join("model.safetensors")).unwrap();
+        let bytes = std::fs::read(bnb_fixture(format).join("model.safetensors")).unwrap();
         let saved = SafeTensors::deserialize(&bytes).unwrap();
-        let ours =
-            FolderWeights::open_quantized(fixture("base"), Some(DType::F32), options(format))
-                .unwrap();
+        let ours = FolderWeights::open_quantized(
+            bnb_fixture("base"),
+            Some(DType::F32),
+            bnb_options(format),
+        )
+        .unwrap();
         let mut keys = 0;
         for name in linear_names() {
             let LinearWeight::Quantized(q) =
@@ -171,9 +132,9 @@ fn quantizing_on_load_writes_what_transformers_saved() {
 
 #[test]
 fn pre_quantized_folders_open_through_causal_lm() {
-    let lm = CausalLm::open(fixture("nf4"), None).unwrap();
+    let lm = CausalLm::open(bnb_fixture("nf4"), None).unwrap();
     assert_eq!(lm.decoder().dtype(), DType::F32);
-    let weights = FolderWeights::open(fixture("nf4"), None).unwrap();
+    let weights = FolderWeights::open(bnb_fixture("nf4"), None).unwrap();
     let err = weights
         .tensor("model.layers.0.mlp.up_proj.weight")
         .unwrap_err();
@@ -191,9 +152,11 @@ fn pre_quantized_folders_open_through_causal_lm() {
     // The MLP width is odd: 71 columns, rows starting mid-byte.
     assert_eq!(q.shape(), [48, 71]);
     assert_eq!(q.compute_dtype(), Some(DType::F32));
-    let err = FolderWeights::open_quantized(fixture("nf4"), None, options("nf4")).unwrap_err();
+    let err =
+        FolderWeights::open_quantized(bnb_fixture("nf4"), None, bnb_options("nf4")).unwrap_err();
     assert!(err.to_string().contains("already quantized"), "{err}");
-    let lm = CausalLm::open_quantized(fixture("base"), DType::BF16, options("fp4")).unwrap();
+    let lm =
+        CausalLm::open_quantized(bnb_fixture("base"), DType::BF16, bnb_options("fp4")).unwrap();
     let generation = lm
         .generate_ids(
             &[1, 2, 3],
@@ -210,9 +173,9 @@ fn pre_quantized_folders_open_through_causal_lm() {
 // transposed, and its tied head stays dense.
 #[test]
 fn conv1d_weights_are_quantized_transposed() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-gpt2");
+    let dir = fixture("tiny-gpt2");
     let dense = FolderWeights::open(&dir, Some(DType::F32)).unwrap();
-    let ours = FolderWeights::open_quantized(&dir, Some(DType::F32), options("int8")).unwrap();
+    let ours = FolderWeights::open_quantized(&dir, Some(DType::F32), bnb_options("int8")).unwrap();
     let name = "transformer.h.0.attn.c_attn.weight";
     let d = dense.tensor(name).unwrap();
     assert_eq!(d.shape(), [16, 48]);
@@ -240,7 +203,7 @@ fn conv1d_weights_are_quantized_transposed() {
             .unwrap(),
         LinearWeight::Dense(_)
     ));
-    let lm = CausalLm::open_quantized(&dir, DType::F32, options("nf4")).unwrap();
+    let lm = CausalLm::open_quantized(&dir, DType::F32, bnb_options("nf4")).unwrap();
     let options = bm_models::GenerateOptions {
         max_new_tokens: 2,
         ..Default::default()
@@ -250,10 +213,10 @@ fn conv1d_weights_are_quantized_transposed() {
 
 #[test]
 fn skip_and_fp32_modules_stay_dense() {
-    let mut o = options("nf4");
+    let mut o = bnb_options("nf4");
     o.skip_modules = Some(vec!["model.layers.0.mlp".into()]);
     o.keep_in_fp32_modules = vec!["o_proj".into()];
-    let w = FolderWeights::open_quantized(fixture("base"), Some(DType::BF16), o).unwrap();
+    let w = FolderWeights::open_quantized(bnb_fixture("base"), Some(DType::BF16), o).unwrap();
     let kind = |name: &str| match w.linear_weight(name, WeightLayout::Linear).unwrap() {
         LinearWeight::Dense(t) | LinearWeight::DenseTransposed(t) => format!("dense {}", t.dtype()),
         LinearWeight::Quantized(_) | LinearWeight::QuantizedOnGpu(_) => "quantized".into(),
@@ -263,9 +226,9 @@ fn skip_and_fp32_modules_stay_dense() {
     assert_eq!(kind("model.layers.0.self_attn.q_proj.weight"), "quantized");
     // An explicit skip list replaces the default one, as in transformers.
     assert_eq!(kind("lm_head.weight"), "quantized");
-    let mut o = options("int8");
+    let mut o = bnb_options("int8");
     o.skip_modules = Some(vec!["(".into()]);
-    let err = FolderWeights::open_quantized(fixture("base"), None, o).unwrap_err();
+    let err = FolderWeights::open_quantized(bnb_fixture("base"), None, o).unwrap_err();
     assert!(err.to_string().contains("not a valid regex"), "{err}");
 }
 
@@ -278,7 +241,7 @@ fn broken_copy(
     edit_config: impl FnOnce(&mut serde_json::Value),
 ) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
-    let bytes = std::fs::read(fixture(format).join("model.safetensors")).unwrap();
+    let bytes = std::fs::read(bnb_fixture(format).join("model.safetensors")).unwrap();
     let st = SafeTensors::deserialize(&bytes).unwrap();
     let mut tensors: HashMap<_, _> = st
         .tensors()
@@ -291,7 +254,7 @@ fn broken_copy(
         .map(|(k, (d, s, b))| (k.clone(), TensorView::new(*d, s.clone(), b).unwrap()))
         .collect();
     safetensors::serialize_to_file(views, None, &dir.path().join("model.safetensors")).unwrap();
-    let config = std::fs::read_to_string(fixture(format).join("config.json")).unwrap();
+    let config = std::fs::read_to_string(bnb_fixture(format).join("config.json")).unwrap();
     let mut config: serde_json::Value = serde_json::from_str(&config).unwrap();
     edit_config(&mut config);
     std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();

@@ -9,73 +9,19 @@
 //! tools/make_family_fixtures.py. Every fixture has a prompt longer than
 //! its sliding window.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::Path;
 
 use bm_models::{CausalLm, DecoderConfig, Error, FolderWeights, GenerateOptions, Logits};
 use bm_tensor::DType;
-use safetensors::SafeTensors;
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
-}
-
-struct Reference {
-    bytes: Vec<u8>,
-}
-
-impl Reference {
-    fn open(model: &str) -> Reference {
-        Reference {
-            bytes: std::fs::read(fixture(model).join("reference.safetensors")).unwrap(),
-        }
-    }
-
-    fn get(&self, name: &str) -> (Vec<usize>, Vec<u8>) {
-        let st = SafeTensors::deserialize(&self.bytes).unwrap();
-        let t = st.tensor(name).unwrap();
-        (t.shape().to_vec(), t.data().to_vec())
-    }
-
-    fn ids(&self, name: &str) -> Vec<u32> {
-        let (_, data) = self.get(name);
-        data.chunks_exact(8)
-            .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
-            .collect()
-    }
-
-    fn floats(&self, name: &str) -> (Vec<usize>, Vec<f32>) {
-        let (shape, data) = self.get(name);
-        let v = data
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-            .collect();
-        (shape, v)
-    }
-
-    fn prompts(&self) -> usize {
-        let st = SafeTensors::deserialize(&self.bytes).unwrap();
-        st.names()
-            .iter()
-            .filter(|n| n.starts_with("prompt."))
-            .count()
-    }
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
-}
+use common::{Reference, copy_fixture, edit_json, fixture, max_abs_diff};
 
 /// Logits of every prompt in `dtype` against transformers' (`key`). In
 /// F32 `tolerance` is absolute; in half precision it is relative to the
 /// largest logit when that exceeds 1 (the format's spacing grows with it).
 fn check_logits(model: &str, dtype: DType, key: &str, tolerance: f32) {
-    let reference = Reference::open(model);
+    let reference = Reference::of(model);
     let lm = CausalLm::open(fixture(model), Some(dtype)).unwrap();
     let weights = FolderWeights::open(fixture(model), Some(dtype)).unwrap();
     assert!(reference.prompts() >= 3);
@@ -186,7 +132,7 @@ fn half_precision_logits_are_close_to_transformers_half_runs() {
 #[test]
 fn greedy_generation_with_kv_cache_matches_transformers() {
     for model in DECODERS {
-        let reference = Reference::open(model);
+        let reference = Reference::of(model);
         let lm = CausalLm::open(fixture(model), None).unwrap();
         for i in 0..reference.prompts() {
             let prompt = reference.ids(&format!("prompt.{i}"));
@@ -241,7 +187,7 @@ fn cached_decoding_equals_recomputing_the_whole_sequence() {
 
 #[test]
 fn text_goes_through_tokenizer_json() {
-    let reference = Reference::open("tiny-llama");
+    let reference = Reference::of("tiny-llama");
     let lm = CausalLm::open(fixture("tiny-llama"), None).unwrap();
     let tokenizer = lm.tokenizer().expect("tiny-llama has a tokenizer.json");
     let prompt = "Hello, wörld!";
@@ -263,7 +209,7 @@ fn text_goes_through_tokenizer_json() {
 
 #[test]
 fn generation_stops_at_a_stop_token() {
-    let reference = Reference::open("tiny-llama");
+    let reference = Reference::of("tiny-llama");
     let lm = CausalLm::open(fixture("tiny-llama"), None).unwrap();
     let want = reference.ids("generated.0");
     let options = GenerateOptions {
@@ -286,21 +232,13 @@ fn one_token() -> GenerateOptions {
 }
 
 fn broken_copy(model: &str, edit: impl FnOnce(&Path)) -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    for entry in std::fs::read_dir(fixture(model)).unwrap() {
-        let entry = entry.unwrap();
-        std::fs::copy(entry.path(), dir.path().join(entry.file_name())).unwrap();
-    }
+    let dir = copy_fixture(model);
     edit(dir.path());
     dir
 }
 
 fn edit_config(dir: &Path, key: &str, value: serde_json::Value) {
-    let path = dir.join("config.json");
-    let mut config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    config[key] = value;
-    std::fs::write(&path, config.to_string()).unwrap();
+    edit_json(&dir.join("config.json"), |config| config[key] = value);
 }
 
 #[test]

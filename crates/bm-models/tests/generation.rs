@@ -6,11 +6,11 @@
 //! the logits processors give transformers' scores on a fixture batch;
 //! a seed makes sampling reproducible whatever the batch.
 
-use std::path::{Path, PathBuf};
+mod common;
 
 use bm_models::{CausalLm, GenerateOptions, Sampling};
 use bm_tensor::DType;
-use safetensors::SafeTensors;
+use common::{Reference, fixture};
 
 const DECODERS: [&str; 8] = [
     "tiny-llama",
@@ -23,44 +23,12 @@ const DECODERS: [&str; 8] = [
     "tiny-phi3",
 ];
 
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
-}
-
-/// A safetensors fixture of I64 and F32 tensors.
-struct Fixture(Vec<u8>);
-
-impl Fixture {
-    fn open(name: &str) -> Fixture {
-        Fixture(std::fs::read(fixtures().join("generation").join(name)).unwrap())
-    }
-
-    fn bytes(&self, name: &str) -> Vec<u8> {
-        let st = SafeTensors::deserialize(&self.0).unwrap();
-        st.tensor(name).unwrap().data().to_vec()
-    }
-
-    fn ids(&self, name: &str) -> Vec<u32> {
-        self.bytes(name)
-            .chunks_exact(8)
-            .map(|c| u32::try_from(i64::from_le_bytes(c.try_into().unwrap())).unwrap())
-            .collect()
-    }
-
-    fn floats(&self, name: &str) -> Vec<f32> {
-        self.bytes(name)
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-            .collect()
-    }
-}
-
 #[test]
 fn a_left_padded_batch_generates_transformers_tokens_and_each_prompts_own() {
-    let reference = Fixture::open("batch.safetensors");
+    let reference = Reference::open(fixture("generation/batch.safetensors"));
     let mut mixed = 0;
     for model in DECODERS {
-        let lm = CausalLm::open(fixtures().join(model), Some(DType::F32)).unwrap();
+        let lm = CausalLm::open(fixture(model), Some(DType::F32)).unwrap();
         let prompts: Vec<Vec<u32>> = (0..3)
             .map(|i| reference.ids(&format!("{model}.prompt.{i}")))
             .collect();
@@ -107,8 +75,8 @@ fn a_left_padded_batch_generates_transformers_tokens_and_each_prompts_own() {
 
 #[test]
 fn the_logits_processors_give_transformers_scores() {
-    let reference = Fixture::open("processors.safetensors");
-    let scores = reference.floats("scores");
+    let reference = Reference::open(fixture("generation/processors.safetensors"));
+    let scores = reference.floats("scores").1;
     let history = reference.ids("input_ids");
     let (rows, vocab, seen) = (4, 64, 12);
     let sampling = Sampling {
@@ -170,7 +138,7 @@ fn the_logits_processors_give_transformers_scores() {
         ),
     ];
     for (name, settings) in cases {
-        let want = reference.floats(name);
+        let want = reference.floats(name).1;
         for r in 0..rows {
             let original = &scores[r * vocab..][..vocab];
             let mut row = original.to_vec();
@@ -202,8 +170,8 @@ fn sorted_bits(values: &[f32]) -> Vec<u32> {
 
 #[test]
 fn a_seed_gives_the_same_tokens_in_any_batch_and_top_k_1_is_greedy() {
-    let lm = CausalLm::open(fixtures().join("tiny-llama"), Some(DType::F32)).unwrap();
-    let reference = Fixture::open("batch.safetensors");
+    let lm = CausalLm::open(fixture("tiny-llama"), Some(DType::F32)).unwrap();
+    let reference = Reference::open(fixture("generation/batch.safetensors"));
     let prompts: Vec<Vec<u32>> = (0..3)
         .map(|i| reference.ids(&format!("tiny-llama.prompt.{i}")))
         .collect();
@@ -251,7 +219,7 @@ fn a_seed_gives_the_same_tokens_in_any_batch_and_top_k_1_is_greedy() {
 
 #[test]
 fn bad_settings_and_inputs_are_errors_naming_them() {
-    let lm = CausalLm::open(fixtures().join("tiny-llama"), Some(DType::F32)).unwrap();
+    let lm = CausalLm::open(fixture("tiny-llama"), Some(DType::F32)).unwrap();
     let run = |prompts: &[Vec<u32>], options: GenerateOptions| {
         lm.generate_batch(prompts, &options, &mut |_, _| {})
             .unwrap_err()
@@ -287,7 +255,7 @@ fn bad_settings_and_inputs_are_errors_naming_them() {
 
 #[test]
 fn generation_stops_at_the_models_positions_and_says_so() {
-    let lm = CausalLm::open(fixtures().join("tiny-llama"), Some(DType::F32)).unwrap();
+    let lm = CausalLm::open(fixture("tiny-llama"), Some(DType::F32)).unwrap();
     // 128 positions: a prompt of 125 leaves room for 3 new tokens.
     let long: Vec<u32> = (0..125).map(|i| 3 + i % 200).collect();
     let options = GenerateOptions {
@@ -318,7 +286,7 @@ fn auto_batch_size_halves_when_the_kv_cache_outgrows_an_emulated_gpu() {
     use bm_models::{BatchSize, open_causal_lm};
     use std::sync::Arc;
 
-    let reference = Fixture::open("batch.safetensors");
+    let reference = Reference::open(fixture("generation/batch.safetensors"));
     let prompts: Vec<Vec<u32>> = (0..8)
         .map(|i| reference.ids(&format!("tiny-llama.prompt.{}", i % 3)))
         .collect();
@@ -335,12 +303,7 @@ fn auto_batch_size_halves_when_the_kv_cache_outgrows_an_emulated_gpu() {
     };
     let open = |budget: u64| {
         let devices = Arc::new(DeviceSet::emulated(&[budget]));
-        let lm = open_causal_lm(
-            fixtures().join("tiny-llama"),
-            Arc::clone(&devices),
-            &options,
-        )
-        .unwrap();
+        let lm = open_causal_lm(fixture("tiny-llama"), Arc::clone(&devices), &options).unwrap();
         (lm, devices)
     };
     let weights = open(1 << 30).1.gpu(0).unwrap().live_bytes();
@@ -370,7 +333,7 @@ fn auto_batch_size_halves_when_the_kv_cache_outgrows_an_emulated_gpu() {
     assert!(retries[0].1.contains("budget"), "{retries:?}");
     // Nothing of the failed tries stays allocated.
     assert_eq!(devices.gpu(0).unwrap().live_bytes(), weights);
-    let cpu = CausalLm::open(fixtures().join("tiny-llama"), Some(DType::F32)).unwrap();
+    let cpu = CausalLm::open(fixture("tiny-llama"), Some(DType::F32)).unwrap();
     let alone = cpu
         .generate_in_batches(
             &prompts,
@@ -417,7 +380,7 @@ fn auto_batch_size_halves_when_the_kv_cache_outgrows_an_emulated_gpu() {
 #[test]
 fn a_conversation_reuses_its_cache_and_gives_a_fresh_generations_tokens() {
     for model in ["tiny-llama", "tiny-mistral"] {
-        let lm = CausalLm::open(fixtures().join(model), Some(DType::F32)).unwrap();
+        let lm = CausalLm::open(fixture(model), Some(DType::F32)).unwrap();
         let options = GenerateOptions {
             max_new_tokens: 5,
             ..GenerateOptions::default()

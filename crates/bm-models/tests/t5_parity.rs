@@ -8,66 +8,13 @@
 //! decoder blocks than encoder blocks. F16 and BF16 run and stay close to
 //! F32.
 
-use std::path::{Path, PathBuf};
+mod common;
 
 use bm_models::{GenerateOptions, Seq2SeqLm};
 use bm_tensor::DType;
-use safetensors::SafeTensors;
+use common::{Reference, copy_fixture, edit_json, fixture, max_abs_diff};
 
 const MODELS: [&str; 2] = ["tiny-t5", "tiny-t5-relu"];
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
-}
-
-struct Reference(Vec<u8>);
-
-impl Reference {
-    fn open(model: &str) -> Reference {
-        Reference(std::fs::read(fixture(model).join("reference.safetensors")).unwrap())
-    }
-
-    fn data(&self, name: &str) -> (Vec<usize>, Vec<u8>) {
-        let st = SafeTensors::deserialize(&self.0).unwrap();
-        let t = st.tensor(name).unwrap();
-        (t.shape().to_vec(), t.data().to_vec())
-    }
-
-    fn ids(&self, name: &str) -> Vec<u32> {
-        self.data(name)
-            .1
-            .chunks_exact(8)
-            .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
-            .collect()
-    }
-
-    fn floats(&self, name: &str) -> (Vec<usize>, Vec<f32>) {
-        let (shape, data) = self.data(name);
-        let values = data
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-            .collect();
-        (shape, values)
-    }
-
-    fn prompts(&self) -> usize {
-        let st = SafeTensors::deserialize(&self.0).unwrap();
-        st.names()
-            .iter()
-            .filter(|n| n.starts_with("prompt."))
-            .count()
-    }
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
-}
 
 /// The first decoder step's logits for `prompt`: `[1, vocab]`.
 fn first_step(lm: &Seq2SeqLm, prompt: &[u32]) -> (Vec<usize>, Vec<f32>) {
@@ -85,7 +32,7 @@ fn first_step(lm: &Seq2SeqLm, prompt: &[u32]) -> (Vec<usize>, Vec<f32>) {
 #[test]
 fn first_decoder_step_logits_match_transformers_in_f32() {
     for model in MODELS {
-        let reference = Reference::open(model);
+        let reference = Reference::of(model);
         let lm = Seq2SeqLm::open(fixture(model), Some(DType::F32)).unwrap();
         assert!(reference.prompts() >= 4);
         for i in 0..reference.prompts() {
@@ -103,7 +50,7 @@ fn first_decoder_step_logits_match_transformers_in_f32() {
 #[test]
 fn greedy_tokens_through_the_cache_match_transformers() {
     for model in MODELS {
-        let reference = Reference::open(model);
+        let reference = Reference::of(model);
         let lm = Seq2SeqLm::open(fixture(model), Some(DType::F32)).unwrap();
         for i in 0..reference.prompts() {
             let prompt = reference.ids(&format!("prompt.{i}"));
@@ -139,7 +86,7 @@ fn greedy_tokens_through_the_cache_match_transformers() {
 #[test]
 fn half_precision_runs_close_to_f32() {
     for model in MODELS {
-        let reference = Reference::open(model);
+        let reference = Reference::of(model);
         let prompt = reference.ids("prompt.2");
         let f32_lm = Seq2SeqLm::open(fixture(model), Some(DType::F32)).unwrap();
         let (_, full) = first_step(&f32_lm, &prompt);
@@ -156,17 +103,10 @@ fn half_precision_runs_close_to_f32() {
 
 #[test]
 fn generation_config_start_token_overrides_config_json() {
-    let dir = tempfile::tempdir().unwrap();
-    for entry in std::fs::read_dir(fixture("tiny-t5")).unwrap() {
-        let entry = entry.unwrap();
-        std::fs::copy(entry.path(), dir.path().join(entry.file_name())).unwrap();
-    }
+    let dir = copy_fixture("tiny-t5");
     let generation = dir.path().join("generation_config.json");
     let edit = |start: u32| {
-        let mut g: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(&generation).unwrap()).unwrap();
-        g["decoder_start_token_id"] = start.into();
-        std::fs::write(&generation, g.to_string()).unwrap();
+        edit_json(&generation, |g| g["decoder_start_token_id"] = start.into());
     };
     edit(7);
     let lm = Seq2SeqLm::open(dir.path(), Some(DType::F32)).unwrap();

@@ -18,8 +18,8 @@ use bigmodel::tensor::DType;
 use bigmodel::{DeviceMapSpec, Options};
 use bm_models::{
     BatchSize, Batched, CausalLm, ChatTemplate, DispatchedWeights, GenerateOptions, Generation,
-    GenerationConfig, QuantizeOptions, Sampling, open_causal_lm, open_causal_lm_quantized,
-    open_seq2seq_lm,
+    GenerationConfig, QuantizeOptions, Sampling, TextTokenizer, open_causal_lm,
+    open_causal_lm_quantized, open_seq2seq_lm,
 };
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::{Value, json};
@@ -768,20 +768,10 @@ pub fn run(args: Args) -> CmdResult {
             );
         }
     }
-    let texts_out: Option<Vec<String>> = match lm.tokenizer() {
-        Some(_) => Some(
-            batched
-                .generations
-                .iter()
-                .map(|g| lm.decode(&g.tokens))
-                .collect::<Result<_, _>>()?,
-        ),
-        None => None,
-    };
     report(
         &args,
         &batched,
-        texts_out,
+        lm.tokenizer(),
         Loaded {
             weights,
             load_seconds,
@@ -860,20 +850,10 @@ fn run_seq2seq(
         batched.batch_seconds.push(generation.step_seconds.clone());
         batched.generations.push(generation);
     }
-    let texts_out: Option<Vec<String>> = match lm.tokenizer() {
-        Some(_) => Some(
-            batched
-                .generations
-                .iter()
-                .map(|g| lm.decode(&g.tokens))
-                .collect::<Result<_, _>>()?,
-        ),
-        None => None,
-    };
     report(
         args,
         &batched,
-        texts_out,
+        lm.tokenizer(),
         Loaded {
             weights,
             load_seconds,
@@ -898,9 +878,19 @@ struct Loaded<'a> {
 fn report(
     args: &Args,
     batched: &Batched,
-    texts_out: Option<Vec<String>>,
+    tokenizer: Option<&TextTokenizer>,
     loaded: Loaded<'_>,
 ) -> CmdResult {
+    // Decoded text, where the folder has a tokenizer.
+    let texts_out: Option<Vec<String>> = tokenizer
+        .map(|t| {
+            batched
+                .generations
+                .iter()
+                .map(|g| t.decode(&g.tokens))
+                .collect::<Result<_, _>>()
+        })
+        .transpose()?;
     let Loaded {
         weights,
         load_seconds,
