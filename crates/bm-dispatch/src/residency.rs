@@ -193,28 +193,38 @@ impl Residency {
             produced = produce();
         }
         let mut live = self.live.lock();
-        match &produced {
+        // A prefetch keeps no reference of its own: its arrival moves into
+        // the entry, so that once the entry is visible, dropping it
+        // (make_room_on) frees the memory. A copy kept here until after the
+        // lock let a forward woken by the notification drop the entry, find
+        // its retry still short of room and nothing left to drop, and fail.
+        let (handed, stray) = match produced {
             Ok(arrival) => {
+                let handed = (!prefetch).then(|| arrival.clone());
                 let tick = self.tick();
-                if let Some(entry) = live.get_mut(&key) {
-                    entry.state = LiveState::Ready(arrival.clone());
-                    entry.last_used = tick;
-                    if !prefetch {
-                        entry.users += 1;
-                        entry.prefetched = false;
+                match live.get_mut(&key) {
+                    Some(entry) => {
+                        entry.state = LiveState::Ready(arrival);
+                        entry.last_used = tick;
+                        if !prefetch {
+                            entry.users += 1;
+                            entry.prefetched = false;
+                        }
+                        (Ok(handed), None)
                     }
+                    // Forgotten meanwhile (`clear`): dropped after the lock.
+                    None => (Ok(handed), Some(arrival)),
                 }
             }
-            Err(_) => {
+            Err(e) => {
                 live.remove(&key);
+                (Err(e), None)
             }
-        }
+        };
         self.live_changed.notify_all();
         drop(live);
-        // A prefetch keeps no reference of its own: once the entry is
-        // visible, dropping it (make_room_on) must free the memory, or a
-        // forward short of room fails for nothing.
-        produced.map(|arrival| (!prefetch).then_some(arrival))
+        drop(stray);
+        handed
     }
 
     /// One user of `slot` on `device` is done with it.
