@@ -9,9 +9,10 @@
 //! * Room for streaming offloaded weights is reserved only when something
 //!   is offloaded, only on the device that executes offloaded layers (the
 //!   first GPU, or `cpu` when there is none), and only as large as the
-//!   largest unit that is actually offloaded (plus the runtime bytes of the
-//!   offloaded units). The reservation is found by re-planning until it is
-//!   stable.
+//!   largest units that are actually offloaded (plus the runtime bytes of
+//!   the offloaded units); on the CPU no weight room at all, since
+//!   offloaded layers run there from their mapping in place. The
+//!   reservation is found by re-planning until it is stable.
 //! * A unit that does not fit an *empty* device skips ahead without leaving
 //!   that device behind: the next units still fill it.
 //! * A unit never goes to a slower tier (cpu, disk) while an earlier, faster
@@ -312,14 +313,25 @@ struct Streaming {
     peak: u64,
 }
 
+/// True when offloaded units that execute on `device` take room there:
+/// bm-dispatch copies their weights onto a GPU for each pass, but on the
+/// CPU it hands a forward the host bytes where they are (the disk tier's
+/// mapping of the checkpoint or offload file; the CPU tier is resident
+/// there), allocating nothing.
+fn streams_onto(device: Device) -> bool {
+    device.is_gpu()
+}
+
 /// What streaming the items at `offloaded` (indices into `items`) needs on
-/// the execution device: the bytes of the `1 + prefetch_depth` largest
-/// streaming groups (one running, the next ones prefetched; a layer split
-/// around its experts is one group, as the prompt of a pass may hold all
-/// of its offloaded experts at once), and the largest group.
+/// the execution device `exec`: the bytes of the `1 + prefetch_depth`
+/// largest streaming groups (one running, the next ones prefetched; a
+/// layer split around its experts is one group, as the prompt of a pass
+/// may hold all of its offloaded experts at once) where weights are copied
+/// onto it ([`streams_onto`]), else nothing; and the largest group.
 fn streamed_bytes(
     items: &[Item],
     offloaded: impl Iterator<Item = usize>,
+    exec: Device,
     prefetch_depth: usize,
 ) -> (u64, Option<usize>) {
     let mut group_bytes: Vec<Option<u64>> = vec![None; items.len()];
@@ -335,6 +347,9 @@ fn streamed_bytes(
             largest = Some((g, bytes));
         }
         sizes.push(bytes);
+    }
+    if !streams_onto(exec) {
+        return (0, largest.map(|(g, _)| g));
     }
     let in_flight = prefetch_depth.saturating_add(1).min(sizes.len());
     if in_flight > 0 {
@@ -504,7 +519,8 @@ fn fill(
         runtime = runtime.saturating_add(items[i].runtime);
         needed_peak = needed_peak.max(items[i].peak);
     }
-    let (streamed, largest_offloaded) = streamed_bytes(items, offloaded(), prefetch_depth);
+    let (streamed, largest_offloaded) =
+        streamed_bytes(items, offloaded(), devices[exec], prefetch_depth);
     Ok(Fill {
         device_of_item,
         // Saturated, it exceeds every device: an error below.
@@ -728,7 +744,8 @@ pub fn plan(tree: &ModuleTree, options: &PlanOptions) -> Result<Plan, Error> {
             let exec_holds_nothing =
                 filled.largest_offloaded.is_some() && !filled.device_of_item.contains(&exec);
             let exec_overflows = reserve.saturating_add(offloaded_peak) > caps[exec];
-            if depth > 0 && (exec_holds_nothing || exec_overflows) {
+            // Less depth frees room only where offloaded weights take some.
+            if depth > 0 && streams_onto(devices[exec]) && (exec_holds_nothing || exec_overflows) {
                 if options.explain {
                     trace.push(format!(
                         "room to prefetch {depth} offloaded layer(s) leaves {} nothing of its own: planning with prefetch depth {}",
@@ -743,6 +760,10 @@ pub fn plan(tree: &ModuleTree, options: &PlanOptions) -> Result<Plan, Error> {
             }
             if options.explain {
                 match filled.largest_offloaded {
+                    Some(_) if !streams_onto(devices[exec]) => trace.push(format!(
+                        "offloaded layers run on {} from their host bytes in place: no streaming room",
+                        devices[exec]
+                    )),
                     Some(i) => trace.push(format!(
                         "reserved {} on {} to stream offloaded layers (largest offloaded: {})",
                         human_bytes(reserve),
@@ -884,7 +905,7 @@ fn ledger_of(
         ledger.add(*d, LedgerItem::Activations, p);
     }
     let offloaded = (0..items.len()).filter(|&i| !executes(devices, exec, device_of_item[i]));
-    let (streamed, _) = streamed_bytes(items, offloaded, prefetch_depth);
+    let (streamed, _) = streamed_bytes(items, offloaded, devices[exec], prefetch_depth);
     ledger.add(devices[exec], LedgerItem::Streaming, streamed);
     for &(d, item, bytes) in &options.overheads {
         ledger.add(d, item, bytes);

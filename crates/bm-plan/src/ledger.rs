@@ -14,8 +14,9 @@
 //! * `activations`: the largest transient peak of the blocks the device
 //!   executes (formulas in [`ModelShape::activation_peak`]).
 //! * `logits`: the head's output on the device that executes the head.
-//! * `streaming`: room on the execution device for the offloaded units in
-//!   flight (the running one plus `prefetch_depth` prefetched).
+//! * `streaming`: room on a GPU execution device for the offloaded units in
+//!   flight (the running one plus `prefetch_depth` prefetched); none on the
+//!   CPU, where bm-dispatch runs offloaded units from their mapping in place.
 //! * `staging`, `gemm_workspace`, `cuda_context`: fixed per-device costs the
 //!   caller measured or knows (bm-plan never asks a device), passed as
 //!   [`crate::PlanOptions::overheads`].
