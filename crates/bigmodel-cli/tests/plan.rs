@@ -299,3 +299,43 @@ fn verify_says_which_device_is_short_and_by_how_much() {
     let (ok, _, stderr) = plan(&[&config, "--max-memory", "0=100GiB,cpu=1GiB", "--verify"]);
     assert!(!ok && stderr.contains("GPU"), "{stderr}");
 }
+
+#[test]
+fn a_folder_is_planned_in_the_dtype_run_loads_not_config_json_s() {
+    // tiny-llama's F32 weights under a config.json that says float16: `run`
+    // loads them in F32 (the checkpoint's dtype), so bigmodel plans F32.
+    let dir = tempfile::tempdir().unwrap();
+    common::copy_folder(&common::tiny_llama(), dir.path());
+    common::edit_json(&dir.path().join("config.json"), |c| {
+        c["dtype"] = "float16".into()
+    });
+    let folder = dir.path().to_string_lossy().into_owned();
+    // Elements of the weights, and of rotary's two F32 buffers.
+    let (weights, rotary) = (143_808u64, 16u64);
+    let f32_bytes = (weights + rotary) * 4;
+    let planned = |extra: &[&str]| {
+        let (ok, stdout, stderr) = plan(
+            &[
+                &[folder.as_str(), "--max-memory", "cpu=64MB", "--json"],
+                extra,
+            ]
+            .concat(),
+        );
+        assert!(ok, "{stderr}");
+        serde_json::from_str::<serde_json::Value>(&stdout).unwrap()
+    };
+    let doc = planned(&[]);
+    assert_eq!(doc["device_bytes"]["cpu"], f32_bytes);
+    assert_eq!(doc["ledger"]["cpu"]["weights"], f32_bytes);
+    // --dtype still decides.
+    assert_eq!(
+        planned(&["--dtype", "bf16"])["device_bytes"]["cpu"],
+        f32_bytes / 2
+    );
+    // Accelerate sizes in the dtype it is given (none: the model's own,
+    // config.json's float16 but for rotary's F32 buffers); the ledger of its
+    // map is what loading that map allocates.
+    let doc = planned(&["--compat", "accelerate"]);
+    assert_eq!(doc["device_bytes"]["cpu"], weights * 2 + rotary * 4);
+    assert_eq!(doc["ledger"]["cpu"]["weights"], f32_bytes);
+}

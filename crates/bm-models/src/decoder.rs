@@ -658,14 +658,7 @@ impl CausalLm {
         let dir = dir.as_ref();
         let config = DecoderConfig::from_dir(dir)?;
         let probe = FolderWeights::open(dir, None)?;
-        let dtype = match dtype {
-            Some(d) => d,
-            None => probe
-                .meta(&config.embedding_weight())
-                .map(|m| m.dtype)
-                .filter(|d| bm_compute::is_compute_dtype(*d))
-                .unwrap_or(DType::F32),
-        };
+        let dtype = probe.load_dtype(config.arch, dtype);
         let weights = FolderWeights::open(dir, Some(dtype))?;
         CausalLm::with_weights(dir, config, dtype, Box::new(weights))
     }

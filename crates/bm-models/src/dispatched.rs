@@ -19,13 +19,12 @@ use std::thread::ThreadId;
 
 use bigmodel::device::{DeviceBuffer, DeviceSet, GpuKind};
 use bigmodel::dispatch::{Activations, Bytes, Forward, Model, Placement, Weight};
-use bigmodel::plan::config::HfConfig;
+use bigmodel::plan::config::{Family, HfConfig};
 use bigmodel::tensor::{DType, HostBuffer};
 
 use crate::config::read_config;
 use crate::packed::{self, PackedWeights};
 use crate::quant_config::QuantizeOptions;
-use crate::seq2seq::stored_dtype;
 use crate::weights::{FolderWeights, LinearWeight, WeightLayout, WeightSource};
 use crate::{
     CausalLm, DecoderConfig, EncoderConfig, Error, SUPPORTED_DECODERS, SUPPORTED_ENCODERS,
@@ -354,18 +353,6 @@ impl<M> std::fmt::Debug for Dispatched<M> {
     }
 }
 
-/// The compute dtype: the requested one, else the stored dtype of `probe`
-/// (transformers' `dtype="auto"`), F32 when that is not a float.
-fn pick_dtype(weights: &FolderWeights, probe: &str, requested: Option<DType>) -> DType {
-    requested.unwrap_or_else(|| {
-        weights
-            .meta(probe)
-            .map(|m| m.dtype)
-            .filter(|d| is_compute_dtype(*d))
-            .unwrap_or(DType::F32)
-    })
-}
-
 /// Loads `dir`'s checkpoint onto `tree` under `options` (with `dtype` and
 /// the family's no-split classes filled in) and dispatches it. Linear
 /// weights are held packed when the folder is pre-quantized or `quantize`
@@ -518,7 +505,7 @@ fn open_decoder(
     let hf = read_config(dir, SUPPORTED_DECODERS)?;
     let config = DecoderConfig::from_config(&hf)?;
     let probe = FolderWeights::open(dir, None)?;
-    let dtype = pick_dtype(&probe, &config.embedding_weight(), options.dtype);
+    let dtype = probe.load_dtype(config.arch, options.dtype);
     let planned = bigmodel::plan::hf::tree_from_config(&hf)?;
     check_layer_count(&hf, &planned, &probe)?;
     let weights = dispatch(
@@ -550,7 +537,7 @@ pub fn open_seq2seq_lm(
     let probe = FolderWeights::open(dir, None)?;
     let config = T5Config::from_config(&hf)?.tie_to(&probe);
     hf.tie_word_embeddings = config.tie_word_embeddings;
-    let dtype = options.dtype.unwrap_or_else(|| stored_dtype(&probe));
+    let dtype = probe.load_dtype(Family::T5, options.dtype);
     let planned = bigmodel::plan::hf::tree_from_config(&hf)?;
     let encoder: Vec<String> = (0..config.encoder_layers)
         .map(|i| format!("encoder.block.{i}"))
@@ -611,16 +598,8 @@ fn open_encoder(
     let hf = read_config(dir, SUPPORTED_ENCODERS)?;
     let config = EncoderConfig::from_config(&hf)?;
     let probe = FolderWeights::open(dir, None)?;
-    let prefix = if probe.contains("bert.embeddings.word_embeddings.weight") {
-        "bert."
-    } else {
-        ""
-    };
-    let dtype = pick_dtype(
-        &probe,
-        &format!("{prefix}embeddings.word_embeddings.weight"),
-        options.dtype,
-    );
+    let prefix = probe.bert_prefix();
+    let dtype = probe.load_dtype(Family::Bert, options.dtype);
     let (tree, no_split) = if prefix.is_empty() {
         let planned = bigmodel::plan::hf::tree_from_config(&hf)?;
         check_layer_count(&hf, &planned, &probe)?;

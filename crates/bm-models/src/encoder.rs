@@ -231,19 +231,8 @@ impl SentenceEmbedder {
         let dir = dir.as_ref();
         let config = EncoderConfig::from_dir(dir)?;
         let probe = FolderWeights::open(dir, None)?;
-        let prefix = if probe.contains("bert.embeddings.word_embeddings.weight") {
-            "bert."
-        } else {
-            ""
-        };
-        let dtype = match dtype {
-            Some(d) => d,
-            None => probe
-                .meta(&format!("{prefix}embeddings.word_embeddings.weight"))
-                .map(|m| m.dtype)
-                .filter(|d| bm_compute::is_compute_dtype(*d))
-                .unwrap_or(DType::F32),
-        };
+        let prefix = probe.bert_prefix();
+        let dtype = probe.load_dtype(Family::Bert, dtype);
         let weights = FolderWeights::open(dir, Some(dtype))?;
         SentenceEmbedder::with_weights(dir, config, dtype, prefix, Box::new(weights))
     }

@@ -93,4 +93,4 @@ pub use quant_config::{BnbCheckpoint, QuantizeOptions};
 pub use sampling::Sampling;
 pub use seq2seq::{SUPPORTED_SEQ2SEQ, Seq2SeqCache, Seq2SeqLm, T5, T5Config, is_seq2seq};
 pub use text::TextTokenizer;
-pub use weights::{FolderWeights, LinearWeight, WeightLayout, WeightSource};
+pub use weights::{FolderWeights, LinearWeight, WeightLayout, WeightSource, folder_load_dtype};

@@ -35,7 +35,7 @@ pub const SUPPORTED_SEQ2SEQ: &str = "t5 (T5ForConditionalGeneration)";
 const OWN_HEAD: &str = "lm_head.weight";
 
 /// The shared token embedding (also the head's weight when tied).
-const SHARED: &str = "shared.weight";
+pub(crate) const SHARED: &str = "shared.weight";
 
 /// What a T5 `config.json` says, in the terms the blocks use.
 #[derive(Clone, Debug, PartialEq)]
@@ -640,7 +640,7 @@ impl Seq2SeqLm {
         let dir = dir.as_ref();
         let probe = FolderWeights::open(dir, None)?;
         let config = T5Config::from_dir(dir)?.tie_to(&probe);
-        let dtype = dtype.unwrap_or_else(|| stored_dtype(&probe));
+        let dtype = probe.load_dtype(Family::T5, dtype);
         let weights = FolderWeights::open(dir, Some(dtype))?;
         Seq2SeqLm::with_weights(dir, config, dtype, Box::new(weights))
     }
@@ -744,14 +744,6 @@ pub fn is_seq2seq(dir: impl AsRef<Path>) -> Result<bool, Error> {
 
 /// The stored dtype of `shared` (transformers' `dtype="auto"`), F32 when
 /// that is not a compute dtype.
-pub(crate) fn stored_dtype(weights: &FolderWeights) -> DType {
-    weights
-        .meta(SHARED)
-        .map(|m| m.dtype)
-        .filter(|d| bm_compute::is_compute_dtype(*d))
-        .unwrap_or(DType::F32)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -11,10 +11,32 @@ use bm_compute::quant::{QuantizedOnGpu, QuantizedTensor};
 use bm_shard::{Checkpoint, TensorBytes};
 use bm_tensor::{DType, TensorMeta};
 
+use bigmodel::plan::config::Family;
+use bigmodel::plan::hf::DecoderNames;
+
 use crate::quant_config::{self, QuantizeOptions};
 use crate::quantized::{FolderQuant, OnLoad, read_prequantized};
 use crate::{Error, Tensor, config};
 use bm_compute::{HostBytes, is_compute_dtype};
+
+/// [`FolderWeights::load_dtype`] of the folder `dir`: the dtype opening it
+/// loads every float weight in, for a plan to size them in. `None` when
+/// `dir` holds no weights (a config.json alone loads nothing; its own
+/// dtype stands).
+pub fn folder_load_dtype(
+    dir: &Path,
+    family: Family,
+    requested: Option<DType>,
+) -> Result<Option<DType>, Error> {
+    if requested.is_some() {
+        return Ok(requested);
+    }
+    match FolderWeights::open(dir, None) {
+        Ok(weights) => Ok(Some(weights.load_dtype(family, None))),
+        Err(Error::MissingWeights { .. }) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
 
 /// How a checkpoint stores a linear layer's weight.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -227,6 +249,35 @@ impl FolderWeights {
     /// True when the folder has a tensor called `name`.
     pub fn contains(&self, name: &str) -> bool {
         self.checkpoint.meta(name).is_some()
+    }
+
+    /// The prefix of a BERT checkpoint's names: `bert.` when it was saved
+    /// from a task model (`BertForMaskedLM`), else none.
+    pub(crate) fn bert_prefix(&self) -> &'static str {
+        match self.contains("bert.embeddings.word_embeddings.weight") {
+            true => "bert.",
+            false => "",
+        }
+    }
+
+    /// The dtype a `family` model over these weights loads and computes
+    /// in: `requested`, else the stored dtype of the token embedding
+    /// (transformers' `dtype="auto"` read from the checkpoint), F32 when
+    /// that is not a float. Every float weight is loaded in it, so this is
+    /// also the dtype a plan of the folder sizes them in
+    /// ([`folder_load_dtype`]): the one decision for both.
+    pub fn load_dtype(&self, family: Family, requested: Option<DType>) -> DType {
+        let embedding = match family {
+            Family::T5 => crate::seq2seq::SHARED.to_string(),
+            Family::Bert => format!("{}embeddings.word_embeddings.weight", self.bert_prefix()),
+            decoder => format!("{}.weight", DecoderNames::of(decoder).embed),
+        };
+        requested.unwrap_or_else(|| {
+            self.meta(&embedding)
+                .map(|m| m.dtype)
+                .filter(|d| is_compute_dtype(*d))
+                .unwrap_or(DType::F32)
+        })
     }
 
     /// The tensor `name` as stored, or cast to `dtype`.

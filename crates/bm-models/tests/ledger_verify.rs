@@ -2,9 +2,12 @@
 //! host-emulated GPUs: a plan that passes the dry run generates the
 //! declared number of tokens without running out of memory, every GPU's
 //! peak stays within its ledger, and a budget shrunk by the activation
-//! peak fails the dry run before anything is loaded.
+//! peak fails the dry run before anything is loaded. A plan sizes weights
+//! in the dtype loading takes.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use bigmodel::device::DeviceSet;
@@ -16,7 +19,7 @@ use bm_models::{GenerateOptions, open_causal_lm};
 use bm_tensor::DType;
 
 fn tiny_llama() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-llama")
+    common::fixture("tiny-llama")
 }
 
 const KIB: u64 = 1 << 10;
@@ -107,4 +110,74 @@ fn a_verified_plan_generates_within_its_ledger_and_a_smaller_budget_fails_the_dr
     assert_eq!(shortfalls[0].device, Device::Gpu(0));
     assert_eq!(shortfalls[0].short_by(), peak);
     assert!(shortfalls[0].to_string().starts_with("0 is short by"));
+}
+
+/// `tiny-llama` with a config.json that says float16 over its F32 weights.
+fn tiny_llama_labelled_f16() -> tempfile::TempDir {
+    let dir = common::copy_fixture("tiny-llama");
+    common::edit_json(&dir.path().join("config.json"), |c| {
+        c["dtype"] = "float16".into()
+    });
+    dir
+}
+
+#[test]
+fn a_plan_sizes_weights_in_the_dtype_loading_takes_not_the_configs() {
+    let dir = tiny_llama_labelled_f16();
+    let config = dir.path().join("config.json");
+    let hf = HfConfig::parse(&std::fs::read_to_string(&config).unwrap(), &config).unwrap();
+    let model = tree_from_config(&hf).unwrap();
+    assert_eq!(model.dtype, DType::F16, "the config's dtype");
+    let dtype = bm_models::folder_load_dtype(dir.path(), model.family, None).unwrap();
+    assert_eq!(dtype, Some(DType::F32), "the stored dtype");
+
+    // Budgets that split the F32 model over two GPUs (it would fit one at
+    // the config's F16 sizes).
+    let max_memory = MaxMemory::new([
+        (Device::Gpu(0), 400 * KIB),
+        (Device::Gpu(1), 400 * KIB),
+        (Device::Cpu, 64 << 20),
+    ])
+    .unwrap();
+    let options = PlanOptions {
+        max_memory: max_memory.clone(),
+        max_memory_from_user: true,
+        no_split: model.no_split.clone(),
+        dtype,
+        ..PlanOptions::default()
+    };
+    let plan = plan_with(&model.tree, &options, Compat::Auto).unwrap();
+
+    // Loading plans for itself, with the same decision, and allocates
+    // exactly what the plan placed on each GPU.
+    let devices = Arc::new(DeviceSet::emulated(&[400 * KIB, 400 * KIB]));
+    let run_options = Options {
+        device_map: Some(DeviceMapSpec::Strategy(bigmodel::plan::Mode::Auto)),
+        max_memory: Some(max_memory),
+        ..Options::default()
+    };
+    let dispatched = open_causal_lm(dir.path(), devices.clone(), &run_options).unwrap();
+    assert_eq!(
+        dispatched.weights.model().hf_device_map().as_ref(),
+        Some(&plan.device_map)
+    );
+    let mut loaded = 0;
+    for (i, gpu) in devices.gpus().iter().enumerate() {
+        let planned = plan
+            .device_bytes
+            .iter()
+            .find(|(d, _)| *d == Device::Gpu(i as u32))
+            .map_or(0, |(_, b)| *b);
+        assert!(planned > 0, "the model is split: {:?}", plan.device_bytes);
+        assert_eq!(gpu.live_bytes(), planned, "GPU {i}");
+        loaded += planned;
+    }
+    // Every tensor in F32, as stored (the config's F16 would be half).
+    let elements: u64 = model
+        .tree
+        .tensors()
+        .iter()
+        .map(|t| t.meta.numel() as u64)
+        .sum();
+    assert_eq!(loaded, elements * 4);
 }

@@ -250,12 +250,28 @@ pub fn run(args: Args) -> CmdResult {
         _ => None,
     };
     let tree = loaded.as_ref().unwrap_or(source.tree());
+    // `run` loads every float weight of a folder in one dtype (--dtype, else
+    // the checkpoint's, whatever config.json says): bigmodel sizes the plan
+    // in it, by the decision loading takes. Accelerate's planner sizes in
+    // the dtype it is given, as Accelerate does; its map's ledger is what
+    // loading it allocates.
+    let load_dtype = match (&source, config_folder) {
+        (Source::Config(model), Some(folder)) => {
+            bm_models::folder_load_dtype(folder, model.family, dtype)
+                .map_err(|e| format!("{}: {e}", folder.display()))?
+        }
+        _ => dtype,
+    };
+    let plan_dtype = match compat {
+        Compat::Auto => load_dtype,
+        Compat::Accelerate => dtype,
+    };
 
     if let Some((path, map)) = custom_map {
         return check_custom_map(
             tree,
             (&path, map),
-            dtype,
+            load_dtype,
             experts_on,
             args.json,
             source.tree().parameter_count(),
@@ -288,7 +304,7 @@ pub fn run(args: Args) -> CmdResult {
         max_memory,
         max_memory_from_user: from_user,
         no_split,
-        dtype,
+        dtype: plan_dtype,
         mode,
         offload_buffers: args.offload_buffers,
         fallback_allocation: args.fallback_allocation,
@@ -317,7 +333,7 @@ pub fn run(args: Args) -> CmdResult {
         }
         let on_gpu = options.max_memory.gpus().any(|(_, b)| b > 0);
         model
-            .runtime_charges(workload, on_gpu, dtype.unwrap_or(model.dtype))
+            .runtime_charges(workload, on_gpu, load_dtype.unwrap_or(model.dtype))
             .apply(&mut options);
     }
     let speed = match args.objective.as_str() {
@@ -348,7 +364,11 @@ pub fn run(args: Args) -> CmdResult {
     let mut plan = bigmodel::plan::plan_with(tree, &options, compat)?;
     // Accelerate's planner keeps no ledger: the ledger of its map.
     if compat == Compat::Accelerate {
-        plan.ledger = bigmodel::plan::auto::ledger(tree, &plan.device_map, &options)?;
+        let loaded = PlanOptions {
+            dtype: load_dtype,
+            ..options.clone()
+        };
+        plan.ledger = bigmodel::plan::auto::ledger(tree, &plan.device_map, &loaded)?;
     }
     let mut default_predicted: Option<Prediction> = None;
     let predicted = match &calibration {
@@ -425,7 +445,7 @@ pub fn run(args: Args) -> CmdResult {
         }
         println!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
-        print_table(tree, &plan, dtype, source.tree().parameter_count());
+        print_table(tree, &plan, plan_dtype, source.tree().parameter_count());
         if let Some(p) = &predicted {
             println!(
                 "predicted: first forward {:.4} s, {:.4} s/token, {} streamed per token",

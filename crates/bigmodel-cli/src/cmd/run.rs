@@ -556,6 +556,10 @@ fn verified_map(
     };
     let tree = bm_models::load_tree(Some(dir), &model.tree, quantize, given_map)
         .map_err(|e| in_dir(&e))?;
+    // Sized in the dtype loading will take (the checkpoint's, not config.json's).
+    let dtype = bm_models::folder_load_dtype(dir, model.family, options.dtype)
+        .map_err(|e| in_dir(&e))?
+        .or(options.dtype);
     let (max_memory, from_user) = match &options.max_memory {
         Some(m) => (m.clone(), true),
         None => (
@@ -571,7 +575,7 @@ fn verified_map(
         overheads: bigmodel::overheads(&max_memory, &bigmodel::cuda_gpus(devices)),
         max_memory_from_user: from_user,
         no_split: model.no_split.clone(),
-        dtype: options.dtype,
+        dtype,
         prefetch_depth: options.prefetch_depth(),
         experts_on: options.experts_on,
         ..PlanOptions::default()
@@ -579,7 +583,7 @@ fn verified_map(
     let on_gpu = max_memory.gpus().any(|(_, b)| b > 0);
     plan_options.max_memory = max_memory;
     model
-        .runtime_charges(&workload, on_gpu, options.dtype.unwrap_or(model.dtype))
+        .runtime_charges(&workload, on_gpu, dtype.unwrap_or(model.dtype))
         .apply(&mut plan_options);
     let (map, ledger, depth) = match &options.device_map {
         Some(DeviceMapSpec::Map(map)) => {
