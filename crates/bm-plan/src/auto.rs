@@ -946,19 +946,23 @@ pub fn ledger(tree: &ModuleTree, map: &DeviceMap, options: &PlanOptions) -> Resu
         .unwrap_or(Device::Cpu);
     let index = |device: Device| devices.iter().position(|d| *d == device).unwrap_or(0);
     let exec = index(main);
-    let lookup = map.lookup();
+    let resolved = map.resolve(tree);
     let mut device_of_item = Vec::with_capacity(items.len());
     for item in &items {
-        let name = tree.node_name(item.first);
         // A unit the map splits (experts placed apart) runs where its
         // first placed tensor is; its weights are all counted there.
         let first_tensor = || {
-            tree.tensors()
+            tree.subtree(unit_module(tree, item.first))
                 .iter()
-                .filter(|t| tree.is_within(t.module, unit_module(tree, item.first)))
-                .find_map(|t| lookup.device_of(&t.name))
+                .flat_map(|&m| {
+                    let module = tree.module(m);
+                    module.params.iter().chain(&module.buffers)
+                })
+                .filter(|&&t| resolved.tensor[t].is_some())
+                .min()
+                .and_then(|&t| resolved.tensor[t])
         };
-        let device = match lookup.device_of(name).or_else(first_tensor) {
+        let device = match resolved.of(item.first).or_else(first_tensor) {
             Some(d) => d,
             // A weightless module the map need not name runs beside the
             // previous one.

@@ -60,7 +60,9 @@ pub use device::{Device, MaxMemory};
 pub use error::Error;
 pub use experts::{expert_lists, place_experts};
 pub use ledger::{Ledger, LedgerItem, ModelShape, Shortfall, Workload};
-pub use plan::{Compat, DeviceLookup, DeviceMap, Mode, Plan, PlanOptions, check_device_map};
+pub use plan::{
+    Compat, DeviceLookup, DeviceMap, Mode, Plan, PlanOptions, ResolvedMap, check_device_map,
+};
 pub use predict::{Calibration, Prediction, predict};
 pub use size::{
     MAX_BUDGET, convert_file_size_to_int, human_bytes, parse_size_text, parse_size_value,
