@@ -21,7 +21,7 @@ use std::ops::Range;
 
 use bm_tensor::{DType, TensorMeta};
 
-use super::{FORMAT, ModuleId, ModuleTree, ModuleTreeBuilder, TensorId, TensorKind, join};
+use super::{FORMAT, ModuleId, ModuleTree, ModuleTreeBuilder, Node, TensorId, TensorKind, join};
 use crate::Error;
 use bm_json::{Kind, Reader, line_column};
 
@@ -746,6 +746,12 @@ fn build(text: &str, mut doc: RawDocument<'_>) -> Result<ModuleTree, Error> {
     };
     let mut builder = ModuleTreeBuilder::new(doc.str(doc.modules[root].class));
     builder.reserve(doc.modules.len(), doc.tensors.len());
+    builder.index_later();
+    // Where each node is in the text, by id, for a duplicate name found
+    // when the names are indexed.
+    let mut module_pos = vec![doc.modules[root].pos];
+    module_pos.reserve_exact(doc.modules.len());
+    let mut tensor_pos = Vec::with_capacity(doc.tensors.len());
     let (starts, children) = children_lists(&doc.modules);
     let name_budget = text.len().saturating_mul(NAME_BYTES_PER_BYTE);
     let mut name_bytes = 0usize;
@@ -789,6 +795,7 @@ fn build(text: &str, mut doc: RawDocument<'_>) -> Result<ModuleTree, Error> {
                 };
                 let tensor = added.map_err(|e| locate(text, e, t.pos as usize))?;
                 spend(&builder.tensors[tensor].name, t.pos as usize)?;
+                tensor_pos.push(t.pos);
             }
         }
         let first_id = builder.modules.len();
@@ -800,6 +807,7 @@ fn build(text: &str, mut doc: RawDocument<'_>) -> Result<ModuleTree, Error> {
                 .add_module(id, doc.str(child.name), doc.str(child.class))
                 .map_err(|e| locate(text, e, child.pos as usize))?;
             spend(&builder.modules[cid].name, child.pos as usize)?;
+            module_pos.push(child.pos);
         }
         // The children got consecutive ids; the first is read first.
         for (k, &c) in kids.iter().enumerate().rev() {
@@ -807,6 +815,13 @@ fn build(text: &str, mut doc: RawDocument<'_>) -> Result<ModuleTree, Error> {
         }
     }
 
+    builder.index_added().map_err(|(node, e)| {
+        let pos = match node {
+            Node::Module(m) => module_pos[m],
+            Node::Tensor(t) => tensor_pos[t],
+        };
+        locate(text, e, pos as usize)
+    })?;
     for group in &doc.tied {
         let names: Vec<&str> = group.names.iter().map(|n| doc.str(*n)).collect();
         builder.tie(&names);
