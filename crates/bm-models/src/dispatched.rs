@@ -535,7 +535,7 @@ pub fn open_seq2seq_lm(
     let dir = dir.as_ref();
     let mut hf = read_config(dir, SUPPORTED_SEQ2SEQ)?;
     let probe = FolderWeights::open(dir, None)?;
-    let config = T5Config::from_config(&hf)?.tie_to(&probe);
+    let config = T5Config::from_folder(&hf, dir)?.tie_to(&probe);
     hf.tie_word_embeddings = config.tie_word_embeddings;
     let dtype = probe.load_dtype(Family::T5, options.dtype);
     let planned = bigmodel::plan::hf::tree_from_config(&hf)?;

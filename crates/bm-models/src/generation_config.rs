@@ -2,7 +2,7 @@
 //! `generate` starts from (sampling settings, lengths, end tokens), which
 //! the caller's own settings override.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use bigmodel::plan::config::ConfigKeys;
 
@@ -25,10 +25,46 @@ pub struct GenerationConfig {
     pub max_length: Option<usize>,
     /// Tokens that end a sequence (`eos_token_id`, one id or a list).
     pub eos_token_ids: Vec<u32>,
-    /// An encoder–decoder's first decoder token (`decoder_start_token_id`),
-    /// when the file gives one: it overrides config.json's, as in
-    /// transformers' `generate`.
-    pub decoder_start_token_id: Option<u32>,
+    /// Where an encoder–decoder's first decoder token comes from.
+    pub decoder_start: DecoderStart,
+}
+
+/// Where an encoder–decoder's first decoder token comes from, as
+/// transformers' `generate` (5.x) picks it: its generation config's
+/// `decoder_start_token_id`, else that config's `bos_token_id`. The
+/// generation config is generation_config.json when the folder has one
+/// (config.json's tokens are then not read at all), else the one
+/// transformers makes from config.json.
+#[derive(Clone, Debug, PartialEq)]
+pub enum DecoderStart {
+    /// The folder has no generation_config.json: config.json's tokens.
+    ModelConfig,
+    /// generation_config.json's token (`None`: it names neither).
+    File {
+        /// The file, for errors.
+        path: PathBuf,
+        /// Its `decoder_start_token_id`, else its `bos_token_id`.
+        token: Option<u32>,
+    },
+}
+
+/// A config's first decoder token: `decoder_start_token_id`, else
+/// `bos_token_id` (transformers' fallback), at most one id. The rule for
+/// config.json and generation_config.json alike.
+pub(crate) fn start_token(keys: &ConfigKeys) -> Result<Option<u32>, Error> {
+    let mut key = "decoder_start_token_id";
+    let mut ids = keys.token_ids(key)?;
+    if ids.is_empty() {
+        key = "bos_token_id";
+        ids = keys.token_ids(key)?;
+    }
+    match ids.as_slice() {
+        [] => Ok(None),
+        [id] => Ok(Some(*id)),
+        ids => Err(keys
+            .error(key, format!("{ids:?}: expected one token id"))
+            .into()),
+    }
 }
 
 impl GenerationConfig {
@@ -43,7 +79,7 @@ impl GenerationConfig {
             max_new_tokens: None,
             max_length: None,
             eos_token_ids: eos_token_ids.to_vec(),
-            decoder_start_token_id: None,
+            decoder_start: DecoderStart::ModelConfig,
         }
     }
 
@@ -103,17 +139,9 @@ impl GenerationConfig {
             max_new_tokens: keys.opt_count("max_new_tokens", usize::MAX)?,
             max_length: keys.opt_count("max_length", usize::MAX)?,
             eos_token_ids: eos,
-            decoder_start_token_id: match keys.token_ids("decoder_start_token_id")?.as_slice() {
-                [] => defaults.decoder_start_token_id,
-                [id] => Some(*id),
-                ids => {
-                    return Err(keys
-                        .error(
-                            "decoder_start_token_id",
-                            format!("{ids:?}: expected one token id"),
-                        )
-                        .into());
-                }
+            decoder_start: DecoderStart::File {
+                path: keys.file().to_path_buf(),
+                token: start_token(keys)?,
             },
         })
     }

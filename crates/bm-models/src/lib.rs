@@ -87,7 +87,7 @@ pub use family::{
     RopeConfig, SUPPORTED_DECODERS, SUPPORTED_GENERATORS,
 };
 pub use generate::{BatchSize, Batched, Conversation, GenerateOptions, Generation};
-pub use generation_config::GenerationConfig;
+pub use generation_config::{DecoderStart, GenerationConfig};
 pub use packed::{OwnedEntry, SaveQuantized, load_tree};
 pub use quant_config::{BnbCheckpoint, QuantizeOptions};
 pub use sampling::Sampling;

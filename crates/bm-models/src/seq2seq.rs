@@ -22,11 +22,15 @@ use bm_tensor::DType;
 use crate::config::{found, read_config};
 use crate::decoder::{KvCache, fetch, fetch_linear, in_block};
 use crate::family::Activation;
+use crate::generation_config::start_token;
 use crate::ops::{self, Heads, LayerCache, Mask, Scores};
 use crate::sampling::Pcg32;
 use crate::text::TextTokenizer;
 use crate::weights::{FolderWeights, WeightLayout, WeightSource};
-use crate::{Error, GenerateOptions, Generation, GenerationConfig, SUPPORTED_GENERATORS, Tensor};
+use crate::{
+    DecoderStart, Error, GenerateOptions, Generation, GenerationConfig, SUPPORTED_GENERATORS,
+    Tensor,
+};
 
 /// The encoder–decoder architectures this crate runs.
 pub const SUPPORTED_SEQ2SEQ: &str = "t5 (T5ForConditionalGeneration)";
@@ -67,23 +71,30 @@ pub struct T5Config {
     /// The head is `shared` (`false` when the checkpoint has its own
     /// `lm_head.weight`, which transformers then keeps).
     pub tie_word_embeddings: bool,
-    /// The decoder's first input token (`decoder_start_token_id`, else
-    /// `bos_token_id`; generation_config.json's overrides it when the
-    /// model is opened with [`Seq2SeqLm`]).
+    /// The decoder's first input token (see [`DecoderStart`]).
     pub decoder_start_token_id: u32,
     /// Tokens that end generation (`eos_token_id`).
     pub eos_token_ids: Vec<u32>,
 }
 
 impl T5Config {
-    /// Reads `dir/config.json`.
+    /// Reads `dir/config.json` and, for the first decoder token,
+    /// `dir/generation_config.json` when the folder has one.
     pub fn from_dir(dir: impl AsRef<Path>) -> Result<T5Config, Error> {
-        T5Config::from_config(&read_config(dir.as_ref(), SUPPORTED_SEQ2SEQ)?)
+        let dir = dir.as_ref();
+        T5Config::from_folder(&read_config(dir, SUPPORTED_SEQ2SEQ)?, dir)
+    }
+
+    /// [`T5Config::from_config`] with folder `dir`'s generation config.
+    pub fn from_folder(c: &HfConfig, dir: &Path) -> Result<T5Config, Error> {
+        let generation = GenerationConfig::from_dir(dir, &c.keys.token_ids("eos_token_id")?)?;
+        T5Config::from_config(c, &generation.decoder_start)
     }
 
     /// The model a config (read by bm-plan's config reader) describes, with
-    /// the head tied to `shared` (see [`T5Config::tie_word_embeddings`]).
-    pub fn from_config(c: &HfConfig) -> Result<T5Config, Error> {
+    /// the head tied to `shared` (see [`T5Config::tie_word_embeddings`]),
+    /// starting the decoder from the token `start` says.
+    pub fn from_config(c: &HfConfig, start: &DecoderStart) -> Result<T5Config, Error> {
         let (Family::T5, Some(s2s)) = (c.family, &c.seq2seq) else {
             return Err(Error::UnsupportedArchitecture {
                 found: found(c.family.model_type(), &c.architectures()?),
@@ -115,39 +126,7 @@ impl T5Config {
                 )
                 .into());
         }
-        // transformers' generate falls back to bos_token_id.
-        let start = match k.token_ids("decoder_start_token_id")?.as_slice() {
-            [] => k.token_ids("bos_token_id")?,
-            ids => ids.to_vec(),
-        };
-        let start = match start.as_slice() {
-            [id] => *id,
-            [] => {
-                return Err(k
-                    .error(
-                        "decoder_start_token_id",
-                        "missing (and no bos_token_id): generation starts the decoder from it \
-                         (T5 uses the pad token, usually 0)",
-                    )
-                    .into());
-            }
-            ids => {
-                return Err(k
-                    .error(
-                        "decoder_start_token_id",
-                        format!("{ids:?}: expected one token id"),
-                    )
-                    .into());
-            }
-        };
-        if start as usize >= c.vocab_size {
-            return Err(k
-                .error(
-                    "decoder_start_token_id",
-                    format!("{start} is not below vocab_size {}", c.vocab_size),
-                )
-                .into());
-        }
+        let start = decoder_start(c, start)?;
         Ok(T5Config {
             vocab_size: c.vocab_size,
             d_model: c.hidden_size,
@@ -178,6 +157,45 @@ impl T5Config {
         self.tie_word_embeddings = !weights.contains(OWN_HEAD);
         self
     }
+}
+
+/// The decoder's first input token: generation_config.json's when the
+/// folder has one, else config.json's (see [`DecoderStart`]); it must be
+/// below `vocab_size`. Errors name the file that decided.
+fn decoder_start(c: &HfConfig, start: &DecoderStart) -> Result<u32, Error> {
+    const KEY: &str = "decoder_start_token_id";
+    let (token, file) = match start {
+        DecoderStart::ModelConfig => (start_token(&c.keys)?, None),
+        DecoderStart::File { path, token } => (*token, Some(path)),
+    };
+    let error = |message: String| -> Error {
+        match file {
+            None => c.keys.error(KEY, message).into(),
+            Some(path) => Error::Config {
+                path: path.clone(),
+                key: KEY.into(),
+                message,
+            },
+        }
+    };
+    let Some(token) = token else {
+        let missing = "missing (and no bos_token_id): generation starts the decoder from it \
+                       (T5 uses the pad token, usually 0)";
+        return Err(error(match file {
+            None => missing.into(),
+            Some(_) => format!(
+                "{missing}; transformers reads it from this file when the folder has one, \
+                 not from config.json"
+            ),
+        }));
+    };
+    if token as usize >= c.vocab_size {
+        return Err(error(format!(
+            "{token} is not below vocab_size {}",
+            c.vocab_size
+        )));
+    }
+    Ok(token)
 }
 
 /// The two stacks.
@@ -655,17 +673,6 @@ impl Seq2SeqLm {
         let dir = dir.as_ref().to_path_buf();
         let tokenizer = TextTokenizer::open_in(&dir, None)?;
         let generation = GenerationConfig::from_dir(&dir, &config.eos_token_ids)?;
-        let mut config = config;
-        if let Some(start) = generation.decoder_start_token_id {
-            if start as usize >= config.vocab_size {
-                return Err(Error::Config {
-                    path: dir.join("generation_config.json"),
-                    key: "decoder_start_token_id".into(),
-                    message: format!("{start} is not below vocab_size {}", config.vocab_size),
-                });
-            }
-            config.decoder_start_token_id = start;
-        }
         Ok(Seq2SeqLm {
             t5: T5::new(config, dtype)?,
             weights,
@@ -747,6 +754,7 @@ pub fn is_seq2seq(dir: impl AsRef<Path>) -> Result<bool, Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use bigmodel::plan::config::ConfigKeys;
     use serde_json::json;
 
     #[test]
@@ -802,7 +810,89 @@ mod tests {
         for (k, v) in extra.as_object().unwrap() {
             c[k] = v.clone();
         }
-        T5Config::from_config(&HfConfig::from_value(c, "t5/config.json").unwrap())
+        T5Config::from_config(
+            &HfConfig::from_value(c, "t5/config.json").unwrap(),
+            &DecoderStart::ModelConfig,
+        )
+    }
+
+    /// transformers 5.23's first decoder token (checked with its
+    /// `generate` on tiny-t5 edited each way): generation_config.json
+    /// decides when the folder has one, config.json only when it has none;
+    /// in each, `decoder_start_token_id`, else `bos_token_id`.
+    #[test]
+    fn the_first_decoder_token_follows_transformers_precedence() {
+        let start = |config: serde_json::Value, file: Option<serde_json::Value>| {
+            let mut c = json!({
+                "model_type": "t5", "vocab_size": 32, "d_model": 16, "d_kv": 4, "d_ff": 24,
+                "num_layers": 2, "num_heads": 2,
+            });
+            for (k, v) in config.as_object().unwrap() {
+                c[k] = v.clone();
+            }
+            let c = HfConfig::from_value(c, "t5/config.json").unwrap();
+            let generation = match file {
+                None => GenerationConfig::defaults(&[]),
+                Some(file) => {
+                    let keys = ConfigKeys::from_value(file, "t5/generation_config.json").unwrap();
+                    GenerationConfig::from_keys(&keys, GenerationConfig::defaults(&[])).unwrap()
+                }
+            };
+            T5Config::from_config(&c, &generation.decoder_start)
+                .map(|c| c.decoder_start_token_id)
+                .map_err(|e| e.to_string())
+        };
+        let none = json!({});
+        let config_start = json!({"decoder_start_token_id": 3});
+        assert_eq!(
+            start(none.clone(), Some(json!({"decoder_start_token_id": 7}))),
+            Ok(7)
+        );
+        assert_eq!(start(none.clone(), Some(json!({"bos_token_id": 5}))), Ok(5));
+        assert_eq!(
+            start(config_start.clone(), Some(json!({"bos_token_id": 5}))),
+            Ok(5)
+        );
+        assert_eq!(
+            start(
+                config_start.clone(),
+                Some(json!({"decoder_start_token_id": 7, "bos_token_id": 5}))
+            ),
+            Ok(7)
+        );
+        assert_eq!(start(json!({"bos_token_id": 4}), None), Ok(4));
+        assert_eq!(
+            start(
+                json!({"decoder_start_token_id": 3, "bos_token_id": 4}),
+                None
+            ),
+            Ok(3)
+        );
+        // A generation_config.json naming neither: config.json's token is
+        // not used, and the error says so.
+        for file in [
+            json!({"eos_token_id": 1}),
+            json!({"decoder_start_token_id": null}),
+        ] {
+            let err = start(config_start.clone(), Some(file)).unwrap_err();
+            assert!(
+                err.starts_with(
+                    "t5/generation_config.json: key \"decoder_start_token_id\": missing"
+                ) && err.contains("not from config.json"),
+                "{err}"
+            );
+        }
+        let err = start(none, None).unwrap_err();
+        assert!(
+            err.starts_with("t5/config.json: key \"decoder_start_token_id\": missing"),
+            "{err}"
+        );
+        let err = start(config_start, Some(json!({"decoder_start_token_id": 32}))).unwrap_err();
+        assert!(
+            err.starts_with("t5/generation_config.json")
+                && err.contains("32 is not below vocab_size 32"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -858,7 +948,9 @@ mod tests {
             "config.json",
         )
         .unwrap();
-        let err = T5Config::from_config(&llama).unwrap_err().to_string();
+        let err = T5Config::from_config(&llama, &DecoderStart::ModelConfig)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("supported are t5"), "{err}");
     }
 }

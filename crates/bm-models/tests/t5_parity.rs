@@ -101,6 +101,31 @@ fn half_precision_runs_close_to_f32() {
     }
 }
 
+/// A config.json with neither `decoder_start_token_id` nor
+/// `bos_token_id` runs from generation_config.json's start token, as
+/// transformers does, and gives the reference's tokens.
+#[test]
+fn the_start_token_may_come_from_generation_config_json_alone() {
+    let dir = copy_fixture("tiny-t5");
+    edit_json(&dir.path().join("config.json"), |c| {
+        let c = c.as_object_mut().unwrap();
+        c.remove("decoder_start_token_id");
+        assert!(c.get("bos_token_id").is_none_or(|v| v.is_null()));
+    });
+    let lm = Seq2SeqLm::open(dir.path(), Some(DType::F32)).unwrap();
+    assert_eq!(lm.model().config().decoder_start_token_id, 0);
+    let reference = Reference::of("tiny-t5");
+    let want = reference.ids("generated.0");
+    let options = GenerateOptions {
+        max_new_tokens: want.len(),
+        ..GenerateOptions::default()
+    };
+    let generation = lm
+        .generate_ids(&reference.ids("prompt.0"), &options, &mut |_| {})
+        .unwrap();
+    assert_eq!(generation.tokens, want);
+}
+
 #[test]
 fn generation_config_start_token_overrides_config_json() {
     let dir = copy_fixture("tiny-t5");
