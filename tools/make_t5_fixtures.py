@@ -26,6 +26,10 @@ Beside each, `reference.safetensors`:
                                  scratch (no cache, no stop at EOS), so the
                                  Rust KV cache is checked against a run
                                  without one
+* `logits_f16.N` F32 [1, vocab]  the same logits with the model loaded in
+                                 float16 (`dtype=torch.float16`), which keeps
+                                 the feed-forward output `wo` in float32
+                                 (T5's `_keep_in_fp32_modules`)
 
 Usage: /work/pyenv/bin/python tools/make_t5_fixtures.py [OUT_DIR]
 (default crates/bm-models/tests/fixtures). Deterministic: each model is
@@ -106,6 +110,9 @@ def write(out, name, build):
     # checkpoint says.
     model = T5ForConditionalGeneration.from_pretrained(folder).eval()
     start = model.config.decoder_start_token_id
+    half = T5ForConditionalGeneration.from_pretrained(folder, dtype=torch.float16).eval()
+    kept = {n for n, p in half.named_parameters() if p.dtype == torch.float32}
+    assert kept and all(".wo." in n for n in kept), kept
     ref = {}
     for i, ids in enumerate(PROMPTS):
         x = torch.tensor([ids])
@@ -114,6 +121,9 @@ def write(out, name, build):
             logits = model(input_ids=x, decoder_input_ids=torch.tensor([[start]])).logits
         ref[f"logits.{i}"] = logits[0].float().contiguous()
         ref[f"generated.{i}"] = greedy(model, x, start)
+        with torch.no_grad():
+            logits = half(input_ids=x, decoder_input_ids=torch.tensor([[start]])).logits
+        ref[f"logits_f16.{i}"] = logits[0].float().contiguous()
     save_file(ref, folder / "reference.safetensors")
     size = sum(f.stat().st_size for f in folder.iterdir())
     print(f"wrote {folder} ({size // 1024} KiB)")

@@ -94,7 +94,9 @@ pub use hooks::{
     AlignDevicesHook, CpuOffload, ModelHook, SequentialHook, UserCpuOffloadHook,
     cpu_offload_with_hook, flatten,
 };
-pub use load::{LoadOptions, LoadProgress, LoadReport, LoadTransform, load_checkpoint_in_model};
+pub use load::{
+    LoadOptions, LoadProgress, LoadReport, LoadTransform, in_modules, load_checkpoint_in_model,
+};
 pub use model::Model;
 pub use slots::{Placement, SlotId, Tier};
 pub use transfer::{DiskReads, GPU_CAST_CHUNK, STAGING_BYTES};

@@ -102,12 +102,17 @@ fn load_dtype(name: &str, declared: DType, stored: DType, options: &LoadOptions)
         return cast_target(stored, declared);
     };
     let half = matches!(requested, DType::F16 | DType::BF16);
-    let keep = half
-        && stored.is_float()
-        && options.keep_in_fp32_modules.iter().any(|k| {
-            name == k || name.starts_with(&format!("{k}.")) || name.contains(&format!(".{k}."))
-        });
+    let keep = half && stored.is_float() && in_modules(name, &options.keep_in_fp32_modules);
     cast_target(stored, if keep { DType::F32 } else { requested })
+}
+
+/// True when tensor `name` belongs to one of `modules` (a dotted module
+/// name, or the last parts of one: `wo` names every `….wo.weight`), the
+/// way a `keep_in_fp32_modules` list is matched.
+pub fn in_modules(name: &str, modules: &[String]) -> bool {
+    modules.iter().any(|k| {
+        name == k || name.starts_with(&format!("{k}.")) || name.contains(&format!(".{k}."))
+    })
 }
 
 /// Accelerate's `load_checkpoint_in_model`. Without a map everything goes

@@ -28,7 +28,7 @@ use crate::quant_config::QuantizeOptions;
 use crate::weights::{FolderWeights, LinearWeight, WeightLayout, WeightSource};
 use crate::{
     CausalLm, DecoderConfig, EncoderConfig, Error, SUPPORTED_DECODERS, SUPPORTED_ENCODERS,
-    SUPPORTED_SEQ2SEQ, SentenceEmbedder, Seq2SeqLm, T5Config, Tensor, ops,
+    SUPPORTED_SEQ2SEQ, SentenceEmbedder, Seq2SeqLm, T5, T5Config, Tensor, ops,
 };
 use bm_compute::{HostBytes, is_compute_dtype};
 
@@ -47,6 +47,9 @@ struct Inner {
     exit_error: Mutex<Option<bigmodel::dispatch::Error>>,
     /// The linear weights held packed (quantized), if any.
     packed: Option<Arc<PackedWeights>>,
+    /// Modules the model computes in F32 whatever `dtype` (loaded so, and
+    /// handed out as loaded).
+    kept_f32: Vec<String>,
 }
 
 /// A [`WeightSource`] over a dispatched model. Cheap to clone (clones
@@ -77,15 +80,17 @@ impl DispatchedWeights {
     /// (weights loaded in another dtype, e.g. `keep_in_fp32_modules`, are
     /// converted on each fetch).
     pub fn new(model: Arc<Model>, dtype: DType) -> Result<DispatchedWeights, Error> {
-        DispatchedWeights::with_packed(model, dtype, None)
+        DispatchedWeights::with_packed(model, dtype, None, Vec::new())
     }
 
     /// [`DispatchedWeights::new`] over a model whose tree holds the
-    /// weights of `packed` in packed form.
+    /// weights of `packed` in packed form, the weights of modules
+    /// `kept_f32` handed out as loaded (F32).
     fn with_packed(
         model: Arc<Model>,
         dtype: DType,
         packed: Option<Arc<PackedWeights>>,
+        kept_f32: Vec<String>,
     ) -> Result<DispatchedWeights, Error> {
         ops::check_compute_dtype("dispatched compute dtype", dtype)?;
         Ok(DispatchedWeights {
@@ -97,6 +102,7 @@ impl DispatchedWeights {
                 fetches: AtomicU64::new(0),
                 exit_error: Mutex::new(None),
                 packed,
+                kept_f32,
             }),
         })
     }
@@ -182,7 +188,10 @@ impl DispatchedWeights {
                 name,
             )?,
         };
-        if tensor.dtype() != self.inner.dtype && is_compute_dtype(tensor.dtype()) {
+        if tensor.dtype() != self.inner.dtype
+            && is_compute_dtype(tensor.dtype())
+            && !bigmodel::dispatch::in_modules(name, &self.inner.kept_f32)
+        {
             return Ok(Arc::new(tensor.to_dtype(self.inner.dtype)?));
         }
         Ok(Arc::new(tensor))
@@ -357,18 +366,22 @@ impl<M> std::fmt::Debug for Dispatched<M> {
 /// the family's no-split classes filled in) and dispatches it. Linear
 /// weights are held packed when the folder is pre-quantized or `quantize`
 /// is given: the planner sizes them packed and they are produced one at a
-/// time while loading.
+/// time while loading. Modules `kept_f32` load in F32 whatever `dtype`
+/// and are handed out so.
 fn dispatch(
     dir: &Path,
     probe: &FolderWeights,
     (tree, no_split): (bigmodel::plan::ModuleTree, Vec<String>),
     devices: Arc<DeviceSet>,
     options: &bigmodel::Options,
-    dtype: DType,
+    (dtype, kept_f32): (DType, Vec<String>),
     quantize: Option<&QuantizeOptions>,
 ) -> Result<DispatchedWeights, Error> {
     let mut options = options.clone();
     options.dtype = Some(dtype);
+    options
+        .keep_in_fp32_modules
+        .extend(kept_f32.iter().cloned());
     if options.no_split_module_classes.is_empty() {
         options.no_split_module_classes = no_split;
     }
@@ -386,7 +399,7 @@ fn dispatch(
         None => (tree, None),
     };
     let model = bigmodel::load_checkpoint_and_dispatch(tree, dir, devices, &options)?;
-    DispatchedWeights::with_packed(Arc::new(model), dtype, packed)
+    DispatchedWeights::with_packed(Arc::new(model), dtype, packed, kept_f32)
 }
 
 /// A config whose number of layers disagrees with the checkpoint is an
@@ -514,7 +527,7 @@ fn open_decoder(
         (planned.tree, planned.no_split),
         devices,
         options,
-        dtype,
+        (dtype, Vec::new()),
         quantize,
     )?;
     let model = CausalLm::with_weights(dir, config, dtype, Box::new(weights.clone()))?;
@@ -560,7 +573,7 @@ pub fn open_seq2seq_lm(
         (planned.tree, planned.no_split),
         devices,
         options,
-        dtype,
+        (dtype, T5::kept_f32(dtype)),
         None,
     )?;
     let model = Seq2SeqLm::with_weights(dir, config, dtype, Box::new(weights.clone()))?;
@@ -614,7 +627,7 @@ fn open_encoder(
         (tree, no_split),
         devices,
         options,
-        dtype,
+        (dtype, Vec::new()),
         quantize,
     )?;
     let model =

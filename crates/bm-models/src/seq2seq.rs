@@ -26,7 +26,7 @@ use crate::generation_config::start_token;
 use crate::ops::{self, Heads, LayerCache, Mask, Scores};
 use crate::sampling::Pcg32;
 use crate::text::TextTokenizer;
-use crate::weights::{FolderWeights, WeightLayout, WeightSource};
+use crate::weights::{FolderWeights, LinearWeight, WeightLayout, WeightSource};
 use crate::{
     DecoderStart, Error, GenerateOptions, Generation, GenerationConfig, SUPPORTED_GENERATORS,
     Tensor,
@@ -40,6 +40,9 @@ const OWN_HEAD: &str = "lm_head.weight";
 
 /// The shared token embedding (also the head's weight when tied).
 pub(crate) const SHARED: &str = "shared.weight";
+
+/// The module transformers keeps in F32 in an F16 T5 (see [`T5::kept_f32`]).
+const KEPT_F32: &str = "wo";
 
 /// What a T5 `config.json` says, in the terms the blocks use.
 #[derive(Clone, Debug, PartialEq)]
@@ -298,6 +301,17 @@ impl T5 {
         self.dtype
     }
 
+    /// The modules T5 computes in F32 when it computes in `dtype`:
+    /// transformers keeps the feed-forward output `wo` in F32 when it loads
+    /// T5 in F16 (`_keep_in_fp32_modules`, against F16 overflow; F16 alone:
+    /// T5 has no `_keep_in_fp32_modules_strict`, so BF16 keeps none).
+    pub fn kept_f32(dtype: DType) -> Vec<String> {
+        match dtype {
+            DType::F16 => vec![KEPT_F32.to_string()],
+            _ => Vec::new(),
+        }
+    }
+
     /// Block names in execution order, as transformers names the modules.
     pub fn block_names(&self) -> Vec<String> {
         let c = &self.config;
@@ -324,10 +338,19 @@ impl T5 {
         })
     }
 
-    /// T5's layer norm (an RMS norm, no mean, no bias) of module `module`.
+    /// T5's layer norm (an RMS norm, no mean, no bias) of module `module`,
+    /// in the weight's dtype when that is a half type (transformers'
+    /// `T5LayerNorm`: an F32 residual stream, see [`T5::feed_forward`],
+    /// goes back to F16 here).
     fn norm(&self, src: &dyn WeightSource, module: &str, x: &Tensor) -> Result<Tensor, Error> {
         let weight = fetch(src, &format!("{module}.weight"), &[self.config.d_model])?;
-        Ok(ops::rms_norm(x, &weight, self.config.eps)?)
+        let normed = ops::rms_norm(x, &weight, self.config.eps)?;
+        match weight.dtype() {
+            DType::F16 | DType::BF16 if normed.dtype() != weight.dtype() => {
+                Ok(normed.to_dtype(weight.dtype())?)
+            }
+            _ => Ok(normed),
+        }
     }
 
     /// Linear layer `module` (no bias) on `x`.
@@ -451,6 +474,10 @@ impl T5 {
     }
 
     /// The feed-forward sub-layer `{block}.layer.{sub}`, residual added.
+    /// A `wo` kept in F32 ([`T5::kept_f32`]) takes its input in F32, and
+    /// its F32 output widens the residual sum to F32, as torch promotes
+    /// F16 + F32 (the residual stream then stays F32; the norms bring each
+    /// sub-layer's input back to F16).
     fn feed_forward(
         &self,
         src: &dyn WeightSource,
@@ -469,8 +496,26 @@ impl T5 {
         } else {
             c.activation.apply(&wi("wi")?)?
         };
-        let out = self.linear(src, &format!("{dense}.wo"), [d, ff], &hidden)?;
-        Ok(ops::add(x, &out)?)
+        let wo = fetch_linear(
+            src,
+            &format!("{dense}.wo.weight"),
+            [d, ff],
+            WeightLayout::Linear,
+        )?;
+        let out = match &wo {
+            LinearWeight::Dense(w) if w.dtype() != hidden.dtype() => {
+                wo.forward(&hidden.to_dtype(w.dtype())?, None)?
+            }
+            _ => wo.forward(&hidden, None)?,
+        };
+        if out.dtype() == x.dtype() {
+            Ok(ops::add(x, &out)?)
+        } else {
+            Ok(ops::add(
+                &x.to_dtype(DType::F32)?,
+                &out.to_dtype(DType::F32)?,
+            )?)
+        }
     }
 
     /// A stack's final norm block.
@@ -659,7 +704,7 @@ impl Seq2SeqLm {
         let probe = FolderWeights::open(dir, None)?;
         let config = T5Config::from_dir(dir)?.tie_to(&probe);
         let dtype = probe.load_dtype(Family::T5, dtype);
-        let weights = FolderWeights::open(dir, Some(dtype))?;
+        let weights = FolderWeights::open(dir, Some(dtype))?.keeping_f32(T5::kept_f32(dtype));
         Seq2SeqLm::with_weights(dir, config, dtype, Box::new(weights))
     }
 

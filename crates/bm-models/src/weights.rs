@@ -151,6 +151,8 @@ pub struct FolderWeights {
     checkpoint: Checkpoint,
     dtype: Option<DType>,
     quant: Option<FolderQuant>,
+    /// Modules whose float weights are read in F32 whatever `dtype`.
+    kept_f32: Vec<String>,
 }
 
 impl FolderWeights {
@@ -192,7 +194,16 @@ impl FolderWeights {
             checkpoint,
             dtype,
             quant,
+            kept_f32: Vec::new(),
         })
+    }
+
+    /// These weights with the float tensors of `modules` (matched as a
+    /// `keep_in_fp32_modules` list) read in F32 whatever the dtype asked
+    /// for: the modules a model computes in F32.
+    pub fn keeping_f32(mut self, modules: Vec<String>) -> FolderWeights {
+        self.kept_f32 = modules;
+        self
     }
 
     /// Maps the weights of `dir` and quantizes its linear layers as
@@ -353,6 +364,9 @@ impl WeightSource for FolderWeights {
                 })
             }
             Some(FolderQuant::OnLoad(o)) if o.fp32.matches(quant_config::module_of(name)) => {
+                self.dense(name, Some(DType::F32))
+            }
+            _ if bigmodel::dispatch::in_modules(name, &self.kept_f32) => {
                 self.dense(name, Some(DType::F32))
             }
             _ => self.dense(name, self.dtype),
