@@ -28,8 +28,8 @@ use crate::sampling::Pcg32;
 use crate::text::TextTokenizer;
 use crate::weights::{FolderWeights, LinearWeight, WeightLayout, WeightSource};
 use crate::{
-    DecoderStart, Error, GenerateOptions, Generation, GenerationConfig, SUPPORTED_GENERATORS,
-    Tensor,
+    Backend, DecoderStart, Error, GenerateOptions, Generation, GenerationConfig,
+    SUPPORTED_GENERATORS, Tensor,
 };
 
 /// The encoder–decoder architectures this crate runs.
@@ -411,7 +411,10 @@ impl T5 {
     /// Sub-layer 0 of a block: self-attention over `layer_cache` (the new
     /// positions' keys and values appended first) with the stack's
     /// position `bias` (computed by the first block that runs, block 0,
-    /// which holds the table), residual added.
+    /// which holds the table), residual added. On a GPU the bias is moved
+    /// there once, in F32 as the attention kernel reads it, and the later
+    /// blocks of the forward pass use that copy (again only when a block
+    /// runs on another GPU).
     fn self_attention(
         &self,
         src: &dyn WeightSource,
@@ -436,6 +439,11 @@ impl T5 {
                 bias.insert(self.position_bias(src, &attention, stack, (past, queries))?)
             }
         };
+        if let (Backend::Cuda(_), Some(gpu)) = (q.backend(), src.execution_gpu())
+            && bias.backend() != q.backend()
+        {
+            *bias = bias.to_dtype(DType::F32)?.to_gpu(&gpu)?;
+        }
         let mask = match stack {
             Stack::Encoder => Mask::Bidirectional,
             Stack::Decoder => Mask::Causal,
