@@ -70,6 +70,7 @@
 //! # }
 //! ```
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -167,6 +168,23 @@ impl Options {
     }
 }
 
+/// The float tensors `options.keep_in_fp32_modules` keeps in F32 under a
+/// half `dtype`, for the planner to size as loading stores them
+/// (transformers plans them so: `special_dtypes`).
+fn kept_in_f32(tree: &ModuleTree, options: &Options) -> HashMap<String, DType> {
+    if !matches!(options.dtype, Some(DType::F16 | DType::BF16)) {
+        return HashMap::new();
+    }
+    tree.tensors()
+        .iter()
+        .filter(|t| {
+            t.meta.dtype.is_float()
+                && bm_dispatch::in_modules(&t.name, &options.keep_in_fp32_modules)
+        })
+        .map(|t| (t.name.clone(), DType::F32))
+        .collect()
+}
+
 /// Accelerate's `load_checkpoint_and_dispatch`: plans (for a strategy),
 /// loads the checkpoint at `checkpoint` (file, index or folder) straight to
 /// each tensor's place, and dispatches the model with its hooks.
@@ -190,6 +208,7 @@ pub fn load_checkpoint_and_dispatch(
                 max_memory_from_user: from_user,
                 no_split: options.no_split_module_classes.clone(),
                 dtype: options.dtype,
+                special_dtypes: kept_in_f32(&tree, options),
                 mode: *mode,
                 offload_buffers: options.offload_buffers,
                 prefetch_depth: options.prefetch_depth(),

@@ -141,3 +141,43 @@ fn an_offload_folder_holding_the_checkpoint_is_refused_and_left_as_it_was() {
         );
     }
 }
+
+/// `keep_in_fp32_modules` under a half dtype: the planner sizes those
+/// weights in F32, as loading stores them (transformers' `special_dtypes`
+/// for `_keep_in_fp32_modules`). The GPU holds the four layers in F16
+/// (a quarter of its budget each); with layer 0 in F32 they do not fit, and layer
+/// 1 is offloaded (sized all in F16, everything stayed on the GPU).
+#[test]
+fn modules_kept_in_f32_are_planned_in_f32() {
+    let dir = tempfile::tempdir().unwrap();
+    let side = 64;
+    let b = linear_stack(&dir.path().join("model.safetensors"), 4, side);
+    let layer = (side * side * 4) as u64;
+    let options = Options {
+        device_map: Some(DeviceMapSpec::Strategy(Mode::Sequential)),
+        max_memory: Some(
+            MaxMemory::new([
+                (bigmodel::plan::Device::Gpu(0), 2 * layer + 1),
+                (bigmodel::plan::Device::Cpu, 100 * layer),
+            ])
+            .unwrap(),
+        ),
+        dtype: Some(DType::F16),
+        keep_in_fp32_modules: vec!["0".into()],
+        ..Options::default()
+    };
+    let devices = Arc::new(DeviceSet::emulated(&[1 << 20]));
+    let model =
+        load_checkpoint_and_dispatch(b.build().unwrap(), dir.path(), devices, &options).unwrap();
+    let map = model.hf_device_map().unwrap();
+    assert_eq!(
+        model.placement("0.weight").unwrap(),
+        Placement::Resident(Device::Gpu(0)),
+        "{map:?}"
+    );
+    assert_eq!(
+        model.placement("1.weight").unwrap(),
+        Placement::Offloaded(Tier::Cpu),
+        "{map:?}"
+    );
+}
