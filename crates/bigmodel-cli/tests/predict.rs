@@ -19,7 +19,7 @@ use serde_json::{Value, json};
 /// A calibration of a made-up machine with a slow cold disk.
 fn calibration(host_available_bytes: u64) -> Value {
     json!({
-        "format": "bigmodel-calibration/2",
+        "format": "bigmodel-calibration/3",
         "cpu": {
             "gemm_gflops": 10.0,
             "gemm_weight_gb_per_s": 4.0,
@@ -32,7 +32,8 @@ fn calibration(host_available_bytes: u64) -> Value {
             "last_level_cache_bytes": 0,
             "op_microseconds": 5.0,
             "memory_gb_per_s": 5.0,
-            "tensor_microseconds": 2.0
+            "tensor_microseconds": 2.0,
+            "startup_microseconds": 1000.0
         },
         "host_available_bytes": host_available_bytes,
         "disk": {

@@ -31,6 +31,15 @@
 //!     checkpoint unless cast at load; disk weights are views of their
 //!     file), at the calibrated first-touch rate of cached pages.
 //!
+//!   The first pass on the CPU also pays, once, the process's start-up of
+//!   its compute: the thread pool's threads start and the GEMM's
+//!   per-thread buffers are allocated and faulted in on the first parallel
+//!   op and the first linear. Measured in `bigmodel run` traces as layer
+//!   0 of the first pass taking several milliseconds more than layers 1 to
+//!   3 in its first norm and first projections, and calibrated as what the
+//!   first norm and linear of a fresh process take beyond the same calls
+//!   warm.
+//!
 //!   On a GPU it is `flops / gpu_gemm_rate`.
 //! * A block whose weights sit on a device that does not execute (offloaded)
 //!   **transfers** them to the execution device over the link they cross:
@@ -109,6 +118,10 @@ pub struct CpuRates {
     /// Seconds the dispatcher spends per resident tensor a block reads
     /// (entering, handing out, leaving).
     pub tensor_seconds: f64,
+    /// Seconds the first pass of a process spends once starting its
+    /// compute (the thread pool, the GEMM's per-thread buffers): the first
+    /// norm and linear of a fresh process beyond the same calls warm.
+    pub startup_seconds: f64,
 }
 
 /// Measured read rates of the offload folder's file system.
@@ -159,7 +172,7 @@ pub struct Calibration {
 }
 
 /// The calibration document's format tag.
-pub const CALIBRATION_FORMAT: &str = "bigmodel-calibration/2";
+pub const CALIBRATION_FORMAT: &str = "bigmodel-calibration/3";
 
 const GB: f64 = 1e9;
 
@@ -194,6 +207,7 @@ impl Calibration {
                 "op_microseconds": self.cpu.op_seconds * 1e6,
                 "memory_gb_per_s": self.cpu.memory_bytes_per_second / GB,
                 "tensor_microseconds": self.cpu.tensor_seconds * 1e6,
+                "startup_microseconds": self.cpu.startup_seconds * 1e6,
             },
             "host_available_bytes": self.host_available_bytes,
             "disk": self.disk.map(|d| serde_json::json!({
@@ -214,8 +228,19 @@ impl Calibration {
             key: key.into(),
             message: why.into(),
         };
-        if doc.get("format").and_then(|f| f.as_str()) != Some(CALIBRATION_FORMAT) {
-            return Err(bad("format", &format!("expected {CALIBRATION_FORMAT:?}")));
+        match doc.get("format").and_then(|f| f.as_str()) {
+            Some(CALIBRATION_FORMAT) => {}
+            Some(old) if old.starts_with("bigmodel-calibration/") => {
+                return Err(bad(
+                    "format",
+                    &format!(
+                        "{old:?} was written by an older bigmodel and lacks rates this one \
+                         predicts with ({CALIBRATION_FORMAT:?} expected): calibrate again with \
+                         `bigmodel devices --calibrate --json`"
+                    ),
+                ));
+            }
+            _ => return Err(bad("format", &format!("expected {CALIBRATION_FORMAT:?}"))),
         }
         let rate = |v: &serde_json::Value, key: &str, scale: f64| -> Result<f64, Error> {
             let x = v
@@ -266,6 +291,7 @@ impl Calibration {
             op_seconds: seconds(cpu, "cpu.op_microseconds")?,
             memory_bytes_per_second: rate(cpu, "cpu.memory_gb_per_s", GB)?,
             tensor_seconds: seconds(cpu, "cpu.tensor_microseconds")?,
+            startup_seconds: seconds(cpu, "cpu.startup_microseconds")?,
         };
         let host_available_bytes = doc
             .get("host_available_bytes")
@@ -619,10 +645,16 @@ impl Pass {
                 .zip(placement)
                 .map(|(b, on)| cost(b, *on, rows, context, first))
                 .collect::<Result<Vec<_>, _>>()?;
+            // The CPU's compute starts up once, on the first pass.
+            let startup = if first && gpu.is_none() {
+                cpu.startup_seconds
+            } else {
+                0.0
+            };
             if prefetch_depth == 0 {
-                return Ok(costs.iter().map(|(c, t)| c + t).sum());
+                return Ok(startup + costs.iter().map(|(c, t)| c + t).sum::<f64>());
             }
-            let mut seconds = costs.first().map_or(0.0, |(_, t)| *t);
+            let mut seconds = startup + costs.first().map_or(0.0, |(_, t)| *t);
             for (i, (c, _)) in costs.iter().enumerate() {
                 let next = costs.get(i + 1).map_or(0.0, |(_, t)| *t);
                 seconds += c.max(next);
@@ -664,4 +696,93 @@ pub fn predict(
         workload,
         calibration,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::HfConfig;
+    use crate::hf::tree_from_config;
+
+    fn calibration_json() -> serde_json::Value {
+        serde_json::json!({
+            "format": CALIBRATION_FORMAT,
+            "cpu": {
+                "gemm_gflops": 20.0, "gemm_weight_gb_per_s": 8.0, "gemv_gb_per_s": 4.0,
+                "gemv_cached_gb_per_s": 8.0, "last_level_cache_bytes": 0,
+                "attention_gflops": 2.0, "attention_score_nanoseconds": 5.0,
+                "elementwise_nanoseconds": 1.0, "activation_nanoseconds": 3.0,
+                "op_microseconds": 5.0, "memory_gb_per_s": 8.0, "tensor_microseconds": 1.0,
+                "startup_microseconds": 3000.0
+            },
+            "host_available_bytes": 1u64 << 40,
+            "disk": null,
+            "gpus": []
+        })
+    }
+
+    #[test]
+    fn the_calibration_document_round_trips() {
+        let calibration = Calibration::from_json(&calibration_json(), "c.json").unwrap();
+        assert_eq!(calibration.cpu.startup_seconds, 3e-3);
+        // Written and read again: equal up to the unit conversions' rounding.
+        let again = Calibration::from_json(&calibration.to_json(), "c.json").unwrap();
+        assert!((again.cpu.startup_seconds - 3e-3).abs() < 1e-15);
+        assert!((again.cpu.attention_score_seconds - 5e-9).abs() < 1e-20);
+    }
+
+    #[test]
+    fn an_older_calibration_is_refused_by_name_with_what_to_do() {
+        let mut doc = calibration_json();
+        doc["format"] = serde_json::json!("bigmodel-calibration/2");
+        let message = Calibration::from_json(&doc, "old.json")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            message.contains("old.json")
+                && message.contains("bigmodel-calibration/2")
+                && message.contains("bigmodel devices --calibrate"),
+            "{message}"
+        );
+        doc["format"] = serde_json::json!("something else");
+        let message = Calibration::from_json(&doc, "odd.json")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            message.contains("odd.json") && message.contains("expected"),
+            "{message}"
+        );
+    }
+
+    #[test]
+    fn the_cpu_start_up_is_paid_once_by_the_first_pass() {
+        let config = serde_json::json!({
+            "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "vocab_size": 256, "max_position_embeddings": 128, "torch_dtype": "float32",
+        });
+        let model =
+            tree_from_config(&HfConfig::from_value(config, "config.json").unwrap()).unwrap();
+        let options = PlanOptions::default();
+        let pass = Pass::of(&model, &options);
+        let placement = vec![Device::Cpu; pass.blocks().len()];
+        let workload = Workload {
+            batch: 1,
+            prompt_len: 8,
+            max_seq_len: 16,
+            all_logits: false,
+        };
+        let with = Calibration::from_json(&calibration_json(), "c.json").unwrap();
+        let mut without = with.clone();
+        without.cpu.startup_seconds = 0.0;
+        let predict = |c: &Calibration, depth: usize| {
+            pass.predict(&model.shape, &placement, depth, &workload, c)
+                .unwrap()
+        };
+        for depth in [0, 1] {
+            let (a, b) = (predict(&with, depth), predict(&without, depth));
+            assert!((a.first_forward_seconds - b.first_forward_seconds - 3e-3).abs() < 1e-12);
+            assert_eq!(a.seconds_per_token, b.seconds_per_token);
+        }
+    }
 }

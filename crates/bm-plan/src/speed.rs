@@ -354,6 +354,7 @@ mod tests {
                 op_seconds: 5e-6,
                 memory_bytes_per_second: 8e9,
                 tensor_seconds: 1e-6,
+                startup_seconds: 2e-3,
             },
             host_available_bytes: if cold { 0 } else { 1 << 40 },
             disk: Some(DiskRates {

@@ -1,8 +1,8 @@
 //! `bigmodel devices --calibrate`: measures what the speed prediction
 //! needs on this machine (bm-plan's cost model, `bm_plan::predict`): CPU
 //! GEMM throughput and per-call weight packing, one-row linear throughput,
-//! attention throughput, the fixed cost of a small op, host memory
-//! bandwidth, the offload folder's disk read rate (cold and warm) and the
+//! attention throughput, the fixed cost of a small op, the start-up of
+//! the compute on a process's first pass, host memory bandwidth, the offload folder's disk read rate (cold and warm) and the
 //! first touch of a mapped file's cached pages,
 //! and per CUDA GPU its context size, pinned and pageable host-to-device
 //! rates and GEMM throughput. Each figure is the median of a few timed
@@ -208,7 +208,34 @@ fn cpu_rates() -> Result<CpuRates, String> {
         op_seconds,
         memory_bytes_per_second: (words.len() * 8) as f64 / read,
         tensor_seconds: 0.0,
+        startup_seconds: 0.0,
     })
+}
+
+/// Seconds the first norm and linear of this process take beyond the same
+/// calls warm: what a process's first pass pays once to start its compute
+/// (the thread pool's threads, the GEMM's per-thread buffers allocated and
+/// faulted in). Must run before any other CPU op of the process; the
+/// shapes are a prompt's rows through a small model's projection.
+fn startup_seconds() -> Result<f64, String> {
+    let x = random_tensor(&[64, 512], 16)?;
+    let norm = random_tensor(&[512], 17)?;
+    let weight = random_tensor(&[512, 512], 18)?;
+    let mut failed = None;
+    let mut pass = || {
+        let out = ops::rms_norm(&x, &norm, 1e-5).and_then(|h| ops::linear(&h, &weight, None));
+        if let Err(e) = out {
+            failed = Some(format!("calibrating the CPU's start-up: {e}"));
+        }
+    };
+    let started = Instant::now();
+    pass();
+    let first = started.elapsed().as_secs_f64();
+    let warm = median_seconds(5, Duration::from_millis(50), &mut pass);
+    match failed {
+        Some(e) => Err(e),
+        None => Ok((first - warm).max(0.0)),
+    }
 }
 
 /// The size of the CPU's last-level cache (sysfs; 0 where unknown).
@@ -483,6 +510,8 @@ fn dispatch_rates(folder: &Path) -> Result<(f64, f64), String> {
 
 /// Calibrates this machine, the disk at `offload_folder`.
 pub fn calibrate(offload_folder: &Path) -> Result<Calibration, String> {
+    // First: it times the first CPU ops of this process.
+    let startup = startup_seconds()?;
     let devices = DeviceSet::probe();
     let mut gpus = Vec::new();
     for gpu in devices.gpus() {
@@ -500,6 +529,7 @@ pub fn calibrate(offload_folder: &Path) -> Result<Calibration, String> {
     Ok(Calibration {
         cpu: CpuRates {
             tensor_seconds: resident_tensor,
+            startup_seconds: startup,
             ..cpu_rates()?
         },
         host_available_bytes: host.available,
