@@ -121,6 +121,10 @@ struct NameIndex {
     hasher: std::hash::RandomState,
 }
 
+/// [`NameIndex::insert_all`] inserts by runs of home slots, up to
+/// `2^RUN_BITS` runs (of 64 slots each for a table of 2^18).
+const RUN_BITS: u32 = 12;
+
 /// Why a name is refused when another node has it.
 const DUPLICATE: &str = "duplicate name among siblings";
 
@@ -191,7 +195,7 @@ impl NameIndex {
     /// order of their home slots walks the table front to back: one
     /// insertion at a time costs a cache miss each, which was most of the
     /// time of building a 100k-node tree. A name taken twice has one home,
-    /// and nodes of one home go in the order they were added, so the node
+    /// and nodes of one run of homes go in the order they were added, so the node
     /// returned for a taken name is the later one; of several, the first
     /// added (where adding one at a time would have stopped). The index is
     /// then incomplete and the tree must not be finished.
@@ -203,13 +207,28 @@ impl NameIndex {
         let node = |code: u32| Self::node(u64::from(code) + 1);
         self.reserve(codes.len());
         let mask = self.slots.len() - 1;
-        // (tag, position in `codes`), in the order of home slots.
-        let mut order: Vec<(u64, u32)> = codes
+        let tags: Vec<u64> = codes
             .iter()
-            .enumerate()
-            .map(|(i, &code)| (self.tag(name_of(node(code))), i as u32))
+            .map(|&code| self.tag(name_of(node(code))))
             .collect();
-        order.sort_unstable_by_key(|&(tag, i)| (tag as usize & mask, i));
+        // (tag, position in `codes`) by runs of home slots (a counting sort
+        // on the home's top bits, which keeps the order nodes were added in
+        // within a run): near enough to front to back for the cache.
+        let run_bits = mask.count_ones().min(RUN_BITS);
+        let run_of = |tag: u64| (tag as usize & mask) >> (mask.count_ones() - run_bits);
+        let mut starts = vec![0u32; (1 << run_bits) + 1];
+        for &tag in &tags {
+            starts[run_of(tag) + 1] += 1;
+        }
+        for r in 1..starts.len() {
+            starts[r] += starts[r - 1];
+        }
+        let mut order = vec![(0u64, 0u32); codes.len()];
+        for (i, &tag) in tags.iter().enumerate() {
+            let at = &mut starts[run_of(tag)];
+            order[*at as usize] = (tag, i as u32);
+            *at += 1;
+        }
         let mut first_taken: Option<u32> = None;
         'next: for (tag, i) in order {
             let code = codes[i as usize];
