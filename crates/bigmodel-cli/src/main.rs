@@ -9,6 +9,13 @@ use clap::{Parser, Subcommand};
 mod cmd;
 mod sigbus;
 
+/// mimalloc rather than glibc's malloc: a command's many small allocations
+/// (a 99k-module tree has ~400k) come from pages it holds, where glibc's
+/// faulted in a fresh page at a time; `bigmodel plan` on that tree takes
+/// about half the CPU time (benches/README.md).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Load, plan and run models larger than any one device.
 #[derive(Parser)]
 #[command(name = "bigmodel", version, about)]
