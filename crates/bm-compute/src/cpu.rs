@@ -5,12 +5,12 @@
 use rayon::prelude::*;
 
 use crate::Tensor;
-use crate::ops::{Heads, Mask, Scores};
+use crate::ops::{Activation, Heads, Mask, Scores};
 
 /// A raw output pointer shared by threads that write disjoint parts.
 #[derive(Clone, Copy)]
 struct SharedOut(*mut f32);
-// SAFETY: only used by `linear` and `linear_t`, whose blocks write
+// SAFETY: only used by `linear_many` and `linear_t`, whose blocks write
 // disjoint columns.
 unsafe impl Send for SharedOut {}
 // SAFETY: as above.
@@ -54,9 +54,7 @@ impl WeightRows for Tensor {
 }
 
 /// `out[m, n] = x[m, k] · weight[n, k]ᵀ (+ bias[n])`, the product of
-/// `nn.Linear`. Threads split the weight's rows; each block is widened (or
-/// dequantized) to f32 on the fly into a per-thread buffer, so a
-/// half-precision or quantized weight is never converted whole.
+/// `nn.Linear`: [`linear_many`] with one weight.
 pub(crate) fn linear(
     x: &[f32],
     (m, k, n): (usize, usize, usize),
@@ -64,38 +62,76 @@ pub(crate) fn linear(
     bias: Option<&[f32]>,
     out: &mut [f32],
 ) {
-    debug_assert_eq!(out.len(), m * n);
-    if let Some(b) = bias {
-        for row in out.chunks_exact_mut(n) {
-            row.copy_from_slice(b);
+    linear_many(
+        x,
+        (m, k),
+        &mut [LinearPart {
+            weight,
+            n,
+            bias,
+            out,
+        }],
+    );
+}
+
+/// One product of [`linear_many`]: `out[m, n] = x · weight[n, k]ᵀ (+ bias)`.
+pub(crate) struct LinearPart<'a> {
+    pub(crate) weight: &'a dyn WeightRows,
+    pub(crate) n: usize,
+    pub(crate) bias: Option<&'a [f32]>,
+    pub(crate) out: &'a mut [f32],
+}
+
+/// Several `nn.Linear` products of one input `x[m, k]` (a layer's separate
+/// q/k/v projections, a gated MLP's gate and up) in one pass over the
+/// threads: a decode step makes many small products, and each parallel
+/// pass costs a wake-up and a join, which dominate on a loaded machine.
+/// Threads split the weights' rows; each block is widened (or
+/// dequantized) to f32 on the fly into a per-thread buffer, so a
+/// half-precision or quantized weight is never converted whole. Each
+/// output is what the product alone gives (the same blocks and sums).
+pub(crate) fn linear_many(x: &[f32], (m, k): (usize, usize), parts: &mut [LinearPart<'_>]) {
+    // What each task reads of its part: the weight, its rows, the bias, and
+    // where the output is (tasks write disjoint elements of it).
+    let mut reads = Vec::with_capacity(parts.len());
+    let mut tasks = Vec::new();
+    for (p, part) in parts.iter_mut().enumerate() {
+        let n = part.n;
+        debug_assert_eq!(part.out.len(), m * n);
+        if let Some(b) = part.bias {
+            for row in part.out.chunks_exact_mut(n) {
+                row.copy_from_slice(b);
+            }
         }
+        reads.push((
+            part.weight,
+            n,
+            part.bias.is_some(),
+            SharedOut(part.out.as_mut_ptr()),
+        ));
+        let block = block_rows(n, k);
+        tasks.extend((0..n.div_ceil(block)).map(|b| (p, b * block, ((b + 1) * block).min(n))));
     }
-    let block = block_rows(n, k);
-    if m == 1 {
-        // One token (every decode step): a matrix-vector product is bound by
-        // reading the weight, so stream rows through a dot product instead of
-        // packing them for a GEMM kernel.
-        out.par_chunks_mut(block)
-            .enumerate()
-            .for_each_init(Vec::new, |scratch, (b, o)| {
-                let j0 = b * block;
-                let w = weight.rows(j0, j0 + o.len(), scratch);
-                for (o, row) in o.iter_mut().zip(w.chunks_exact(k)) {
-                    *o += dot(x, row);
-                }
-            });
-        return;
-    }
-    let dst = SharedOut(out.as_mut_ptr());
-    (0..n.div_ceil(block))
+    tasks
         .into_par_iter()
-        .for_each_init(Vec::new, |scratch, b| {
-            let (j0, j1) = (b * block, ((b + 1) * block).min(n));
+        .for_each_init(Vec::new, |scratch, (p, j0, j1)| {
+            let (weight, n, has_bias, dst) = reads[p];
             let w = weight.rows(j0, j1, scratch);
-            // SAFETY: `dst` points to `out` (m × n, row stride n); this task
-            // writes only columns j0..j1, which no other task touches. `x` is
-            // m × k with row stride k; `w` holds rows j0..j1 of the weight,
-            // read transposed (k × (j1 - j0), column stride k).
+            if m == 1 {
+                // One token (every decode step): a matrix-vector product is
+                // bound by reading the weight, so stream rows through a dot
+                // product instead of packing them for a GEMM kernel.
+                for (j, row) in (j0..j1).zip(w.chunks_exact(k)) {
+                    // SAFETY: `dst` points to this part's output (1 × n);
+                    // this task alone writes its elements j0..j1, and j < n.
+                    unsafe { *dst.at(j) += dot(x, row) };
+                }
+                return;
+            }
+            // SAFETY: `dst` points to this part's output (m × n, row stride
+            // n); this task writes only columns j0..j1, which no other task
+            // touches. `x` is m × k with row stride k; `w` holds rows j0..j1
+            // of the weight, read transposed (k × (j1 - j0), column stride k).
             unsafe {
                 gemm::gemm(
                     m,
@@ -104,7 +140,7 @@ pub(crate) fn linear(
                     dst.at(j0),
                     1,
                     n as isize,
-                    bias.is_some(),
+                    has_bias,
                     x.as_ptr(),
                     1,
                     k as isize,
@@ -324,6 +360,10 @@ pub(crate) fn rotary(
         });
 }
 
+/// Multiply-adds of attention's scores (queries × keys × head width ×
+/// heads) below which its heads run on the calling thread.
+const SERIAL_ATTENTION_WORK: usize = 1 << 20;
+
 /// Scaled dot-product attention for `s` queries of each of `batch`
 /// sequences against `t` cached keys/values of each; the queries are the
 /// last `s` positions. Rows are time-major (row `i * batch + b` is
@@ -357,52 +397,56 @@ pub(crate) fn attention(
     let past = t.saturating_sub(s);
     let group = nh / nkv;
     let Scores { scale, softcap } = scores;
-    let per_head: Vec<Vec<f32>> = (0..nh)
-        .into_par_iter()
-        .map(|h| {
-            let g = h / group;
-            let mut o = vec![0f32; rows * hd];
-            let mut row = Vec::with_capacity(t);
-            for r in 0..rows {
-                let (i, b) = (r / batch, r % batch);
-                let pos = past + i;
-                let (lo, hi) = match mask {
-                    Mask::Bidirectional => (0, t),
-                    Mask::Causal => (0, pos + 1),
-                    Mask::SlidingWindow(w) => ((pos + 1).saturating_sub(w), pos + 1),
+    let head = |h: usize| {
+        let g = h / group;
+        let mut o = vec![0f32; rows * hd];
+        let mut row = Vec::with_capacity(t);
+        for r in 0..rows {
+            let (i, b) = (r / batch, r % batch);
+            let pos = past + i;
+            let (lo, hi) = match mask {
+                Mask::Bidirectional => (0, t),
+                Mask::Causal => (0, pos + 1),
+                Mask::SlidingWindow(w) => ((pos + 1).saturating_sub(w), pos + 1),
+            };
+            let lo = lo.max(first[b]);
+            if lo >= hi {
+                continue;
+            }
+            let key = |j: usize| (j * batch + b) * kv_width + g * hd;
+            let qi = &q[r * q_width + h * hd..][..hd];
+            row.clear();
+            row.extend((lo..hi).map(|j| {
+                let kj = &keys[key(j)..][..hd];
+                let score = qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * scale;
+                let score = match softcap {
+                    Some(cap) => soft_cap(score, cap),
+                    None => score,
                 };
-                let lo = lo.max(first[b]);
-                if lo >= hi {
-                    continue;
+                // key - query + t - 1 = j - (past + i) + t - 1.
+                match bias {
+                    Some(bias) => score + bias[h * (t + s - 1) + j + s - 1 - i],
+                    None => score,
                 }
-                let key = |j: usize| (j * batch + b) * kv_width + g * hd;
-                let qi = &q[r * q_width + h * hd..][..hd];
-                row.clear();
-                row.extend((lo..hi).map(|j| {
-                    let kj = &keys[key(j)..][..hd];
-                    let score = qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * scale;
-                    let score = match softcap {
-                        Some(cap) => soft_cap(score, cap),
-                        None => score,
-                    };
-                    // key - query + t - 1 = j - (past + i) + t - 1.
-                    match bias {
-                        Some(bias) => score + bias[h * (t + s - 1) + j + s - 1 - i],
-                        None => score,
-                    }
-                }));
-                softmax_row(&mut row);
-                let oi = &mut o[r * hd..][..hd];
-                for (p, j) in row.iter().zip(lo..hi) {
-                    let vj = &values[key(j)..][..hd];
-                    for (acc, v) in oi.iter_mut().zip(vj) {
-                        *acc += p * v;
-                    }
+            }));
+            softmax_row(&mut row);
+            let oi = &mut o[r * hd..][..hd];
+            for (p, j) in row.iter().zip(lo..hi) {
+                let vj = &values[key(j)..][..hd];
+                for (acc, v) in oi.iter_mut().zip(vj) {
+                    *acc += p * v;
                 }
             }
-            o
-        })
-        .collect();
+        }
+        o
+    };
+    // A decode step over a short cache is a few microseconds of work per
+    // layer: less than waking and joining the threads costs.
+    let per_head: Vec<Vec<f32>> = if rows * t * hd * nh < SERIAL_ATTENTION_WORK {
+        (0..nh).map(head).collect()
+    } else {
+        (0..nh).into_par_iter().map(head).collect()
+    };
     for (h, o) in per_head.iter().enumerate() {
         for r in 0..rows {
             out[r * q_width + h * hd..][..hd].copy_from_slice(&o[r * hd..][..hd]);
@@ -410,27 +454,45 @@ pub(crate) fn attention(
     }
 }
 
+/// `op` on one value.
+pub(crate) fn activation(op: Activation, x: f32) -> f32 {
+    match op {
+        Activation::Silu => silu(x),
+        Activation::Gelu => gelu(x),
+        Activation::GeluTanh => gelu_tanh(x),
+        // NaN is kept (`NaN < 0` is false).
+        Activation::Relu => {
+            if x < 0.0 {
+                0.0
+            } else {
+                x
+            }
+        }
+        Activation::SoftCap(cap) => soft_cap(x, cap),
+    }
+}
+
 /// `x * sigmoid(x)`.
-pub(crate) fn silu(x: f32) -> f32 {
+fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
 }
 
 /// `cap · tanh(x / cap)`: Gemma 2's soft-capping of attention scores and
 /// final logits, which squashes values into (-cap, cap).
-pub(crate) fn soft_cap(x: f32, cap: f32) -> f32 {
+fn soft_cap(x: f32, cap: f32) -> f32 {
     (x / cap).tanh() * cap
 }
 
 /// GELU's tanh approximation, `0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³)))`:
 /// GPT-2's `gelu_new` and PyTorch's `gelu(approximate="tanh")`, in f32 as
 /// PyTorch's CPU kernel computes it.
-pub(crate) fn gelu_tanh(x: f32) -> f32 {
+fn gelu_tanh(x: f32) -> f32 {
     const SQRT_2_OVER_PI: f32 = 0.797_884_6;
     0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)).tanh())
 }
 
 /// BERT's exact GELU, `0.5 x (1 + erf(x / √2))`.
-pub(crate) fn gelu(x: f32) -> f32 {
+fn gelu(x: f32) -> f32 {
     let x = x as f64;
     (0.5 * x * (1.0 + erf(x / std::f64::consts::SQRT_2))) as f32
 }

@@ -6,7 +6,7 @@
 //! operand. Half-precision inputs are widened to f32 and results rounded
 //! once, PyTorch's rule for CPU kernels that accumulate in f32.
 
-use bm_device::{Activation, BLayout};
+use bm_device::BLayout;
 use bm_tensor::DType;
 use half::{bf16, f16};
 
@@ -15,6 +15,7 @@ use crate::{Backend, Error, Tensor, cpu, cuda};
 
 pub use crate::moe::{ExpertSum, Routing, gather_rows, sigmoid_values};
 pub use crate::quant::{linear_quantized, linear_quantized_on_gpu};
+pub use bm_device::Activation;
 
 /// Attention geometry: query heads, key/value heads (fewer under
 /// grouped-query attention) and the width of one head.
@@ -118,13 +119,12 @@ pub(crate) fn rounding(dtype: DType) -> fn(f32) -> f32 {
     }
 }
 
-/// `x · weightᵀ + bias`: the matmul of `nn.Linear`, with `weight` stored
-/// `[out_features, in_features]` as in every checkpoint. `x` is
-/// `[..., in_features]`; the result `[..., out_features]`.
-pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor, Error> {
-    let mut operands = vec![x, weight];
-    operands.extend(bias);
-    let backend = backend_of(&operands);
+/// The operands of [`linear`] checked: `(m, k, n)` and the result's shape.
+fn linear_shape(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+) -> Result<((usize, usize, usize), Vec<usize>), Error> {
     let (m, k) = rows_cols(x);
     if weight.shape().len() != 2 || weight.shape()[1] != k {
         return Err(bad(
@@ -142,6 +142,17 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
     }
     let mut shape = x.shape().to_vec();
     *shape.last_mut().expect("input has a last dimension") = n;
+    Ok(((m, k, n), shape))
+}
+
+/// `x · weightᵀ + bias`: the matmul of `nn.Linear`, with `weight` stored
+/// `[out_features, in_features]` as in every checkpoint. `x` is
+/// `[..., in_features]`; the result `[..., out_features]`.
+pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor, Error> {
+    let mut operands = vec![x, weight];
+    operands.extend(bias);
+    let backend = backend_of(&operands);
+    let ((m, k, n), shape) = linear_shape(x, weight, bias)?;
     match backend {
         Backend::Cuda(_) => cuda::linear(
             &gpu_for(&operands),
@@ -159,6 +170,91 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
             })
         }
     }
+}
+
+/// [`linear`] of one input `x` by several `(weight, bias)` layers (a
+/// layer's separate q/k/v projections): each result is what [`linear`]
+/// gives. On the CPU they share one pass over the threads, so a decode
+/// step wakes and joins the threads once rather than once per layer.
+pub fn linear_many(
+    x: &Tensor,
+    layers: &[(&Tensor, Option<&Tensor>)],
+) -> Result<Vec<Tensor>, Error> {
+    let mut operands = vec![x];
+    for (w, b) in layers {
+        operands.push(w);
+        operands.extend(b);
+    }
+    if backend_of(&operands) != Backend::Cpu {
+        return layers.iter().map(|(w, b)| linear(x, w, *b)).collect();
+    }
+    let checked = layers
+        .iter()
+        .map(|(w, b)| linear_shape(x, w, *b))
+        .collect::<Result<Vec<_>, _>>()?;
+    let biases: Vec<_> = layers
+        .iter()
+        .map(|(_, b)| b.map(|b| b.f32_values()))
+        .collect();
+    let (m, k) = rows_cols(x);
+    let mut outs: Vec<Vec<f32>> = checked
+        .iter()
+        .map(|((_, _, n), _)| vec![0f32; m * n])
+        .collect();
+    let mut parts: Vec<cpu::LinearPart<'_>> = layers
+        .iter()
+        .zip(&checked)
+        .zip(&biases)
+        .zip(&mut outs)
+        .map(|((((w, _), ((_, _, n), _)), b), out)| cpu::LinearPart {
+            weight: *w,
+            n: *n,
+            bias: b.as_deref(),
+            out,
+        })
+        .collect();
+    cpu::linear_many(&x.f32_values(), (m, k), &mut parts);
+    outs.iter()
+        .zip(&checked)
+        .map(|(out, (_, shape))| Tensor::from_f32(x.dtype(), shape, out))
+        .collect()
+}
+
+/// `act(x · gateᵀ + gate_bias) · (x · upᵀ + up_bias)`, elementwise: the
+/// first half of a gated MLP (Llama's `act_fn(gate_proj(x)) * up_proj(x)`),
+/// rounded to `x`'s dtype where the separate ops round (each product, the
+/// activation, the result), so it equals [`linear`], [`activate`] and
+/// [`mul`] in turn. On the CPU both products share one pass over the
+/// threads and the activation and product one pass over the values.
+pub fn gated_linear(
+    x: &Tensor,
+    gate: (&Tensor, Option<&Tensor>),
+    up: (&Tensor, Option<&Tensor>),
+    act: Activation,
+) -> Result<Tensor, Error> {
+    let [g, u]: [Tensor; 2] = linear_many(x, &[gate, up])?
+        .try_into()
+        .expect("two layers give two products");
+    if g.shape() != u.shape() {
+        return Err(bad(
+            "gated_linear",
+            format!(
+                "gate output {:?} differs from up output {:?}",
+                g.shape(),
+                u.shape()
+            ),
+        ));
+    }
+    if g.backend() != Backend::Cpu {
+        return mul(&activate(&g, act)?, &u);
+    }
+    let round = rounding(x.dtype());
+    let (gs, us) = (g.f32_values(), u.f32_values());
+    Tensor::build(x.dtype(), g.shape(), |out| {
+        for ((o, g), u) in out.iter_mut().zip(gs.iter()).zip(us.iter()) {
+            *o = round(cpu::activation(act, *g)) * u;
+        }
+    })
 }
 
 /// `x · weight + bias` with `weight` stored `[in_features, out_features]`:
@@ -814,30 +910,35 @@ fn unary(
     }
 }
 
+/// `op` elementwise.
+pub fn activate(x: &Tensor, op: Activation) -> Result<Tensor, Error> {
+    unary(x, |v| cpu::activation(op, v), Ok(op))
+}
+
 /// SiLU (`x · sigmoid(x)`), elementwise.
 pub fn silu(x: &Tensor) -> Result<Tensor, Error> {
-    unary(x, cpu::silu, Ok(Activation::Silu))
+    activate(x, Activation::Silu)
 }
 
 /// GELU in its exact erf form (BERT's `gelu`), elementwise.
 pub fn gelu(x: &Tensor) -> Result<Tensor, Error> {
-    unary(x, cpu::gelu, Ok(Activation::Gelu))
+    activate(x, Activation::Gelu)
 }
 
 /// GELU's tanh approximation (GPT-2's `gelu_new`, Gemma's
 /// `gelu_pytorch_tanh`), elementwise.
 pub fn gelu_tanh(x: &Tensor) -> Result<Tensor, Error> {
-    unary(x, cpu::gelu_tanh, Ok(Activation::GeluTanh))
+    activate(x, Activation::GeluTanh)
 }
 
 /// ReLU (`max(x, 0)`, NaN kept), elementwise.
 pub fn relu(x: &Tensor) -> Result<Tensor, Error> {
-    unary(x, |v| if v < 0.0 { 0.0 } else { v }, Ok(Activation::Relu))
+    activate(x, Activation::Relu)
 }
 
 /// `cap · tanh(x / cap)` elementwise: soft-capping (Gemma 2's final logits).
 pub fn softcap(x: &Tensor, cap: f32) -> Result<Tensor, Error> {
-    unary(x, |v| cpu::soft_cap(v, cap), Ok(Activation::SoftCap(cap)))
+    activate(x, Activation::SoftCap(cap))
 }
 
 /// `x · factor` elementwise, rounded once to `x`'s dtype (the factor is
@@ -1005,6 +1106,56 @@ mod tests {
                     (yb[last] - y[last] - 1.0).abs() <= tol * 10.0,
                     "{m} {dtype} bias"
                 );
+            }
+        }
+    }
+
+    #[test]
+    fn linear_many_and_gated_linear_equal_the_separate_ops() {
+        // Layers of different widths sharing one input, with and without a
+        // bias, one row (decode) and several (prefill), in every dtype: the
+        // fused ops must give the separate ops' values exactly.
+        let values = |len: usize, seed: usize| -> Vec<f32> {
+            (0..len)
+                .map(|i| ((i * seed + 3) % 17) as f32 * 0.07 - 0.55)
+                .collect()
+        };
+        for m in [1, 5] {
+            let k = 45;
+            for dtype in [DType::F32, DType::F16, DType::BF16] {
+                let x = Tensor::from_f32(dtype, &[m, k], &values(m * k, 7)).unwrap();
+                let weight =
+                    |n: usize, seed| Tensor::from_f32(dtype, &[n, k], &values(n * k, seed));
+                let (wa, wb, wc) = (
+                    weight(70, 5).unwrap(),
+                    weight(19, 3).unwrap(),
+                    weight(70, 11).unwrap(),
+                );
+                let bias = Tensor::from_f32(dtype, &[70], &values(70, 13)).unwrap();
+                let layers = [(&wa, Some(&bias)), (&wb, None), (&wc, None)];
+                let fused = linear_many(&x, &layers).unwrap();
+                assert_eq!(fused.len(), 3);
+                for (got, (w, b)) in fused.iter().zip(layers) {
+                    let want = linear(&x, w, b).unwrap();
+                    assert_eq!(got.shape(), want.shape());
+                    assert_eq!(got.host_bytes(), want.host_bytes(), "{m} rows, {dtype}");
+                }
+                for act in [Activation::Silu, Activation::GeluTanh, Activation::Relu] {
+                    let got = gated_linear(&x, (&wa, Some(&bias)), (&wc, None), act).unwrap();
+                    let gate = activate(&linear(&x, &wa, Some(&bias)).unwrap(), act).unwrap();
+                    let want = mul(&gate, &linear(&x, &wc, None).unwrap()).unwrap();
+                    assert_eq!(got.dtype(), dtype);
+                    assert_eq!(
+                        got.host_bytes(),
+                        want.host_bytes(),
+                        "{m} rows, {dtype}, {act:?}"
+                    );
+                }
+                let err = gated_linear(&x, (&wa, None), (&wb, None), Activation::Silu).unwrap_err();
+                assert!(err.to_string().contains("differs from up output"), "{err}");
+                let err =
+                    linear_many(&x, &[(&wa, None), (&t(&[2, 3], &[0.; 6]), None)]).unwrap_err();
+                assert!(err.to_string().contains("does not fit weight"), "{err}");
             }
         }
     }

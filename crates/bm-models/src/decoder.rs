@@ -118,6 +118,24 @@ impl Linear {
     fn forward(&self, x: &Tensor) -> Result<Tensor, Error> {
         self.weight.forward(x, self.bias.as_deref())
     }
+
+    /// The weight and bias, when the weight is dense `[out, in]` (what
+    /// [`ops::linear_many`] and [`ops::gated_linear`] take).
+    fn dense(&self) -> Option<(&Tensor, Option<&Tensor>)> {
+        match &self.weight {
+            LinearWeight::Dense(w) => Some((w, self.bias.as_deref())),
+            _ => None,
+        }
+    }
+
+    /// `x` through each of `layers`: in one pass ([`ops::linear_many`])
+    /// when every weight is dense `[out, in]`, else one layer at a time.
+    fn forward_many(layers: &[&Linear], x: &Tensor) -> Result<Vec<Tensor>, Error> {
+        match layers.iter().map(|l| l.dense()).collect::<Option<Vec<_>>>() {
+            Some(dense) => Ok(ops::linear_many(x, &dense)?),
+            None => layers.iter().map(|l| l.forward(x)).collect(),
+        }
+    }
 }
 
 /// The per-layer key/value caches of one generation: one sequence, or a
@@ -434,14 +452,17 @@ impl Decoder {
             Projections::Separate { qkv_bias, o_bias } => {
                 let attn = format!("{block}.self_attn");
                 let proj = |name: &str, out: usize| {
-                    Linear::load(src, &format!("{attn}.{name}"), out, h, qkv_bias)?.forward(x)
+                    Linear::load(src, &format!("{attn}.{name}"), out, h, qkv_bias)
                 };
+                let (q, k, v) = (
+                    proj("q_proj", qw)?,
+                    proj("k_proj", kw)?,
+                    proj("v_proj", kw)?,
+                );
                 (
-                    [
-                        proj("q_proj", qw)?,
-                        proj("k_proj", kw)?,
-                        proj("v_proj", kw)?,
-                    ],
+                    Linear::forward_many(&[&q, &k, &v], x)?
+                        .try_into()
+                        .expect("three layers give three outputs"),
                     Linear::load(src, &format!("{attn}.o_proj"), h, qw, o_bias)?,
                 )
             }
@@ -487,7 +508,10 @@ impl Decoder {
                 let gate = Linear::load(src, &format!("{mlp}.gate_proj"), i, h, bias)?;
                 let up = Linear::load(src, &format!("{mlp}.up_proj"), i, h, bias)?;
                 let down = Linear::load(src, &format!("{mlp}.down_proj"), h, i, bias)?;
-                let gated = ops::mul(&act(&gate.forward(x)?)?, &up.forward(x)?)?;
+                let gated = match (gate.dense(), up.dense()) {
+                    (Some(g), Some(u)) => ops::gated_linear(x, g, u, c.activation.op())?,
+                    _ => ops::mul(&act(&gate.forward(x)?)?, &up.forward(x)?)?,
+                };
                 down.forward(&gated)?
             }
             Mlp::FusedGated => {

@@ -76,12 +76,17 @@ pub enum Activation {
 impl Activation {
     /// The activation applied elementwise to `t`.
     pub(crate) fn apply(self, t: &Tensor) -> Result<Tensor, Error> {
-        Ok(match self {
-            Activation::Silu => ops::silu(t)?,
-            Activation::Gelu => ops::gelu(t)?,
-            Activation::GeluTanh => ops::gelu_tanh(t)?,
-            Activation::Relu => ops::relu(t)?,
-        })
+        Ok(ops::activate(t, self.op())?)
+    }
+
+    /// The compute op that applies it.
+    pub(crate) fn op(self) -> ops::Activation {
+        match self {
+            Activation::Silu => ops::Activation::Silu,
+            Activation::Gelu => ops::Activation::Gelu,
+            Activation::GeluTanh => ops::Activation::GeluTanh,
+            Activation::Relu => ops::Activation::Relu,
+        }
     }
 
     /// The activation a config names (the key bm-plan read it from).
