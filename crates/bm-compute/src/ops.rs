@@ -119,12 +119,13 @@ pub(crate) fn rounding(dtype: DType) -> fn(f32) -> f32 {
     }
 }
 
-/// The operands of [`linear`] checked: `(m, k, n)` and the result's shape.
-fn linear_shape(
+/// The operands of [`linear`] checked: the input's rows `m` and width `k`,
+/// and the output width `n`.
+fn linear_dims(
     x: &Tensor,
     weight: &Tensor,
     bias: Option<&Tensor>,
-) -> Result<((usize, usize, usize), Vec<usize>), Error> {
+) -> Result<(usize, usize, usize), Error> {
     let (m, k) = rows_cols(x);
     if weight.shape().len() != 2 || weight.shape()[1] != k {
         return Err(bad(
@@ -140,9 +141,14 @@ fn linear_shape(
     if let Some(b) = bias {
         expect_vector("linear", b, n, "bias")?;
     }
+    Ok((m, k, n))
+}
+
+/// `x`'s shape with its last dimension `n` (a product's result).
+fn with_last(x: &Tensor, n: usize) -> Vec<usize> {
     let mut shape = x.shape().to_vec();
     *shape.last_mut().expect("input has a last dimension") = n;
-    Ok(((m, k, n), shape))
+    shape
 }
 
 /// `x · weightᵀ + bias`: the matmul of `nn.Linear`, with `weight` stored
@@ -152,7 +158,8 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
     let mut operands = vec![x, weight];
     operands.extend(bias);
     let backend = backend_of(&operands);
-    let ((m, k, n), shape) = linear_shape(x, weight, bias)?;
+    let (m, k, n) = linear_dims(x, weight, bias)?;
+    let shape = with_last(x, n);
     match backend {
         Backend::Cuda(_) => cuda::linear(
             &gpu_for(&operands),
@@ -190,23 +197,20 @@ pub fn linear_many(
     }
     let checked = layers
         .iter()
-        .map(|(w, b)| linear_shape(x, w, *b))
+        .map(|(w, b)| linear_dims(x, w, *b))
         .collect::<Result<Vec<_>, _>>()?;
     let biases: Vec<_> = layers
         .iter()
         .map(|(_, b)| b.map(|b| b.f32_values()))
         .collect();
     let (m, k) = rows_cols(x);
-    let mut outs: Vec<Vec<f32>> = checked
-        .iter()
-        .map(|((_, _, n), _)| vec![0f32; m * n])
-        .collect();
+    let mut outs: Vec<Vec<f32>> = checked.iter().map(|(_, _, n)| vec![0f32; m * n]).collect();
     let mut parts: Vec<cpu::LinearPart<'_>> = layers
         .iter()
         .zip(&checked)
         .zip(&biases)
         .zip(&mut outs)
-        .map(|((((w, _), ((_, _, n), _)), b), out)| cpu::LinearPart {
+        .map(|((((w, _), (_, _, n)), b), out)| cpu::LinearPart {
             weight: *w,
             n: *n,
             bias: b.as_deref(),
@@ -216,7 +220,7 @@ pub fn linear_many(
     cpu::linear_many(&x.f32_values(), (m, k), &mut parts);
     outs.iter()
         .zip(&checked)
-        .map(|(out, (_, shape))| Tensor::from_f32(x.dtype(), shape, out))
+        .map(|(out, (_, _, n))| Tensor::from_f32(x.dtype(), &with_last(x, *n), out))
         .collect()
 }
 
@@ -279,8 +283,7 @@ pub fn linear_t(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Te
     if let Some(b) = bias {
         expect_vector("linear_t", b, n, "bias")?;
     }
-    let mut shape = x.shape().to_vec();
-    *shape.last_mut().expect("input has a last dimension") = n;
+    let shape = with_last(x, n);
     match backend_of(&operands) {
         Backend::Cuda(_) => cuda::linear(
             &gpu_for(&operands),
