@@ -36,9 +36,10 @@
 //!   per-thread buffers are allocated and faulted in on the first parallel
 //!   op and the first linear. Measured in `bigmodel run` traces as layer
 //!   0 of the first pass taking several milliseconds more than layers 1 to
-//!   3 in its first norm and first projections, and calibrated as what the
-//!   first norm and linear of a fresh process take beyond the same calls
-//!   warm.
+//!   3 in its first norm, projections and MLP linears (about 5 ms at a
+//!   load average of 3 on a 2-core VM), and calibrated as what a small
+//!   layer's norm and linears take as the first ops of a fresh process
+//!   beyond the same calls warm.
 //!
 //!   On a GPU it is `flops / gpu_gemm_rate`.
 //! * A block whose weights sit on a device that does not execute (offloaded)
@@ -119,8 +120,9 @@ pub struct CpuRates {
     /// (entering, handing out, leaving).
     pub tensor_seconds: f64,
     /// Seconds the first pass of a process spends once starting its
-    /// compute (the thread pool, the GEMM's per-thread buffers): the first
-    /// norm and linear of a fresh process beyond the same calls warm.
+    /// compute (the thread pool, the GEMM's per-thread buffers): a small
+    /// layer's norm and linears as the first ops of a fresh process,
+    /// beyond the same calls warm.
     pub startup_seconds: f64,
 }
 

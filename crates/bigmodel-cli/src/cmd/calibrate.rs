@@ -212,18 +212,35 @@ fn cpu_rates() -> Result<CpuRates, String> {
     })
 }
 
-/// Seconds the first norm and linear of this process take beyond the same
-/// calls warm: what a process's first pass pays once to start its compute
-/// (the thread pool's threads, the GEMM's per-thread buffers allocated and
-/// faulted in). Must run before any other CPU op of the process; the
-/// shapes are a prompt's rows through a small model's projection.
+/// Seconds the first norm and linears of this process take beyond the
+/// same calls warm: what a process's first pass pays once to start its
+/// compute (the thread pool's threads; the GEMM's per-thread buffers,
+/// allocated and faulted in, and grown again by each larger shape). Must
+/// run before any other CPU op of the process. The calls are a prompt's
+/// rows through a small layer: its norm, projections of two widths and
+/// its MLP's wide and narrow linears. (Traces of `bigmodel run` show the
+/// first pass's layer 0 slower than the later layers in exactly those
+/// calls, by about twice what a lone norm and linear measure.)
 fn startup_seconds() -> Result<f64, String> {
-    let x = random_tensor(&[64, 512], 16)?;
-    let norm = random_tensor(&[512], 17)?;
-    let weight = random_tensor(&[512, 512], 18)?;
+    let (rows, hidden, kv, mlp) = (64, 512, 256, 1408);
+    let x = random_tensor(&[rows, hidden], 16)?;
+    let norm = random_tensor(&[hidden], 17)?;
+    let weights = [
+        random_tensor(&[hidden, hidden], 18)?,
+        random_tensor(&[kv, hidden], 19)?,
+        random_tensor(&[mlp, hidden], 20)?,
+    ];
+    let down = random_tensor(&[hidden, mlp], 21)?;
     let mut failed = None;
     let mut pass = || {
-        let out = ops::rms_norm(&x, &norm, 1e-5).and_then(|h| ops::linear(&h, &weight, None));
+        let out = ops::rms_norm(&x, &norm, 1e-5).and_then(|h| {
+            let mut wide = None;
+            for w in &weights {
+                wide = Some(ops::linear(&h, w, None)?);
+            }
+            let wide = wide.expect("three weights");
+            ops::linear(&wide, &down, None)
+        });
         if let Err(e) = out {
             failed = Some(format!("calibrating the CPU's start-up: {e}"));
         }
