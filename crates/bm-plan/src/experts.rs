@@ -78,7 +78,7 @@ pub fn place_experts(
 /// The keys of module `m` (on `on`) with the experts lists `lists` below it
 /// on `device`: its own tensors and children, children holding lists split
 /// again.
-fn split(
+pub(crate) fn split(
     tree: &ModuleTree,
     m: ModuleId,
     on: Device,

@@ -269,6 +269,9 @@ pub struct ModelShape {
     pub post_norms: bool,
     /// A decoder (KV cache, logits); false for encoders.
     pub decoder: bool,
+    /// Experts each token is routed to in a sparse (mixture-of-experts)
+    /// layer (`num_experts_per_tok`); 0 for a model without experts.
+    pub experts_per_token: u64,
 }
 
 impl ModelShape {
@@ -294,6 +297,7 @@ impl ModelShape {
             rotary: config.family.is_rotary(),
             post_norms: config.family == Family::Gemma2,
             decoder: config.family != Family::Bert,
+            experts_per_token: config.moe.as_ref().map_or(0, |m| m.top_k as u64),
         }
     }
 
@@ -456,6 +460,7 @@ mod tests {
             rotary: true,
             post_norms: false,
             decoder: true,
+            experts_per_token: 0,
         }
     }
 

@@ -63,6 +63,23 @@
 //!   prompt's pass after loading, with the page cache warm);
 //!   `seconds_per_token` a decoding pass; `bytes_streamed_per_token` every
 //!   offloaded byte, which each pass brings in once.
+//! * A sparse (mixture-of-experts) layer is two blocks: the layer without
+//!   its experts, then its experts list ([`BlockKind::Experts`]). Each row
+//!   runs the `top_k` experts its router picks, and only the experts some
+//!   row picked are fetched: of `E` experts, `E · (1 − (1 − k/E)^rows)`
+//!   on average (routing taken as uniform), exactly `k` for one row. The
+//!   runtime (bm-models `moe.rs`, bm-dispatch `Forward::weight`) hands
+//!   those out one tensor at a time; on the CPU a disk expert is used in
+//!   place through its file mapping, so only the picked experts' pages are
+//!   read when the cache is cold. An experts list on its layer's device
+//!   streams with the layer (the layer's hook loads the whole subtree:
+//!   every expert's tensors are handed out, and to a GPU every expert is
+//!   copied); on its own device only the picked experts move, each when
+//!   the op that uses it asks (uploaded to a GPU from pageable memory, not
+//!   overlapped with compute). `bytes_streamed_per_token` counts what the
+//!   runtime counts, the offloaded weights a pass fetches, averaged over
+//!   the workload's passes (the prompt's, then one per further token), as
+//!   `bigmodel run --json` averages it.
 
 use crate::Error;
 use crate::device::Device;
@@ -70,7 +87,7 @@ use crate::hf::HfModel;
 use crate::ledger::{ModelShape, Workload};
 use crate::plan::{DeviceMap, PlanOptions};
 use crate::sizes::SizeRule;
-use crate::tree::{Node, TensorKind};
+use crate::tree::{ModuleId, Node, TensorKind};
 
 /// Parallel ops a decoder layer runs on one row (seven projections and
 /// attention), each paying the calibrated fixed cost of an op (handing
@@ -82,6 +99,11 @@ const OPS_PER_LAYER: f64 = 8.0;
 const OPS_PER_LAYER_ROWS: f64 = 10.0;
 /// Parallel ops of the embedding, the final norm or the head.
 const OPS_PER_SMALL_BLOCK: f64 = 1.0;
+/// Parallel ops of one picked expert: its three projections (a sparse
+/// layer runs them per picked expert instead of the MLP's).
+const OPS_PER_EXPERT: f64 = 3.0;
+/// Parallel ops of a sparse layer's router.
+const OPS_OF_ROUTER: f64 = 1.0;
 
 /// Measured rates of the host's CPU.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -375,6 +397,13 @@ pub enum BlockKind {
     /// Anything else (embedding, final norm): reads a few rows of its
     /// weights, costs one op.
     Other,
+    /// The experts list of the sparse layer just before it, `experts`
+    /// alike experts: each row runs the ones its router picks, and only
+    /// those are fetched.
+    Experts {
+        /// Experts in the list.
+        experts: u64,
+    },
 }
 
 /// One block of a pass: a device-map key and its sizes.
@@ -390,6 +419,10 @@ pub struct Block {
     pub tensors: u64,
     /// What it computes.
     pub kind: BlockKind,
+    /// Its first tensor streamed: where a map keys the block below its
+    /// name (a layer split around its experts), the block rests where
+    /// this tensor does.
+    pub probe: String,
 }
 
 /// The blocks of a model's forward pass in execution order (every
@@ -412,6 +445,28 @@ impl Pass {
         let sizes = options.sizes(tree, SizeRule::Loaded);
         let mut blocks = Vec::new();
         let layer_set: std::collections::HashSet<usize> = model.layers.iter().copied().collect();
+        let lists = crate::experts::expert_lists(tree);
+        // The block `name` of the tensors within the modules `within`
+        // accepts. Buffers stay on the execution device unless offloaded
+        // too, as the dispatcher keeps them.
+        let block = |name: &str, kind: BlockKind, within: &dyn Fn(ModuleId) -> bool| {
+            let streamed: Vec<(u64, u64, &str)> = tree
+                .tensors()
+                .iter()
+                .enumerate()
+                .filter(|(_, t)| within(t.module))
+                .filter(|(_, t)| options.offload_buffers || t.kind == TensorKind::Param)
+                .map(|(i, t)| (t.meta.numel() as u64, sizes.tensor[i], t.name.as_str()))
+                .collect();
+            Block {
+                name: name.to_string(),
+                bytes: streamed.iter().map(|(_, b, _)| b).sum(),
+                params: streamed.iter().map(|(n, _, _)| n).sum(),
+                tensors: streamed.len() as u64,
+                kind,
+                probe: streamed.first().map_or(name, |(_, _, t)| t).to_string(),
+            }
+        };
         let mut stack = vec![0usize];
         while let Some(m) = stack.pop() {
             let module = tree.module(m);
@@ -427,29 +482,36 @@ impl Pass {
                 if sizes.of(Node::Module(m)) == 0 {
                     continue;
                 }
-                // Buffers stay on the execution device unless offloaded too,
-                // as the dispatcher keeps them.
-                let streamed: Vec<(u64, u64)> = tree
-                    .tensors()
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, t)| tree.is_within(t.module, m))
-                    .filter(|(_, t)| options.offload_buffers || t.kind == TensorKind::Param)
-                    .map(|(i, t)| (t.meta.numel() as u64, sizes.tensor[i]))
-                    .collect();
-                blocks.push(Block {
-                    name: module.name.clone(),
-                    bytes: streamed.iter().map(|(_, b)| b).sum(),
-                    params: streamed.iter().map(|(n, _)| n).sum(),
-                    tensors: streamed.len() as u64,
-                    kind: if is_layer {
-                        BlockKind::Layer
-                    } else if module.name == "lm_head" {
-                        BlockKind::Head
-                    } else {
-                        BlockKind::Other
-                    },
-                });
+                // A sparse layer's experts lists are blocks of their own,
+                // after the rest of the layer.
+                let own: Vec<ModuleId> = match is_layer {
+                    true => lists
+                        .iter()
+                        .copied()
+                        .filter(|&l| tree.is_within(l, m))
+                        .collect(),
+                    false => Vec::new(),
+                };
+                let in_list = |t: ModuleId| own.iter().any(|&l| tree.is_within(t, l));
+                let kind = if is_layer {
+                    BlockKind::Layer
+                } else if module.name == "lm_head" {
+                    BlockKind::Head
+                } else {
+                    BlockKind::Other
+                };
+                blocks.push(block(&module.name, kind, &|t| {
+                    tree.is_within(t, m) && !in_list(t)
+                }));
+                for &l in &own {
+                    let experts = tree.module(l).children.len() as u64;
+                    let list = block(&tree.module(l).name, BlockKind::Experts { experts }, &|t| {
+                        tree.is_within(t, l)
+                    });
+                    if list.tensors > 0 {
+                        blocks.push(list);
+                    }
+                }
                 continue;
             }
             stack.extend(module.children.iter().rev());
@@ -465,15 +527,37 @@ impl Pass {
         &self.blocks
     }
 
-    /// Where `map` puts each block's weights.
+    /// Where `map` puts each block's weights: a block keyed below its name
+    /// rests where its probe tensor does, an experts list keyed expert by
+    /// expert where most of its experts do.
     pub fn placement(&self, map: &DeviceMap) -> Result<Vec<Device>, Error> {
         let lookup = map.lookup();
         self.blocks
             .iter()
             .map(|b| {
-                lookup
-                    .device_of(&b.name)
-                    .ok_or_else(|| Error::BadDeviceMap(format!("no device for {:?}", b.name)))
+                let found = lookup.device_of(&b.name).or_else(|| match b.kind {
+                    BlockKind::Experts { experts } => {
+                        let mut count: Vec<(Device, u64)> = Vec::new();
+                        for e in 0..experts {
+                            let Some(d) = lookup.device_of(&format!("{}.{e}", b.name)) else {
+                                continue;
+                            };
+                            match count.iter_mut().find(|(x, _)| *x == d) {
+                                Some((_, n)) => *n += 1,
+                                None => count.push((d, 1)),
+                            }
+                        }
+                        count
+                            .iter()
+                            .fold(None, |best: Option<(Device, u64)>, &(d, n)| match best {
+                                Some((_, most)) if most >= n => best,
+                                _ => Some((d, n)),
+                            })
+                            .map(|(d, _)| d)
+                    }
+                    _ => lookup.device_of(&b.probe),
+                });
+                found.ok_or_else(|| Error::BadDeviceMap(format!("no device for {:?}", b.name)))
             })
             .collect()
     }
@@ -507,17 +591,34 @@ impl Pass {
             })?),
             _ => None,
         };
-        let executes = |d: Device| d == exec || d.is_gpu();
-        let bytes_on = |pick: &dyn Fn(Device) -> bool| -> u64 {
-            blocks
-                .iter()
-                .zip(placement)
-                .filter(|(_, d)| pick(**d))
-                .map(|(b, _)| b.bytes)
-                .sum()
+        let gpu_gemm = |g: &GpuRates| {
+            g.gemm_flops.ok_or_else(|| {
+                Error::BadDeviceMap(format!(
+                    "the calibration has no GEMM rate for GPU {}",
+                    g.ordinal
+                ))
+            })
         };
-        let offloaded_bytes = bytes_on(&|d| !executes(d));
-        let host_bytes = bytes_on(&|d| d == Device::Cpu || d == Device::Disk);
+        let executes = |d: Device| d == exec || d.is_gpu();
+        // An experts list on its layer's device streams with the layer.
+        let with_layer = |i: usize| {
+            matches!(blocks[i].kind, BlockKind::Experts { .. })
+                && i > 0
+                && placement[i] == placement[i - 1]
+        };
+        let is_sparse = |i: usize| {
+            matches!(
+                blocks.get(i + 1).map(|b| b.kind),
+                Some(BlockKind::Experts { .. })
+            )
+        };
+        let top_k = shape.experts_per_token;
+        let host_bytes: u64 = blocks
+            .iter()
+            .zip(placement)
+            .filter(|(_, d)| **d == Device::Cpu || **d == Device::Disk)
+            .map(|(b, _)| b.bytes)
+            .sum();
         // Offloaded bytes stay in the page cache between passes when the
         // memory available holds them with the resident ones.
         let warm = calibration.host_available_bytes >= host_bytes;
@@ -534,8 +635,14 @@ impl Pass {
         // Weights the CPU reads per pass: from the cache when they fit in it.
         let read_per_pass: u64 = blocks
             .iter()
-            .filter(|b| b.kind != BlockKind::Other)
-            .map(|b| b.params * 4)
+            .map(|b| match b.kind {
+                BlockKind::Other => 0,
+                BlockKind::Experts { experts } => {
+                    let one = b.params / experts.max(1) * 4;
+                    (routed(experts, top_k, workload.batch) * one as f64) as u64
+                }
+                _ => b.params * 4,
+            })
             .sum();
         let gemv_rate = if read_per_pass <= cpu.last_level_cache_bytes {
             cpu.gemv_cached_bytes_per_second
@@ -552,16 +659,97 @@ impl Pass {
                 flops / cpu.gemm_flops + read as f64 / cpu.gemm_weight_bytes_per_second
             }
         };
-        // (compute seconds, transfer seconds) of block `b` on `on` for a
-        // pass of `rows` rows attending to `context` positions on average;
-        // `first` marks the first pass of a process.
-        let cost = |b: &Block,
-                    on: Device,
-                    rows: u64,
-                    context: f64,
-                    first: bool|
-         -> Result<(f64, f64), Error> {
+        // Seconds the dispatcher spends per tensor of a block on `on`.
+        let per_tensor = |on: Device| {
+            if on == Device::Disk {
+                calibration
+                    .disk
+                    .map_or(cpu.tensor_seconds, |d| d.mapped_tensor_seconds)
+            } else {
+                cpu.tensor_seconds
+            }
+        };
+        // Weights used in place through a mapping fault their pages in on
+        // the first pass that reads them (`bytes` of them).
+        let first_touch = |on: Device, first: bool, bytes: f64| match calibration.disk {
+            Some(d) if first && (on == Device::Disk || !self.cast) => {
+                bytes / d.first_touch_bytes_per_second
+            }
+            _ => 0.0,
+        };
+        // (compute seconds, transfer seconds) of the experts list `i` of
+        // `experts` on a pass of `rows` rows.
+        let experts_cost = |i: usize, experts: u64, rows: u64, first: bool| {
+            let (b, on) = (&blocks[i], placement[i]);
+            let n = experts.max(1);
+            let (params, bytes, tensors) = (b.params / n, b.bytes / n, b.tensors / n);
+            let picked = routed(experts, top_k, rows);
+            let flops = 2.0 * (rows * top_k) as f64 * params as f64;
+            let moved = picked * bytes as f64;
+            let compute = match gpu {
+                Some(g) => flops / gpu_gemm(g)?,
+                None => {
+                    // Each picked expert runs its three projections over
+                    // the rows routed to it, its MLP `width` wide.
+                    let rows_each = ((rows * top_k) as f64 / picked.max(1.0)).ceil() as u64;
+                    let width = params as f64 / (3 * shape.hidden.max(1)) as f64;
+                    let elementwise = (rows * top_k) as f64
+                        * width
+                        * (cpu.elementwise_seconds + cpu.activation_seconds);
+                    // Loaded with the layer, every expert is handed out;
+                    // on their own, only the picked ones.
+                    let handed = if with_layer(i) && !executes(on) {
+                        b.tensors as f64
+                    } else {
+                        picked * tensors as f64
+                    };
+                    let read = picked * (params * 4) as f64;
+                    cpu_linear(rows_each, read as u64, flops)
+                        + elementwise
+                        + OPS_PER_EXPERT * picked * cpu.op_seconds
+                        + handed * per_tensor(on)
+                        + first_touch(on, first, read.min(moved))
+                }
+            };
+            let transfer = match (gpu, on) {
+                (_, d) if executes(d) => 0.0,
+                // With the layer: every expert, as the rest of the layer.
+                (Some(g), Device::Cpu) if with_layer(i) => {
+                    b.bytes as f64 / g.pinned_h2d_bytes_per_second
+                }
+                (Some(g), _) if with_layer(i) => {
+                    b.bytes as f64 / disk_rate()?.min(g.pinned_h2d_bytes_per_second)
+                }
+                // On their own: the picked ones, brought to host memory and
+                // uploaded by the op that uses them, while nothing else runs.
+                (Some(g), Device::Cpu) => {
+                    return Ok((compute + moved / g.pageable_h2d_bytes_per_second, 0.0));
+                }
+                (Some(g), _) => {
+                    let rate = disk_rate()?.min(g.pageable_h2d_bytes_per_second);
+                    return Ok((compute + moved / rate, 0.0));
+                }
+                (None, _) if warm => 0.0,
+                // Mapped in place: the picked experts' pages are read.
+                (None, _) => return Ok((compute + moved / disk_rate()?, 0.0)),
+            };
+            Ok((compute, transfer))
+        };
+        // (compute seconds, transfer seconds) of block `i` for a pass of
+        // `rows` rows attending to `context` positions on average; `first`
+        // marks the first pass of a process.
+        let cost = |i: usize, rows: u64, context: f64, first: bool| -> Result<(f64, f64), Error> {
+            let (b, on) = (&blocks[i], placement[i]);
+            let sparse = is_sparse(i);
             let (rows, linear_flops, attention_flops) = match b.kind {
+                BlockKind::Experts { experts } => return experts_cost(i, experts, rows, first),
+                // The rest of a sparse layer: its projections and router
+                // (and any shared expert), two FLOPs per parameter a row.
+                BlockKind::Layer if sparse => (
+                    rows,
+                    2.0 * rows as f64 * b.params as f64,
+                    shape.attention_flops(rows, context),
+                ),
                 BlockKind::Layer => (
                     rows,
                     shape.linear_flops(rows),
@@ -571,41 +759,27 @@ impl Pass {
                 BlockKind::Other => (rows, 0.0, 0.0),
             };
             let compute = match gpu {
-                Some(g) => {
-                    let gemm = g.gemm_flops.ok_or_else(|| {
-                        Error::BadDeviceMap(format!(
-                            "the calibration has no GEMM rate for GPU {}",
-                            g.ordinal
-                        ))
-                    })?;
-                    (linear_flops + attention_flops) / gemm
-                }
+                Some(g) => (linear_flops + attention_flops) / gpu_gemm(g)?,
                 None => {
                     let (ops, read) = match b.kind {
                         BlockKind::Layer if rows > 1 => (OPS_PER_LAYER_ROWS, b.params * 4),
                         BlockKind::Layer => (OPS_PER_LAYER, b.params * 4),
                         BlockKind::Head => (OPS_PER_SMALL_BLOCK, b.params * 4),
                         // The embedding reads only its rows.
-                        BlockKind::Other => (OPS_PER_SMALL_BLOCK, 0),
+                        _ => (OPS_PER_SMALL_BLOCK, 0),
                     };
-                    let per_tensor = if on == Device::Disk {
-                        calibration
-                            .disk
-                            .map_or(cpu.tensor_seconds, |d| d.mapped_tensor_seconds)
-                    } else {
-                        cpu.tensor_seconds
-                    };
-                    // Weights used in place through a mapping fault their
-                    // pages in on the first pass that reads them.
-                    let mapped = on == Device::Disk || !self.cast;
-                    let first_touch = match calibration.disk {
-                        Some(d) if first && mapped => {
-                            read.min(b.bytes) as f64 / d.first_touch_bytes_per_second
-                        }
-                        _ => 0.0,
+                    let ops = match sparse {
+                        true => ops - OPS_PER_EXPERT + OPS_OF_ROUTER,
+                        false => ops,
                     };
                     let scores = attention_flops / (4.0 * shape.head_dim as f64);
                     let (simple, activation) = match b.kind {
+                        // The MLP's product and activation run in the
+                        // experts of a sparse layer.
+                        BlockKind::Layer if sparse => {
+                            let (simple, activation) = shape.elementwise_per_row();
+                            (simple.saturating_sub(activation), 0)
+                        }
                         BlockKind::Layer => shape.elementwise_per_row(),
                         _ => (0, 0),
                     };
@@ -617,8 +791,8 @@ impl Pass {
                         + scores * cpu.attention_score_seconds
                         + elementwise
                         + ops * cpu.op_seconds
-                        + b.tensors as f64 * per_tensor
-                        + first_touch
+                        + b.tensors as f64 * per_tensor(on)
+                        + first_touch(on, first, read.min(b.bytes) as f64)
                 }
             };
             let transfer = match (gpu, on) {
@@ -642,11 +816,18 @@ impl Pass {
             Ok((compute, transfer))
         };
         let pass = |rows: u64, context: f64, first: bool| -> Result<f64, Error> {
-            let costs = blocks
-                .iter()
-                .zip(placement)
-                .map(|(b, on)| cost(b, *on, rows, context, first))
-                .collect::<Result<Vec<_>, _>>()?;
+            let mut costs: Vec<(f64, f64)> = Vec::with_capacity(blocks.len());
+            for i in 0..blocks.len() {
+                let (c, t) = cost(i, rows, context, first)?;
+                match costs.last_mut() {
+                    // Loaded with its layer: one unit.
+                    Some(layer) if with_layer(i) => {
+                        layer.0 += c;
+                        layer.1 += t;
+                    }
+                    _ => costs.push((c, t)),
+                }
+            }
             // The CPU's compute starts up once, on the first pass.
             let startup = if first && gpu.is_none() {
                 cpu.startup_seconds
@@ -666,6 +847,24 @@ impl Pass {
         let batch = workload.batch;
         let prompt = workload.prompt_len;
         let generated = workload.max_seq_len.saturating_sub(prompt);
+        // What the runtime counts: every offloaded weight a pass fetches,
+        // averaged over the passes (the prompt's, then one per further
+        // token): the picked experts of an offloaded list, all of any other
+        // offloaded block.
+        let passes = generated.max(1);
+        let mut whole = 0u64;
+        let mut experts_bytes = 0.0;
+        for (b, on) in blocks.iter().zip(placement) {
+            match b.kind {
+                _ if executes(*on) => {}
+                BlockKind::Experts { experts } => {
+                    let picked = routed(experts, top_k, batch.saturating_mul(prompt))
+                        + (passes - 1) as f64 * routed(experts, top_k, batch);
+                    experts_bytes += picked / passes as f64 * (b.bytes / experts.max(1)) as f64;
+                }
+                _ => whole += b.bytes,
+            }
+        }
         Ok(Prediction {
             // Causal: prompt position i attends to i + 1 positions.
             first_forward_seconds: pass(
@@ -674,9 +873,21 @@ impl Pass {
                 true,
             )?,
             seconds_per_token: pass(batch, prompt as f64 + generated as f64 / 2.0, false)?,
-            bytes_streamed_per_token: offloaded_bytes,
+            bytes_streamed_per_token: whole + experts_bytes.round() as u64,
         })
     }
+}
+
+/// Experts `rows` rows pick together, each `top_k` of `experts` (routing
+/// taken as uniform): `E · (1 − (1 − k/E)^rows)` on average, exactly `k`
+/// for one row.
+fn routed(experts: u64, top_k: u64, rows: u64) -> f64 {
+    let k = top_k.min(experts);
+    if rows <= 1 || k == experts {
+        return (k * rows.min(1)) as f64;
+    }
+    let e = experts as f64;
+    e * (1.0 - (1.0 - k as f64 / e).powf(rows as f64))
 }
 
 /// Predicts `map` for `model` under `options` (dtype, prefetch depth) and

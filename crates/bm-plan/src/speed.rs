@@ -8,32 +8,52 @@
 //! block's weights rest: on the execution device it stays resident, on
 //! another tier it streams from there (RAM or disk) every pass. Every block
 //! that is not a layer (embedding, final norm, head) picks its tier on its
-//! own; the layers, alike in size and cost, are counted per tier and placed
-//! in order, fastest tier first (in the cost model a pass costs the same
-//! whichever layers stream, up to the first block's unhidden transfer). So
-//! the search enumerates every `(tiers ^ other blocks) × (layer counts)`
-//! combination: for a 3-tier, 80-layer model with three other blocks,
-//! 27 × 3321 placements, each costed in microseconds from the blocks sized
-//! once. Past a million placements (many blocks that are not layers, as an
-//! encoder–decoder's encoder) those blocks keep the default plan's tier.
+//! own; the layers, alike in size and cost, are counted per *kind* and
+//! placed in order (in the cost model a pass costs the same whichever
+//! layers stream, up to the first block's unhidden transfer). A layer's
+//! kinds are: whole on one tier, and, for a mixture-of-experts model, the
+//! rest of it (attention, norms, router, shared expert) on the first tier
+//! with its experts on a later tier. On the CPU that means the rest of the
+//! layer resident and only the experts the router picks read from disk;
+//! with a GPU, the rest resident on it and the picked experts uploaded
+//! from RAM or disk when used, instead of every expert of an offloaded
+//! layer streamed with it. The layers take the kinds in this order: whole
+//! on the first tier, apart with the experts on each later tier in turn,
+//! whole on each later tier.
 //!
-//! A placement is kept when its weights fit each tier's budget less what
-//! the default plan's ledger charges there besides weights (KV cache,
-//! activations, streaming room, overheads); the fastest of those are then
-//! checked, in order, against the full ledger ([`crate::auto::ledger`]),
-//! and the first that fits is compared with the default plan and with the
-//! default planner at prefetch depths 0 to 3. Ties go to the default plan.
+//! So the search enumerates every `(tiers ^ other blocks) × (layer counts
+//! per kind)` combination: `tiers` kinds without experts, `2 · tiers − 1`
+//! with them. For a 3-tier, 80-layer dense model with three other blocks,
+//! 27 × C(82, 2) = 27 × 3321 placements; on the CPU alone (two tiers) a
+//! 48-layer MoE has 8 × C(50, 2) = 8 × 1225; with a GPU a 32-layer one
+//! has C(36, 4) = 58,905 layer placements. Each is costed in microseconds
+//! from the blocks sized once. Past a million placements the blocks that
+//! are not layers keep the default plan's tier (many such blocks, as an
+//! encoder–decoder's encoder; a 32-layer MoE with a GPU), and where the
+//! layer counts alone pass it, the experts of all the layers apart share
+//! one tier, each tier in turn (an 80-layer MoE with a GPU: 2 × C(83, 3)
+//! = 183,762 layer placements instead of C(84, 4) = 1,929,501).
+//!
+//! A placement is kept when its weights, and on the execution device the
+//! streaming room it needs, fit each tier's budget less what the default
+//! plan's ledger charges there besides both (KV cache, activations,
+//! overheads); the fastest of those are then checked, in order, against
+//! the full ledger ([`crate::auto::ledger`], counting experts apart as
+//! `--experts-on` does), and the first that fits is compared with the
+//! default plan and with the default planner at prefetch depths 0 to 3.
+//! Ties go to the default plan.
 
 use crate::Error;
 use crate::auto::ledger;
 use crate::device::Device;
+use crate::experts::split;
 use crate::hf::HfModel;
 use crate::ledger::{LedgerItem, Workload};
 use crate::plan::{Compat, DeviceMap, Plan, PlanOptions, check_device_map};
 use crate::plan_with;
-use crate::predict::{BlockKind, Calibration, Pass, Prediction};
+use crate::predict::{Block, BlockKind, Calibration, Pass, Prediction};
 use crate::sizes::SizeRule;
-use crate::tree::ModuleTree;
+use crate::tree::{ModuleTree, Node};
 
 /// How many of the fastest placements that fit on paper are checked against
 /// the full ledger before the search settles for the default.
@@ -99,11 +119,14 @@ pub fn fastest(
     // Placements of the blocks on tiers.
     let pass = Pass::of(model, &options);
     let tiers = tiers(&options, default);
+    // Room for weights and streaming: what each placement changes.
     let room: Vec<u64> = tiers
         .iter()
         .map(|&d| {
             let budget = default.max_memory.get(d).unwrap_or(u64::MAX);
-            let charged = default.ledger.total(d) - default.ledger.get(d, LedgerItem::Weights);
+            let charged = default.ledger.total(d)
+                - default.ledger.get(d, LedgerItem::Weights)
+                - default.ledger.get(d, LedgerItem::Streaming);
             budget.saturating_sub(charged)
         })
         .collect();
@@ -112,7 +135,23 @@ pub fn fastest(
         .iter()
         .map(|d| tiers.iter().position(|t| t == d))
         .collect();
-    let ranked = rank_placements(&pass, &tiers, &room, &default_tiers, |placement| {
+    // A layer's experts may rest on any later tier than the rest of it.
+    let has_experts = pass
+        .blocks()
+        .iter()
+        .any(|b| matches!(b.kind, BlockKind::Experts { .. }));
+    let experts_tiers: Vec<usize> = match has_experts {
+        true => (1..tiers.len()).collect(),
+        false => Vec::new(),
+    };
+    let space = Space {
+        tiers: &tiers,
+        experts_tiers: &experts_tiers,
+        room: &room,
+        default_tiers: &default_tiers,
+        prefetch_depth: options.prefetch_depth,
+    };
+    let ranked = rank_placements(&pass, &space, |placement| {
         searched += 1;
         pass.predict(
             &model.shape,
@@ -127,17 +166,13 @@ pub fn fastest(
         if seconds >= best.1.seconds_per_token {
             break;
         }
-        let map = DeviceMap::from_entries(
-            pass.blocks()
-                .iter()
-                .zip(&placement)
-                .map(|(b, d)| (b.name.clone(), *d))
-                .collect(),
-        );
+        let Ok(map) = map_of(tree, &pass, &placement) else {
+            continue;
+        };
         if check_device_map(tree, &map).is_err() {
             continue;
         }
-        let Ok(ledger) = ledger(tree, &map, &options) else {
+        let Ok(ledger) = ledger(tree, &map, &ledger_options(&options, &pass, &placement)) else {
             continue;
         };
         if !ledger.shortfalls(&default.max_memory).is_empty() {
@@ -193,32 +228,159 @@ fn tiers(options: &PlanOptions, default: &Plan) -> Vec<Device> {
     tiers
 }
 
-/// Every placement of `pass`'s blocks on `tiers` whose weights fit `room`
-/// (bytes per tier), costed by `cost`; the [`CHECKED`] cheapest, cheapest
-/// first. Blocks that are not layers pick a tier each (or, past
-/// [`MAX_PLACEMENTS`], keep `default_tiers`' where it has one); the layers
-/// are counted per tier and placed in order, the first tier first.
+/// The device map of `placement` (a device per block of `pass`): a key per
+/// block, and a layer whose experts rest apart from the rest of it split
+/// around them as [`crate::experts`] splits it (the search puts all the
+/// experts lists of a layer on one device).
+fn map_of(tree: &ModuleTree, pass: &Pass, placement: &[Device]) -> Result<DeviceMap, Error> {
+    let blocks = pass.blocks();
+    let module = |name: &str| match tree.find(name) {
+        Some(Node::Module(m)) => Ok(m),
+        _ => Err(Error::BadDeviceMap(format!("{name:?} is not a module"))),
+    };
+    let mut entries = Vec::with_capacity(blocks.len());
+    for (i, (b, &on)) in blocks.iter().zip(placement).enumerate() {
+        if matches!(b.kind, BlockKind::Experts { .. }) {
+            continue;
+        }
+        let apart: Vec<usize> = (i + 1..blocks.len())
+            .take_while(|&j| matches!(blocks[j].kind, BlockKind::Experts { .. }))
+            .filter(|&j| placement[j] != on)
+            .collect();
+        match apart.first() {
+            Some(&j) => {
+                let lists = apart
+                    .iter()
+                    .map(|&l| module(&blocks[l].name))
+                    .collect::<Result<Vec<_>, _>>()?;
+                let layer = module(&b.name)?;
+                split(tree, layer, on, &lists, placement[j], &mut entries);
+            }
+            None => entries.push((b.name.clone(), on)),
+        }
+    }
+    Ok(DeviceMap::from_entries(entries))
+}
+
+/// `options` for the ledger of `placement`: where a layer's experts rest
+/// apart from the rest of it, the experts are units of their own (as
+/// `--experts-on` makes them), so the ledger counts each part where it
+/// rests and streams an expert, not the whole layer, at a time.
+fn ledger_options(options: &PlanOptions, pass: &Pass, placement: &[Device]) -> PlanOptions {
+    let blocks = pass.blocks();
+    let apart = (1..blocks.len()).find(|&i| {
+        matches!(blocks[i].kind, BlockKind::Experts { .. }) && placement[i] != placement[i - 1]
+    });
+    let mut options = options.clone();
+    if let Some(i) = apart {
+        options.experts_on = Some(placement[i]);
+    }
+    options
+}
+
+/// What [`rank_placements`] searches.
+struct Space<'a> {
+    /// The tiers, fastest first.
+    tiers: &'a [Device],
+    /// The tiers (indices into `tiers`) a layer's experts may rest on
+    /// while the rest of it stays on the first tier; none for a model
+    /// without experts.
+    experts_tiers: &'a [usize],
+    /// Bytes of weights and streaming room each tier has room for.
+    room: &'a [u64],
+    /// The default plan's tier of each block, where it has one.
+    default_tiers: &'a [Option<usize>],
+    /// Offloaded blocks prefetched ahead of the one running.
+    prefetch_depth: usize,
+}
+
+/// The streaming room `placement` needs and where, as the ledger charges
+/// it ([`crate::auto::ledger`]): on the execution device, the
+/// `1 + prefetch_depth` largest offloaded groups, a group being a block
+/// that is not an experts list with the experts lists after it.
+fn streaming_room(blocks: &[Block], placement: &[Device], prefetch_depth: usize) -> (Device, u64) {
+    let exec = placement
+        .iter()
+        .copied()
+        .filter(|d| d.is_gpu())
+        .min()
+        .unwrap_or(Device::Cpu);
+    let mut groups: Vec<u64> = Vec::new();
+    for (b, &on) in blocks.iter().zip(placement) {
+        let bytes = if on == exec || on.is_gpu() {
+            0
+        } else {
+            b.bytes
+        };
+        match (b.kind, groups.last_mut()) {
+            (BlockKind::Experts { .. }, Some(group)) => *group += bytes,
+            _ => groups.push(bytes),
+        }
+    }
+    groups.sort_unstable_by(|a, b| b.cmp(a));
+    (exec, groups.iter().take(prefetch_depth + 1).sum())
+}
+
+/// Every placement of `pass`'s blocks in `space` whose weights fit its
+/// room, costed by `cost`; the [`CHECKED`] cheapest, cheapest first. Blocks
+/// that are neither layers nor experts pick a tier each (or, past
+/// [`MAX_PLACEMENTS`], keep the default plan's where it has one); the
+/// layers are counted per kind and placed in order: whole on the first
+/// tier, then (for each experts tier X) the rest of the layer on the first
+/// tier with its experts on X, then whole on each further tier.
 fn rank_placements(
     pass: &Pass,
-    tiers: &[Device],
-    room: &[u64],
-    default_tiers: &[Option<usize>],
+    space: &Space<'_>,
     mut cost: impl FnMut(&[Device]) -> Result<f64, Error>,
 ) -> Result<Vec<(f64, Vec<Device>)>, Error> {
+    let Space {
+        tiers,
+        experts_tiers,
+        room,
+        default_tiers,
+        prefetch_depth,
+    } = *space;
     let blocks = pass.blocks();
-    let layers: Vec<usize> = (0..blocks.len())
+    let is_experts = |i: usize| matches!(blocks[i].kind, BlockKind::Experts { .. });
+    // Each layer, with the experts lists that follow it.
+    let layers: Vec<(usize, Vec<usize>)> = (0..blocks.len())
         .filter(|&i| blocks[i].kind == BlockKind::Layer)
+        .map(|i| {
+            let lists = (i + 1..blocks.len()).take_while(|&j| is_experts(j));
+            (i, lists.collect())
+        })
         .collect();
     let others: Vec<usize> = (0..blocks.len())
-        .filter(|&i| blocks[i].kind != BlockKind::Layer)
+        .filter(|&i| blocks[i].kind != BlockKind::Layer && !is_experts(i))
         .collect();
     let mut ranked: Vec<(f64, Vec<Device>)> = Vec::new();
     if tiers.is_empty() {
         return Ok(ranked);
     }
-    // Layer counts per tier: C(layers + tiers - 1, tiers - 1).
-    let compositions =
-        (1..tiers.len() as u128).fold(1u128, |c, i| c.saturating_mul(layers.len() as u128 + i) / i);
+    // What a layer may be, in the order the layers take them, as (the
+    // tier of the rest of it, the tier of its experts): whole on the first
+    // tier, apart with its experts on each of `xs`, whole on each further
+    // tier.
+    let kinds_with = |xs: &[usize]| -> Vec<(usize, usize)> {
+        let mut kinds = vec![(0, 0)];
+        kinds.extend(xs.iter().map(|&x| (0, x)));
+        kinds.extend((1..tiers.len()).map(|t| (t, t)));
+        kinds
+    };
+    // Layer counts per kind: C(layers + kinds - 1, kinds - 1).
+    let counts_of = |kinds: usize| {
+        (1..kinds as u128).fold(1u128, |c, i| c.saturating_mul(layers.len() as u128 + i) / i)
+    };
+    // Past MAX_PLACEMENTS, the experts of the layers apart share one tier
+    // (each in turn).
+    let mut kind_sets = vec![kinds_with(experts_tiers)];
+    if experts_tiers.len() > 1 && counts_of(kind_sets[0].len()) > MAX_PLACEMENTS {
+        kind_sets = experts_tiers.iter().map(|&x| kinds_with(&[x])).collect();
+    }
+    let compositions = kind_sets
+        .iter()
+        .map(|kinds| counts_of(kinds.len()))
+        .fold(0u128, u128::saturating_add);
     let all_choices = (tiers.len() as u128)
         .checked_pow(others.len() as u32)
         .unwrap_or(u128::MAX);
@@ -231,44 +393,51 @@ fn rank_placements(
         })
         .collect();
     let mut placement = vec![tiers[0]; blocks.len()];
-    let mut choice = vec![0usize; others.len()];
-    loop {
-        for ((&block, &pick), allowed) in others.iter().zip(&choice).zip(&options) {
-            placement[block] = tiers[allowed[pick]];
-        }
-        let mut counts = vec![0usize; tiers.len()];
-        counts[tiers.len() - 1] = layers.len();
+    for kinds in &kind_sets {
+        let mut choice = vec![0usize; others.len()];
         loop {
-            let mut next = 0;
-            for (tier, &count) in counts.iter().enumerate() {
-                for &block in &layers[next..next + count] {
-                    placement[block] = tiers[tier];
-                }
-                next += count;
+            for ((&block, &pick), allowed) in others.iter().zip(&choice).zip(&options) {
+                placement[block] = tiers[allowed[pick]];
             }
-            let fits = tiers.iter().zip(room).all(|(&tier, &room)| {
-                let used: u64 = blocks
-                    .iter()
-                    .zip(&placement)
-                    .filter(|(_, d)| **d == tier)
-                    .map(|(b, _)| b.bytes)
-                    .sum();
-                used <= room
-            });
-            if fits {
-                let seconds = cost(&placement)?;
-                let at = ranked.partition_point(|(s, _)| *s <= seconds);
-                if at < CHECKED {
-                    ranked.insert(at, (seconds, placement.clone()));
-                    ranked.truncate(CHECKED);
+            let mut counts = vec![0usize; kinds.len()];
+            counts[kinds.len() - 1] = layers.len();
+            loop {
+                let mut next = 0;
+                for (&(rest, experts), &count) in kinds.iter().zip(&counts) {
+                    for (layer, lists) in &layers[next..next + count] {
+                        placement[*layer] = tiers[rest];
+                        for &list in lists {
+                            placement[list] = tiers[experts];
+                        }
+                    }
+                    next += count;
+                }
+                let (exec, streaming) = streaming_room(blocks, &placement, prefetch_depth);
+                let fits = tiers.iter().zip(room).all(|(&tier, &room)| {
+                    let used: u64 = blocks
+                        .iter()
+                        .zip(&placement)
+                        .filter(|(_, d)| **d == tier)
+                        .map(|(b, _)| b.bytes)
+                        .sum();
+                    let streamed = if tier == exec { streaming } else { 0 };
+                    used.saturating_add(streamed) <= room
+                });
+                if fits {
+                    let seconds = cost(&placement)?;
+                    let at = ranked.partition_point(|(s, _)| *s <= seconds);
+                    if at < CHECKED {
+                        ranked.insert(at, (seconds, placement.clone()));
+                        ranked.truncate(CHECKED);
+                    }
+                }
+                if !next_composition(&mut counts) {
+                    break;
                 }
             }
-            if !next_composition(&mut counts) {
+            if !next_choice(&mut choice, &options) {
                 break;
             }
-        }
-        if !next_choice(&mut choice, &options) {
-            break;
         }
     }
     Ok(ranked)
@@ -422,7 +591,12 @@ mod tests {
                     .map(|(b, d)| (b.name.clone(), *d))
                     .collect(),
             );
-            let ledger = ledger(&model.tree, &map, options).unwrap();
+            let ledger = ledger(
+                &model.tree,
+                &map,
+                &ledger_options(options, &pass, &placement),
+            )
+            .unwrap();
             if ledger.shortfalls(&options.max_memory).is_empty() {
                 fitting += 1;
                 let p = pass
@@ -527,5 +701,210 @@ mod tests {
             &tiers,
             &calibration(true, true),
         );
+    }
+
+    /// A Mixtral of `layers` layers, each of eight experts of which a
+    /// token runs two: 98 KB an expert, 51 KB the rest of a layer, the
+    /// embedding and the head 131 KB each.
+    fn mixtral(layers: usize) -> HfModel {
+        let config = serde_json::json!({
+            "model_type": "mixtral",
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": layers,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "vocab_size": 512,
+            "max_position_embeddings": 128,
+            "torch_dtype": "float32",
+        });
+        tree_from_config(&HfConfig::from_value(config, "config.json").unwrap()).unwrap()
+    }
+
+    /// The fastest placement of the search's space by brute force, each
+    /// layer on its own (not counted in order): every block that is not a
+    /// layer on every tier, every layer whole on a tier or, with its
+    /// experts on a later tier, the rest of it on the first; and how many
+    /// fit the full ledger.
+    fn enumerated_moe_optimum(
+        model: &HfModel,
+        options: &PlanOptions,
+        tiers: &[Device],
+        calibration: &Calibration,
+    ) -> (f64, usize) {
+        let pass = Pass::of(model, options);
+        let blocks = pass.blocks();
+        let layers: Vec<usize> = (0..blocks.len())
+            .filter(|&i| blocks[i].kind == BlockKind::Layer)
+            .collect();
+        let others: Vec<usize> = (0..blocks.len())
+            .filter(|&i| blocks[i].kind != BlockKind::Layer)
+            .filter(|&i| !matches!(blocks[i].kind, BlockKind::Experts { .. }))
+            .collect();
+        let mut kinds: Vec<(usize, usize)> = (0..tiers.len()).map(|t| (t, t)).collect();
+        kinds.extend((1..tiers.len()).map(|x| (0, x)));
+        let mut allowed = vec![(0..tiers.len()).collect::<Vec<_>>(); others.len()];
+        allowed.extend(vec![(0..kinds.len()).collect(); layers.len()]);
+        let mut choice = vec![0usize; allowed.len()];
+        let (mut best, mut fitting) = (f64::INFINITY, 0);
+        loop {
+            let mut placement = vec![tiers[0]; blocks.len()];
+            for (&b, &t) in others.iter().zip(&choice) {
+                placement[b] = tiers[t];
+            }
+            for (&layer, &k) in layers.iter().zip(&choice[others.len()..]) {
+                placement[layer] = tiers[kinds[k].0];
+                placement[layer + 1] = tiers[kinds[k].1];
+            }
+            let map = map_of(&model.tree, &pass, &placement).unwrap();
+            check_device_map(&model.tree, &map).unwrap();
+            let ledger = ledger(
+                &model.tree,
+                &map,
+                &ledger_options(options, &pass, &placement),
+            )
+            .unwrap();
+            if ledger.shortfalls(&options.max_memory).is_empty() {
+                fitting += 1;
+                let p = pass
+                    .predict(
+                        &model.shape,
+                        &placement,
+                        options.prefetch_depth,
+                        &workload(),
+                        calibration,
+                    )
+                    .unwrap();
+                best = best.min(p.seconds_per_token);
+            }
+            if !next_choice(&mut choice, &allowed) {
+                return (best, fitting);
+            }
+        }
+    }
+
+    /// The layers of `map` whose experts rest apart from the rest of them.
+    fn split_layers(map: &DeviceMap) -> Vec<String> {
+        map.iter()
+            .filter_map(|(key, on)| {
+                let layer = key.strip_suffix(".block_sparse_moe.experts")?;
+                let rest = map.device_of(&format!("{layer}.self_attn"));
+                (rest != Some(on)).then(|| layer.to_string())
+            })
+            .collect()
+    }
+
+    fn check_moe(
+        model: &HfModel,
+        budgets: &str,
+        tiers: &[Device],
+        calibration: &Calibration,
+    ) -> Fastest {
+        let options = options(model, budgets);
+        let default = plan_with(&model.tree, &options, Compat::Auto).unwrap();
+        let mut at_depth = options.clone();
+        at_depth.prefetch_depth = default.prefetch_depth;
+        let (optimum, fitting) = enumerated_moe_optimum(model, &at_depth, tiers, calibration);
+        assert!(fitting > 1, "{budgets}: {fitting} placements fit");
+        let found = fastest(
+            model,
+            &model.tree,
+            &options,
+            &default,
+            &workload(),
+            calibration,
+        )
+        .unwrap();
+        let seconds = found.prediction.seconds_per_token;
+        // The default planner at another prefetch depth may beat the
+        // space searched; nothing in the space beats what was found.
+        assert!(
+            seconds <= optimum * (1.0 + 1e-12),
+            "{budgets}: found {seconds}, the optimum is {optimum}"
+        );
+        assert!(found.plan.ledger.shortfalls(&options.max_memory).is_empty());
+        check_device_map(&model.tree, &found.plan.device_map).unwrap();
+        let again = crate::predict::predict(
+            model,
+            &found.plan.device_map,
+            &at_depth,
+            &workload(),
+            calibration,
+        )
+        .unwrap();
+        assert_eq!(again, found.prediction, "{budgets}");
+        assert!(seconds <= found.default.seconds_per_token);
+        found
+    }
+
+    #[test]
+    fn the_search_puts_experts_apart_from_their_layers_when_that_is_faster() {
+        let model = mixtral(3);
+        let tiers = [Device::Cpu, Device::Disk];
+        // Room for the rest of every layer but not for one whole layer
+        // besides the embedding, the head and the streaming room: the
+        // default plan streams whole layers from disk, the search keeps
+        // the rest of each layer resident and only the experts on disk,
+        // of which a token reads two in eight.
+        let budgets = "cpu=1600KB,disk=10MB";
+        let default = plan_with(&model.tree, &options(&model, budgets), Compat::Auto).unwrap();
+        assert!(split_layers(&default.device_map).is_empty());
+        for calibration in [calibration(true, false), calibration(false, false)] {
+            let found = check_moe(&model, budgets, &tiers, &calibration);
+            assert_eq!(
+                split_layers(&found.plan.device_map).len(),
+                3,
+                "{:?}",
+                found.plan.device_map
+            );
+            assert!(found.prediction.seconds_per_token < found.default.seconds_per_token);
+            assert!(
+                found.prediction.bytes_streamed_per_token < found.default.bytes_streamed_per_token
+            );
+        }
+        // Room for two whole layers: some stay whole, others split.
+        check_moe(
+            &model,
+            "cpu=3000KB,disk=10MB",
+            &tiers,
+            &calibration(true, false),
+        );
+        // Everything fits: nothing splits.
+        let found = check_moe(
+            &model,
+            "cpu=10MB,disk=10MB",
+            &tiers,
+            &calibration(true, false),
+        );
+        assert!(split_layers(&found.plan.device_map).is_empty());
+    }
+
+    #[test]
+    fn with_a_gpu_the_experts_may_rest_in_ram_or_on_disk() {
+        let model = mixtral(2);
+        let tiers = [Device::Gpu(0), Device::Cpu, Device::Disk];
+        // Room on the GPU for the rest of both layers, not for their
+        // experts: those stay apart, in RAM while it has room, then on
+        // disk, instead of whole layers streaming every expert.
+        for cold in [false, true] {
+            let found = check_moe(
+                &model,
+                "0=1200KB,cpu=1MB,disk=10MB",
+                &tiers,
+                &calibration(cold, true),
+            );
+            assert_eq!(split_layers(&found.plan.device_map).len(), 2);
+            assert!(found.prediction.seconds_per_token < found.default.seconds_per_token);
+        }
+        // Everything fits on the GPU.
+        let found = check_moe(
+            &model,
+            "0=2500KB,cpu=2MB,disk=10MB",
+            &tiers,
+            &calibration(false, true),
+        );
+        assert!(split_layers(&found.plan.device_map).is_empty());
     }
 }

@@ -342,7 +342,10 @@ pub fn run(args: Args) -> CmdResult {
         other => return Err(format!("--objective {other:?}: expected memory or speed").into()),
     };
     if speed && experts_on.is_some() {
-        return Err("--objective speed places whole layers; it does not take --experts-on".into());
+        return Err(
+            "--objective speed decides where the experts rest; it does not take --experts-on"
+                .into(),
+        );
     }
     let calibration = match (&args.calibration, args.calibrate) {
         (Some(path), _) => Some(
