@@ -295,9 +295,10 @@ struct Space<'a> {
 }
 
 /// The streaming room `placement` needs and where, as the ledger charges
-/// it ([`crate::auto::ledger`]): on the execution device, the
+/// it ([`crate::auto::ledger`]): on a GPU that executes, the
 /// `1 + prefetch_depth` largest offloaded groups, a group being a block
-/// that is not an experts list with the experts lists after it.
+/// that is not an experts list with the experts lists after it; nothing on
+/// the CPU, which runs offloaded weights in place.
 fn streaming_room(blocks: &[Block], placement: &[Device], prefetch_depth: usize) -> (Device, u64) {
     let exec = placement
         .iter()
@@ -316,6 +317,9 @@ fn streaming_room(blocks: &[Block], placement: &[Device], prefetch_depth: usize)
             (BlockKind::Experts { .. }, Some(group)) => *group += bytes,
             _ => groups.push(bytes),
         }
+    }
+    if !exec.is_gpu() {
+        return (exec, 0);
     }
     groups.sort_unstable_by(|a, b| b.cmp(a));
     (exec, groups.iter().take(prefetch_depth + 1).sum())
@@ -844,11 +848,11 @@ mod tests {
         let model = mixtral(3);
         let tiers = [Device::Cpu, Device::Disk];
         // Room for the rest of every layer but not for one whole layer
-        // besides the embedding, the head and the streaming room: the
+        // besides the embedding and the head: the
         // default plan streams whole layers from disk, the search keeps
         // the rest of each layer resident and only the experts on disk,
         // of which a token reads two in eight.
-        let budgets = "cpu=1600KB,disk=10MB";
+        let budgets = "cpu=800KB,disk=10MB";
         let default = plan_with(&model.tree, &options(&model, budgets), Compat::Auto).unwrap();
         assert!(split_layers(&default.device_map).is_empty());
         for calibration in [calibration(true, false), calibration(false, false)] {
