@@ -250,7 +250,10 @@ fn the_ledger_is_in_the_json_and_the_explain_table() {
         .sum();
     assert_eq!(kv, 32 * 2 * 4096 * 4096 * 2 * 2);
     assert!(ledger["0"]["activations"].as_u64().unwrap() > 0);
-    assert_eq!(ledger["cpu"]["staging"], 8 << 20);
+    assert_eq!(
+        ledger["cpu"]["staging"],
+        ::bigmodel::dispatch::host_staging_bytes()
+    );
     let (ok, _, stderr) = plan(&[&args[..], &["--explain"]].concat());
     assert!(ok, "{stderr}");
     assert!(

@@ -301,8 +301,9 @@ pub fn default_max_memory(devices: &DeviceSet, compat: Compat) -> Result<MaxMemo
 }
 
 /// The fixed per-device costs of running a plan with `max_memory`, for the
-/// ledger ([`PlanOptions::overheads`]): the host staging a load with GPUs
-/// casts through ([`bm_dispatch::STAGING_BYTES`]) whenever a GPU has a
+/// ledger ([`PlanOptions::overheads`]): the host staging of a model that
+/// loads onto or streams to GPUs ([`bm_dispatch::host_staging_bytes`]: its
+/// reader pool's slots and a host cast's chunk) whenever a GPU has a
 /// budget (and the CPU one to take it from), and the cuBLAS workspace
 /// ([`bm_device::GEMM_WORKSPACE_BYTES`]) on each of `cuda_gpus` (the
 /// ordinals of the CUDA GPUs the plan is for, as probed or calibrated: a
@@ -322,7 +323,7 @@ pub fn overheads(
         out.push((
             bm_plan::Device::Cpu,
             LedgerItem::Staging,
-            bm_dispatch::STAGING_BYTES as u64,
+            bm_dispatch::host_staging_bytes(),
         ));
     }
     for (gpu, _) in max_memory

@@ -81,6 +81,20 @@ impl Default for ReaderOptions {
     }
 }
 
+impl ReaderOptions {
+    /// Bytes per slot as allocated: rounded up to the alignment direct
+    /// reads need.
+    fn aligned_slot_bytes(&self) -> usize {
+        self.slot_bytes.div_ceil(ALIGN as usize) * ALIGN as usize
+    }
+
+    /// The host memory a pool of these options holds for its life: its
+    /// staging slots.
+    pub fn staging_bytes(&self) -> u64 {
+        (self.slots as u64).saturating_mul(self.aligned_slot_bytes() as u64)
+    }
+}
+
 /// A file opened for a [`ReaderPool`], with an `O_DIRECT` descriptor
 /// beside the buffered one when asked for and the file system allows it.
 pub struct SourceFile {
@@ -357,7 +371,7 @@ impl ReaderPool {
                 device: crate::Device::Cpu,
             });
         }
-        let slot_bytes = options.slot_bytes.div_ceil(ALIGN as usize) * ALIGN as usize;
+        let slot_bytes = options.aligned_slot_bytes();
         let mut slots = Vec::with_capacity(options.slots);
         for _ in 0..options.slots {
             slots.push(Mutex::new(PinnedBuffer::for_set(set, slot_bytes)?.0));

@@ -99,4 +99,4 @@ pub use load::{
 };
 pub use model::Model;
 pub use slots::{Placement, SlotId, Tier};
-pub use transfer::{DiskReads, GPU_CAST_CHUNK, STAGING_BYTES};
+pub use transfer::{DiskReads, GPU_CAST_CHUNK, STAGING_BYTES, host_staging_bytes};

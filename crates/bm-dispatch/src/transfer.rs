@@ -140,7 +140,7 @@ impl Uploader {
         }
         let pool = Arc::new(
             self.devices
-                .reader_pool(ReaderOptions::default())
+                .reader_pool(reader_options())
                 .map_err(|e| Error::device("the reader pool", e))?,
         );
         *readers = Some(Arc::clone(&pool));
@@ -481,6 +481,22 @@ impl<'a> GpuLoad<'a> {
 /// Bytes cast at a time on the host: the bound on host staging memory of a
 /// cast while loading.
 pub const STAGING_BYTES: usize = 8 << 20;
+
+/// The reader pool a model creates at its first upload to a GPU (loading
+/// or streaming) and keeps for its life.
+fn reader_options() -> ReaderOptions {
+    ReaderOptions::default()
+}
+
+/// Host memory a model that loads onto or streams to a GPU holds for
+/// staging: its reader pool's slots (page-locked, for its life) and the
+/// [`STAGING_BYTES`] a host cast converts at a time. The memory ledger's
+/// `staging` item.
+pub fn host_staging_bytes() -> u64 {
+    reader_options()
+        .staging_bytes()
+        .saturating_add(STAGING_BYTES as u64)
+}
 
 /// Runs `sink(offset, bytes)` over `src` converted from `from` to `to`,
 /// [`STAGING_BYTES`] at a time (borrowing `src` when no cast is needed).

@@ -1,7 +1,8 @@
 //! The planner's ledger charges streaming room where the runtime allocates
 //! it: on a GPU that executes offloaded layers, the running layer and the
 //! prefetched one; on the CPU, nothing, since offloaded layers run there
-//! from their mapping in place. Host allocations are counted by this test
+//! from their mapping in place. Its host staging is what a model that uses
+//! a GPU keeps for uploads. Host allocations are counted by this test
 //! binary's global allocator, so the file holds this one test.
 
 mod common;
@@ -13,10 +14,10 @@ use std::time::{Duration, Instant};
 
 use bm_device::DeviceSet;
 use bm_dispatch::{
-    Activations, DispatchOptions, LoadOptions, Model, ModelBuilder, dispatch_model,
-    load_checkpoint_in_model,
+    Activations, DispatchOptions, LoadOptions, Model, ModelBuilder, STAGING_BYTES, dispatch_model,
+    host_staging_bytes, load_checkpoint_in_model,
 };
-use bm_plan::{DeviceMap, LedgerItem, PlanOptions};
+use bm_plan::{DeviceMap, Ledger, LedgerItem, PlanOptions};
 use bm_shard::Checkpoint;
 use bm_tensor::DType;
 
@@ -67,8 +68,9 @@ const WIDTH: usize = 256;
 const LAYERS: usize = 4;
 /// One layer's weight and bias, in F32.
 const LAYER_BYTES: u64 = ((WIDTH * WIDTH + WIDTH) * 4) as u64;
-/// What a pass's bookkeeping may allocate on the host besides weights
-/// (the residency table, prefetch jobs, guards): far below one layer.
+/// What a pass's (or a small model's) bookkeeping may allocate on the host
+/// besides weights (the residency table, prefetch jobs, guards, names):
+/// far below one layer.
 const BOOKKEEPING: u64 = 32 << 10;
 
 fn model_on(devices: DeviceSet, map: &DeviceMap, dir: &std::path::Path) -> Model {
@@ -118,16 +120,20 @@ fn model_on(devices: DeviceSet, map: &DeviceMap, dir: &std::path::Path) -> Model
     model
 }
 
-/// The ledger's streaming room of `map` on `device`, prefetching one layer
-/// as the model was dispatched.
-fn ledger_streaming(model: &Model, map: &DeviceMap, device: bm_plan::Device) -> u64 {
+/// The ledger of `map`, prefetching one layer as the model was dispatched,
+/// with the host staging of a model that uses a GPU when `gpu`.
+fn ledger_of(model: &Model, map: &DeviceMap, gpu: bool) -> Ledger {
+    let staging = (
+        bm_plan::Device::Cpu,
+        LedgerItem::Staging,
+        host_staging_bytes(),
+    );
     let options = PlanOptions {
         prefetch_depth: 1,
+        overheads: if gpu { vec![staging] } else { Vec::new() },
         ..PlanOptions::default()
     };
-    bm_plan::auto::ledger(model.tree(), map, &options)
-        .unwrap()
-        .get(device, LedgerItem::Streaming)
+    bm_plan::auto::ledger(model.tree(), map, &options).unwrap()
 }
 
 /// Runs every layer once. In an offloaded layer, waits until the next
@@ -156,11 +162,22 @@ fn the_ledger_charges_streaming_room_where_the_runtime_allocates_it() {
         DeviceMap::from_json(&serde_json::json!({"0": 0, "1": "disk", "2": "disk", "3": "cpu"}))
             .unwrap();
     let dir = tempfile::tempdir().unwrap();
+    let host_before = LIVE.load(Ordering::Relaxed);
     let model = model_on(DeviceSet::emulated(&[16 << 20]), &map, dir.path());
     let gpu = model.devices().gpu(0).unwrap();
+    let ledger = ledger_of(&model, &map, true);
+    // The host holds layer 3 and the staging of uploads (the emulated GPU's
+    // memory is host memory too: not counted here). No load casts, so the
+    // host cast's chunk the ledger keeps room for is not allocated.
+    let host = LIVE.load(Ordering::Relaxed) - host_before - gpu.live_bytes();
+    let charged = ledger.total(bm_plan::Device::Cpu);
+    assert!(
+        host <= charged && charged - host <= STAGING_BYTES as u64 + BOOKKEEPING,
+        "the host holds {host} bytes after loading, the ledger charges {charged}"
+    );
     let (before, charged) = (
         gpu.live_bytes(),
-        ledger_streaming(&model, &map, bm_plan::Device::Gpu(0)),
+        ledger.get(bm_plan::Device::Gpu(0), LedgerItem::Streaming),
     );
     gpu.reset_peak();
     pass(&model, &[1, 2, 3], |_, _| {});
@@ -176,7 +193,7 @@ fn the_ledger_charges_streaming_room_where_the_runtime_allocates_it() {
     .unwrap();
     let dir = tempfile::tempdir().unwrap();
     let model = model_on(DeviceSet::cpu_only(), &map, dir.path());
-    let charged = ledger_streaming(&model, &map, bm_plan::Device::Cpu);
+    let charged = ledger_of(&model, &map, false).get(bm_plan::Device::Cpu, LedgerItem::Streaming);
     let before = LIVE.load(Ordering::Relaxed);
     PEAK.store(before, Ordering::Relaxed);
     pass(&model, &[1, 2, 3], |i, g| {
