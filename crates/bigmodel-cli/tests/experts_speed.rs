@@ -9,10 +9,9 @@
 
 mod common;
 
-use std::collections::BTreeMap;
 use std::path::Path;
 
-use common::{Tensor, bigmodel, fixture, json_of, write_safetensors};
+use common::{bigmodel, fixture, json_of, measured_runs, write_random_f32_model};
 use serde_json::{Value, json};
 
 /// A calibration of a made-up CPU machine, its page cache warm.
@@ -183,7 +182,6 @@ fn write_timing_mixtral(dir: &Path) -> u64 {
         "bos_token_id": 1,
         "eos_token_id": 2,
     });
-    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
     let kv = kv_heads * head_dim;
     let mut shapes: Vec<(String, Vec<usize>)> =
         vec![("model.embed_tokens.weight".into(), vec![vocab, hidden])];
@@ -213,80 +211,14 @@ fn write_timing_mixtral(dir: &Path) -> u64 {
     }
     shapes.push(("model.norm.weight".into(), vec![hidden]));
     shapes.push(("lm_head.weight".into(), vec![vocab, hidden]));
-    // Small deterministic values (norm weights 1); the routers' larger, so
-    // tokens spread over the experts.
-    let mut state = 0x9E37_79B9u32;
-    let mut tensors = BTreeMap::new();
-    let mut total = 0;
-    for (name, shape) in shapes {
-        let n: usize = shape.iter().product();
-        let scale = if name.ends_with("gate.weight") {
+    // The routers' values larger, so tokens spread over the experts.
+    write_random_f32_model(dir, &config, shapes, |name| {
+        if name.ends_with("gate.weight") {
             1.0
         } else {
             0.04
-        };
-        let mut bytes = Vec::with_capacity(4 * n);
-        for _ in 0..n {
-            let v = if name.ends_with("norm.weight") {
-                1.0f32
-            } else {
-                state ^= state << 13;
-                state ^= state >> 17;
-                state ^= state << 5;
-                (state as f32 / u32::MAX as f32 - 0.5) * scale
-            };
-            bytes.extend_from_slice(&v.to_le_bytes());
         }
-        total += bytes.len() as u64;
-        let dtype = "F32".to_string();
-        tensors.insert(
-            name,
-            Tensor {
-                dtype,
-                shape,
-                bytes,
-            },
-        );
-    }
-    write_safetensors(&dir.join("model.safetensors"), &tensors);
-    total
-}
-
-/// Medians of `runs` measured `run`s under `map` (after one unmeasured
-/// run that warms the page cache and the CPU): first forward and seconds
-/// per token, and the run's own streamed bytes per token.
-fn measured(model: &Path, map: &Path, offload: &Path, runs: usize) -> (f64, f64, u64) {
-    let prompt: Vec<String> = (0..64).map(|i| (3 + i * 7 % 2000).to_string()).collect();
-    let prompt = prompt.join(",");
-    let mut first = Vec::new();
-    let mut per_token = Vec::new();
-    let mut streamed = 0;
-    for run in 0..=runs {
-        let doc = json_of(&bigmodel(&[
-            "run",
-            model.to_str().unwrap(),
-            "--prompt-ids",
-            &prompt,
-            "--max-new-tokens",
-            "16",
-            "--device-map",
-            map.to_str().unwrap(),
-            "--offload-folder",
-            offload.to_str().unwrap(),
-            "--json",
-        ]));
-        if run > 0 {
-            first.push(doc["first_forward_seconds"].as_f64().unwrap());
-            per_token.push(doc["seconds_per_token"].as_f64().unwrap());
-            streamed = doc["bytes_streamed_per_token"].as_u64().unwrap();
-        }
-    }
-    (median(first), median(per_token), streamed)
-}
-
-fn median(mut values: Vec<f64>) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values[values.len() / 2]
+    })
 }
 
 fn load_average() -> String {
@@ -332,7 +264,7 @@ fn the_speed_map_of_a_mixture_of_experts_is_not_slower_measured() {
         let map = dir.path().join(format!("{name}.json"));
         std::fs::write(&map, plan["device_map"].to_string()).unwrap();
         let offload = dir.path().join(format!("offload-{name}"));
-        let (first, per_token, streamed) = measured(&model, &map, &offload, 5);
+        let (first, per_token, streamed) = measured_runs(&model, &map, &offload, 5, 2000);
         let predicted = &plan["predicted"];
         report.push(format!(
             "{name:>8} map: measured {per_token:.5} s/token (first forward {first:.4} s), predicted {:.5} s/token (first {:.4} s); streamed {streamed} B/token, predicted {}",

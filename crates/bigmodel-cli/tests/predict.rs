@@ -13,7 +13,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{bigmodel, json_of, tiny_llama};
+use common::{bigmodel, json_of, measured_runs, tiny_llama, write_random_f32_model};
 use serde_json::{Value, json};
 
 /// A calibration of a made-up machine with a slow cold disk.
@@ -228,7 +228,6 @@ fn write_timing_llama(dir: &Path) -> u64 {
         "bos_token_id": 1,
         "eos_token_id": 2,
     });
-    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
     let kv = kv_heads * head_dim;
     let mut tensors: Vec<(String, Vec<usize>)> =
         vec![("model.embed_tokens.weight".into(), vec![vocab, hidden])];
@@ -250,77 +249,7 @@ fn write_timing_llama(dir: &Path) -> u64 {
     }
     tensors.push(("model.norm.weight".into(), vec![hidden]));
     tensors.push(("lm_head.weight".into(), vec![vocab, hidden]));
-    let mut header = serde_json::Map::new();
-    let mut at = 0usize;
-    for (name, shape) in &tensors {
-        let len = shape.iter().product::<usize>() * 4;
-        header.insert(
-            name.clone(),
-            json!({"dtype": "F32", "shape": shape, "data_offsets": [at, at + len]}),
-        );
-        at += len;
-    }
-    let mut header = Value::Object(header).to_string();
-    while header.len() % 8 != 0 {
-        header.push(' ');
-    }
-    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
-    bytes.extend_from_slice(header.as_bytes());
-    // Small deterministic values (norm weights 1).
-    let mut state = 0x9E37_79B9u32;
-    for (name, shape) in &tensors {
-        let n: usize = shape.iter().product();
-        for _ in 0..n {
-            let v = if name.ends_with("norm.weight") {
-                1.0f32
-            } else {
-                state ^= state << 13;
-                state ^= state >> 17;
-                state ^= state << 5;
-                (state as f32 / u32::MAX as f32 - 0.5) * 0.04
-            };
-            bytes.extend_from_slice(&v.to_le_bytes());
-        }
-    }
-    std::fs::write(dir.join("model.safetensors"), &bytes).unwrap();
-    at as u64
-}
-
-/// Medians of `runs` measured `run`s under `map` (after one unmeasured
-/// run that warms the page cache and the CPU): first forward and seconds
-/// per token, and the run's own streamed bytes per token.
-fn measured(model: &Path, map: &Path, offload: &Path, runs: usize) -> (f64, f64, u64) {
-    let prompt: Vec<String> = (0..64).map(|i| (3 + i * 7 % 4000).to_string()).collect();
-    let prompt = prompt.join(",");
-    let mut first = Vec::new();
-    let mut per_token = Vec::new();
-    let mut streamed = 0;
-    for run in 0..=runs {
-        let doc = json_of(&bigmodel(&[
-            "run",
-            model.to_str().unwrap(),
-            "--prompt-ids",
-            &prompt,
-            "--max-new-tokens",
-            "16",
-            "--device-map",
-            map.to_str().unwrap(),
-            "--offload-folder",
-            offload.to_str().unwrap(),
-            "--json",
-        ]));
-        if run > 0 {
-            first.push(doc["first_forward_seconds"].as_f64().unwrap());
-            per_token.push(doc["seconds_per_token"].as_f64().unwrap());
-            streamed = doc["bytes_streamed_per_token"].as_u64().unwrap();
-        }
-    }
-    (median(first), median(per_token), streamed)
-}
-
-fn median(mut values: Vec<f64>) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values[values.len() / 2]
+    write_random_f32_model(dir, &config, tensors, |_| 0.04)
 }
 
 /// `plan --json` of `model` under `budget` for the timing test's workload.
@@ -383,7 +312,7 @@ fn predicted_seconds_are_within_30_percent_of_measured_runs() {
         let plan = timing_plan(&model, &budget, &calibration, &[]);
         let map = dir.path().join(format!("{}.json", label.replace(' ', "-")));
         std::fs::write(&map, plan["device_map"].to_string()).unwrap();
-        let (first, per_token, streamed) = measured(&model, &map, &offload, 5);
+        let (first, per_token, streamed) = measured_runs(&model, &map, &offload, 5, 4000);
         assert_eq!(
             plan["predicted"]["bytes_streamed_per_token"]
                 .as_u64()
@@ -427,8 +356,8 @@ fn predicted_seconds_are_within_30_percent_of_measured_runs() {
                 path
             })
             .collect();
-        let (_, fast, _) = measured(&model, &maps[0], &offload, 5);
-        let (_, slow, _) = measured(&model, &maps[1], &offload, 5);
+        let (_, fast, _) = measured_runs(&model, &maps[0], &offload, 5, 4000);
+        let (_, slow, _) = measured_runs(&model, &maps[1], &offload, 5, 4000);
         report.push(format!(
             "objective speed: {fast:.5} s/token measured, the default map {slow:.5} s/token"
         ));

@@ -246,3 +246,92 @@ pub fn edit_json(path: &Path, edit: impl FnOnce(&mut Value)) {
     edit(&mut doc);
     std::fs::write(path, doc.to_string()).unwrap();
 }
+
+/// Medians of `runs` measured `run`s of `model` under `map` (after one
+/// unmeasured run that warms the page cache and the CPU), for the timing
+/// tests: first forward and seconds per token, and the run's own streamed
+/// bytes per token. The prompt is 64 ids below `vocab`; 16 tokens are made.
+pub fn measured_runs(
+    model: &Path,
+    map: &Path,
+    offload: &Path,
+    runs: usize,
+    vocab: usize,
+) -> (f64, f64, u64) {
+    let prompt: Vec<String> = (0..64).map(|i| (3 + i * 7 % vocab).to_string()).collect();
+    let prompt = prompt.join(",");
+    let mut first = Vec::new();
+    let mut per_token = Vec::new();
+    let mut streamed = 0;
+    for run in 0..=runs {
+        let doc = json_of(&bigmodel(&[
+            "run",
+            model.to_str().unwrap(),
+            "--prompt-ids",
+            &prompt,
+            "--max-new-tokens",
+            "16",
+            "--device-map",
+            map.to_str().unwrap(),
+            "--offload-folder",
+            offload.to_str().unwrap(),
+            "--json",
+        ]));
+        if run > 0 {
+            first.push(doc["first_forward_seconds"].as_f64().unwrap());
+            per_token.push(doc["seconds_per_token"].as_f64().unwrap());
+            streamed = doc["bytes_streamed_per_token"].as_u64().unwrap();
+        }
+    }
+    (median(first), median(per_token), streamed)
+}
+
+/// The median (the upper one of an even count).
+pub fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
+/// Writes a model folder for the timing tests: `config` as config.json and
+/// `shapes` as F32 tensors of small deterministic values (a xorshift stream
+/// in `shapes`' order, times `scale_of(name)`; norm weights 1) in
+/// model.safetensors. Returns the bytes of the tensors.
+pub fn write_random_f32_model(
+    dir: &Path,
+    config: &Value,
+    shapes: Vec<(String, Vec<usize>)>,
+    scale_of: impl Fn(&str) -> f32,
+) -> u64 {
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let mut state = 0x9E37_79B9u32;
+    let mut tensors = BTreeMap::new();
+    let mut total = 0;
+    for (name, shape) in shapes {
+        let n: usize = shape.iter().product();
+        let scale = scale_of(&name);
+        let mut bytes = Vec::with_capacity(4 * n);
+        for _ in 0..n {
+            let v = if name.ends_with("norm.weight") {
+                1.0f32
+            } else {
+                state ^= state << 13;
+                state ^= state >> 17;
+                state ^= state << 5;
+                (state as f32 / u32::MAX as f32 - 0.5) * scale
+            };
+            bytes.extend_from_slice(&v.to_le_bytes());
+        }
+        total += bytes.len() as u64;
+        let dtype = "F32".to_string();
+        tensors.insert(
+            name,
+            Tensor {
+                dtype,
+                shape,
+                bytes,
+            },
+        );
+    }
+    write_safetensors(&dir.join("model.safetensors"), &tensors);
+    total
+}
