@@ -572,6 +572,30 @@ mod tests {
         options
     }
 
+    /// The predicted seconds per token of `placement` (as `map`) when it
+    /// fits the full ledger.
+    fn if_it_fits(
+        model: &HfModel,
+        options: &PlanOptions,
+        pass: &Pass,
+        placement: &[Device],
+        map: &DeviceMap,
+        calibration: &Calibration,
+    ) -> Option<f64> {
+        let ledger = ledger(&model.tree, map, &ledger_options(options, pass, placement)).unwrap();
+        ledger.shortfalls(&options.max_memory).is_empty().then(|| {
+            pass.predict(
+                &model.shape,
+                placement,
+                options.prefetch_depth,
+                &workload(),
+                calibration,
+            )
+            .unwrap()
+            .seconds_per_token
+        })
+    }
+
     /// The fastest placement of every block on every tier that fits the
     /// full ledger, by brute force, and how many fit.
     fn enumerated_optimum(
@@ -595,24 +619,10 @@ mod tests {
                     .map(|(b, d)| (b.name.clone(), *d))
                     .collect(),
             );
-            let ledger = ledger(
-                &model.tree,
-                &map,
-                &ledger_options(options, &pass, &placement),
-            )
-            .unwrap();
-            if ledger.shortfalls(&options.max_memory).is_empty() {
+            if let Some(seconds) = if_it_fits(model, options, &pass, &placement, &map, calibration)
+            {
                 fitting += 1;
-                let p = pass
-                    .predict(
-                        &model.shape,
-                        &placement,
-                        options.prefetch_depth,
-                        &workload(),
-                        calibration,
-                    )
-                    .unwrap();
-                best = best.min(p.seconds_per_token);
+                best = best.min(seconds);
             }
             if !next_choice(&mut choice, &allowed) {
                 return (best, fitting);
@@ -764,24 +774,10 @@ mod tests {
             }
             let map = map_of(&model.tree, &pass, &placement).unwrap();
             check_device_map(&model.tree, &map).unwrap();
-            let ledger = ledger(
-                &model.tree,
-                &map,
-                &ledger_options(options, &pass, &placement),
-            )
-            .unwrap();
-            if ledger.shortfalls(&options.max_memory).is_empty() {
+            if let Some(seconds) = if_it_fits(model, options, &pass, &placement, &map, calibration)
+            {
                 fitting += 1;
-                let p = pass
-                    .predict(
-                        &model.shape,
-                        &placement,
-                        options.prefetch_depth,
-                        &workload(),
-                        calibration,
-                    )
-                    .unwrap();
-                best = best.min(p.seconds_per_token);
+                best = best.min(seconds);
             }
             if !next_choice(&mut choice, &allowed) {
                 return (best, fitting);
