@@ -236,16 +236,15 @@ impl DeviceMap {
     /// dotted prefix of every name. Keys that name nothing in the tree are
     /// ignored, as they match no name there.
     pub fn resolve(&self, tree: &ModuleTree) -> ResolvedMap {
-        let mut own_module = vec![None; tree.modules().len()];
+        let mut module = vec![None; tree.modules().len()];
         let mut tensor = vec![None; tree.tensors().len()];
         for (name, device) in self.iter() {
             match tree.find(name) {
-                Some(Node::Module(m)) => own_module[m] = Some(device),
+                Some(Node::Module(m)) => module[m] = Some(device),
                 Some(Node::Tensor(t)) => tensor[t] = Some(device),
                 None => {}
             }
         }
-        let mut module = own_module.clone();
         for &m in tree.preorder() {
             if module[m].is_none()
                 && let Some(p) = tree.module(m).parent
