@@ -342,3 +342,47 @@ fn a_folder_is_planned_in_the_dtype_run_loads_not_config_json_s() {
     assert_eq!(doc["device_bytes"]["cpu"], weights * 2 + rotary * 4);
     assert_eq!(doc["ledger"]["cpu"]["weights"], f32_bytes);
 }
+
+/// T5 loaded in F16 keeps its feed-forward outputs `wo` in F32
+/// (transformers' `_keep_in_fp32_modules`, as `run` loads it): `plan` sizes
+/// them at 4 bytes an element and every other weight at 2, in the placed
+/// bytes, the ledger and the table's total.
+#[test]
+fn a_t5_folder_in_f16_is_planned_with_wo_in_f32() {
+    let dir = common::fixture("tiny-t5");
+    let folder = dir.to_string_lossy().into_owned();
+    let wo: u64 = common::read_safetensors(&dir.join("model.safetensors"))
+        .iter()
+        .filter(|(name, _)| name.contains(".wo."))
+        .map(|(_, t)| t.shape.iter().product::<usize>() as u64)
+        .sum();
+    assert!(wo > 0);
+    let planned = |dtype: &str| {
+        let (ok, stdout, stderr) = plan(&[
+            &folder,
+            "--max-memory",
+            "cpu=64MB",
+            "--dtype",
+            dtype,
+            "--json",
+        ]);
+        assert!(ok, "{stderr}");
+        serde_json::from_str::<serde_json::Value>(&stdout).unwrap()
+    };
+    let f32_bytes = planned("f32")["device_bytes"]["cpu"].as_u64().unwrap();
+    let f16_bytes = (f32_bytes - wo * 4) / 2 + wo * 4;
+    let doc = planned("f16");
+    assert_eq!(doc["device_bytes"]["cpu"], f16_bytes, "{doc}");
+    assert_eq!(doc["ledger"]["cpu"]["weights"], f16_bytes, "{doc}");
+    // BF16 keeps nothing in F32 (T5 has no `_keep_in_fp32_modules_strict`).
+    assert_eq!(planned("bf16")["device_bytes"]["cpu"], f32_bytes / 2);
+    let (ok, stdout, stderr) = plan(&[&folder, "--max-memory", "cpu=64MB", "--dtype", "f16"]);
+    assert!(ok, "{stderr}");
+    assert!(
+        stdout.contains(&format!(
+            "{} to place",
+            bigmodel::plan::human_bytes(f16_bytes)
+        )),
+        "{stdout}"
+    );
+}

@@ -449,6 +449,71 @@ fn run_verify_plans_with_the_generation_ledger_and_runs_under_it() {
     assert!(!out.status.success() && stderr.contains("GPU"), "{stderr}");
 }
 
+/// `run --verify` on a T5 folder loaded in F16 plans its `wo` weights in
+/// F32, as it loads them (transformers' `_keep_in_fp32_modules`): a CPU
+/// budget of exactly the ledger with `wo` at 4 bytes an element keeps the
+/// model in RAM, one byte less sends a block to disk.
+#[test]
+fn t5_run_verify_plans_wo_in_f32_under_f16() {
+    let dir = fixture("tiny-t5");
+    let folder = dir.to_str().unwrap();
+    let wo: u64 = common::read_safetensors(&dir.join("model.safetensors"))
+        .iter()
+        .filter(|(name, _)| name.contains(".wo."))
+        .map(|(_, t)| t.shape.iter().product::<usize>() as u64)
+        .sum();
+    // The workload of the run below: one prompt of 2 tokens, 2 new ones.
+    let ledger = |dtype: &str| {
+        let doc = json_of(&bigmodel(&[
+            "plan",
+            folder,
+            "--dtype",
+            dtype,
+            "--prompt-len",
+            "2",
+            "--max-seq-len",
+            "4",
+            "--max-memory",
+            "cpu=1GB",
+            "--json",
+        ]));
+        let cpu = doc["ledger"]["cpu"].as_object().unwrap().clone();
+        let total: u64 = cpu.values().map(|v| v.as_u64().unwrap()).sum();
+        (cpu["weights"].as_u64().unwrap(), total)
+    };
+    let (f32_weights, _) = ledger("f32");
+    let (f16_weights, f16_total) = ledger("f16");
+    let charges = f16_total - f16_weights;
+    let weights = (f32_weights - wo * 4) / 2 + wo * 4;
+    let offload = tempfile::tempdir().unwrap();
+    let map_under = |cpu: u64| {
+        let budget = format!("cpu={cpu},disk=1GB");
+        let doc = json_of(&bigmodel(&[
+            "run",
+            folder,
+            "--dtype",
+            "f16",
+            "--prompt-ids",
+            "5,6",
+            "--max-new-tokens",
+            "2",
+            "--max-memory",
+            &budget,
+            "--offload-folder",
+            offload.path().to_str().unwrap(),
+            "--verify",
+            "--json",
+        ]));
+        doc["device_map"].clone()
+    };
+    assert_eq!(map_under(weights + charges), json!({"": "cpu"}));
+    let tight = map_under(weights + charges - 1);
+    assert!(
+        tight.as_object().unwrap().values().any(|d| d == "disk"),
+        "{tight}"
+    );
+}
+
 /// `run` on a T5 folder: the prompt is the encoder's input, the decoder
 /// generates from `decoder_start_token_id`; `--dump-logits` writes the
 /// first decoder step's logits, `[1, vocab]`. The same under a CPU + disk

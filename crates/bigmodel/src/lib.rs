@@ -168,18 +168,24 @@ impl Options {
     }
 }
 
-/// The float tensors `options.keep_in_fp32_modules` keeps in F32 under a
-/// half `dtype`, for the planner to size as loading stores them
-/// (transformers plans them so: `special_dtypes`).
-fn kept_in_f32(tree: &ModuleTree, options: &Options) -> HashMap<String, DType> {
-    if !matches!(options.dtype, Some(DType::F16 | DType::BF16)) {
+/// The float tensors of `tree` that `keep_in_fp32_modules` keeps in F32
+/// when loading in a half `dtype`, as loading stores them: the planner's
+/// `special_dtypes` (transformers plans them so). The one decision of what
+/// a plan sizes in F32, for [`load_checkpoint_and_dispatch`] and for
+/// anything that plans what it will load (the CLI's `plan` and
+/// `run --verify`).
+pub fn kept_in_f32(
+    tree: &ModuleTree,
+    dtype: Option<DType>,
+    keep_in_fp32_modules: &[String],
+) -> HashMap<String, DType> {
+    if !matches!(dtype, Some(DType::F16 | DType::BF16)) {
         return HashMap::new();
     }
     tree.tensors()
         .iter()
         .filter(|t| {
-            t.meta.dtype.is_float()
-                && bm_dispatch::in_modules(&t.name, &options.keep_in_fp32_modules)
+            t.meta.dtype.is_float() && bm_dispatch::in_modules(&t.name, keep_in_fp32_modules)
         })
         .map(|t| (t.name.clone(), DType::F32))
         .collect()
@@ -208,7 +214,7 @@ pub fn load_checkpoint_and_dispatch(
                 max_memory_from_user: from_user,
                 no_split: options.no_split_module_classes.clone(),
                 dtype: options.dtype,
-                special_dtypes: kept_in_f32(&tree, options),
+                special_dtypes: kept_in_f32(&tree, options.dtype, &options.keep_in_fp32_modules),
                 mode: *mode,
                 offload_buffers: options.offload_buffers,
                 prefetch_depth: options.prefetch_depth(),

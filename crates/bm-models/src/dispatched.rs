@@ -25,10 +25,10 @@ use bigmodel::tensor::{DType, HostBuffer};
 use crate::config::read_config;
 use crate::packed::{self, PackedWeights};
 use crate::quant_config::QuantizeOptions;
-use crate::weights::{FolderWeights, LinearWeight, WeightLayout, WeightSource};
+use crate::weights::{FolderWeights, LinearWeight, WeightLayout, WeightSource, family_kept_f32};
 use crate::{
     CausalLm, DecoderConfig, EncoderConfig, Error, SUPPORTED_DECODERS, SUPPORTED_ENCODERS,
-    SUPPORTED_SEQ2SEQ, SentenceEmbedder, Seq2SeqLm, T5, T5Config, Tensor, ops,
+    SUPPORTED_SEQ2SEQ, SentenceEmbedder, Seq2SeqLm, T5Config, Tensor, ops,
 };
 use bm_compute::{HostBytes, is_compute_dtype};
 
@@ -527,7 +527,7 @@ fn open_decoder(
         (planned.tree, planned.no_split),
         devices,
         options,
-        (dtype, Vec::new()),
+        (dtype, family_kept_f32(config.arch, dtype)),
         quantize,
     )?;
     let model = CausalLm::with_weights(dir, config, dtype, Box::new(weights.clone()))?;
@@ -573,7 +573,7 @@ pub fn open_seq2seq_lm(
         (planned.tree, planned.no_split),
         devices,
         options,
-        (dtype, T5::kept_f32(dtype)),
+        (dtype, family_kept_f32(Family::T5, dtype)),
         None,
     )?;
     let model = Seq2SeqLm::with_weights(dir, config, dtype, Box::new(weights.clone()))?;
@@ -627,7 +627,7 @@ fn open_encoder(
         (tree, no_split),
         devices,
         options,
-        (dtype, Vec::new()),
+        (dtype, family_kept_f32(Family::Bert, dtype)),
         quantize,
     )?;
     let model =

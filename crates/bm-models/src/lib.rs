@@ -93,4 +93,6 @@ pub use quant_config::{BnbCheckpoint, QuantizeOptions};
 pub use sampling::Sampling;
 pub use seq2seq::{SUPPORTED_SEQ2SEQ, Seq2SeqCache, Seq2SeqLm, T5, T5Config, is_seq2seq};
 pub use text::TextTokenizer;
-pub use weights::{FolderWeights, LinearWeight, WeightLayout, WeightSource, folder_load_dtype};
+pub use weights::{
+    FolderWeights, LinearWeight, WeightLayout, WeightSource, family_kept_f32, folder_load_dtype,
+};

@@ -38,6 +38,18 @@ pub fn folder_load_dtype(
     }
 }
 
+/// The modules `family` keeps in F32 when it loads in `dtype`
+/// (transformers' `_keep_in_fp32_modules`): T5's `wo` under F16
+/// ([`crate::T5::kept_f32`]), none in the other families. Opening a folder
+/// loads them so, and a plan of it sizes them so (with
+/// [`bigmodel::kept_in_f32`]).
+pub fn family_kept_f32(family: Family, dtype: DType) -> Vec<String> {
+    match family {
+        Family::T5 => crate::T5::kept_f32(dtype),
+        _ => Vec::new(),
+    }
+}
+
 /// How a checkpoint stores a linear layer's weight.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WeightLayout {

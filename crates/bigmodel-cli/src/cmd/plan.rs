@@ -1,11 +1,12 @@
 //! `bigmodel plan`: where each module of a model goes.
 
 use super::{parse_json, read_json, read_text};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
 use bigmodel::device::DeviceSet;
-use bigmodel::plan::config::HfConfig;
+use bigmodel::plan::config::{Family, HfConfig};
 use bigmodel::plan::hf::{HfModel, tree_from_config};
 use bigmodel::plan::{
     Calibration, Compat, Device, DeviceMap, Ledger, MaxMemory, Mode, ModuleSizes, ModuleTree, Plan,
@@ -163,6 +164,22 @@ fn load_source(path: &Path) -> Result<Source, String> {
     ))
 }
 
+/// The tensors of `tree`, a `family` model loaded in `dtype`, that loading
+/// holds in F32 whatever `dtype`: the family's kept modules (T5's `wo`
+/// under F16, [`bm_models::family_kept_f32`]) and `keep`, decided as the
+/// facade decides it ([`bigmodel::kept_in_f32`]), so that `plan` and
+/// `run --verify` size them as `run` loads them.
+pub fn kept_in_f32(
+    tree: &ModuleTree,
+    family: Family,
+    dtype: DType,
+    keep: &[String],
+) -> HashMap<String, DType> {
+    let mut modules = bm_models::family_kept_f32(family, dtype);
+    modules.extend_from_slice(keep);
+    bigmodel::kept_in_f32(tree, Some(dtype), &modules)
+}
+
 /// Default budgets when the user gives none, read from the machine (the
 /// planner itself never touches a device): the facade's
 /// [`bigmodel::default_max_memory`], Accelerate's with `--compat accelerate`.
@@ -266,12 +283,20 @@ pub fn run(args: Args) -> CmdResult {
         Compat::Auto => load_dtype,
         Compat::Accelerate => dtype,
     };
+    // What loading keeps in F32 under a half dtype (T5's `wo` in F16), in
+    // whichever dtype the weights come in.
+    let special_dtypes = match &source {
+        Source::Config(model) => {
+            kept_in_f32(tree, model.family, load_dtype.unwrap_or(model.dtype), &[])
+        }
+        _ => HashMap::new(),
+    };
 
     if let Some((path, map)) = custom_map {
         return check_custom_map(
             tree,
             (&path, map),
-            load_dtype,
+            (load_dtype, special_dtypes),
             experts_on,
             args.json,
             source.tree().parameter_count(),
@@ -305,6 +330,7 @@ pub fn run(args: Args) -> CmdResult {
         max_memory_from_user: from_user,
         no_split,
         dtype: plan_dtype,
+        special_dtypes,
         mode,
         offload_buffers: args.offload_buffers,
         fallback_allocation: args.fallback_allocation,
@@ -448,7 +474,12 @@ pub fn run(args: Args) -> CmdResult {
         }
         println!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
-        print_table(tree, &plan, plan_dtype, source.tree().parameter_count());
+        print_table(
+            tree,
+            &plan,
+            (plan_dtype, &options.special_dtypes),
+            source.tree().parameter_count(),
+        );
         if let Some(p) = &predicted {
             println!(
                 "predicted: first forward {:.4} s, {:.4} s/token, {} streamed per token",
@@ -538,7 +569,7 @@ fn print_ledger(ledger: &Ledger, budgets: &MaxMemory, workload: Option<&Workload
 fn check_custom_map(
     tree: &ModuleTree,
     (path, map): (&Path, DeviceMap),
-    dtype: Option<DType>,
+    (dtype, special_dtypes): (Option<DType>, HashMap<String, DType>),
     experts_on: Option<Device>,
     json: bool,
     parameters: u64,
@@ -558,6 +589,7 @@ fn check_custom_map(
                 tree,
                 &SizeOptions {
                     dtype,
+                    special_dtypes: special_dtypes.clone(),
                     ..SizeOptions::default()
                 },
             ),
@@ -568,19 +600,25 @@ fn check_custom_map(
     if json {
         println!("{}", serde_json::to_string_pretty(&plan.to_json())?);
     } else {
-        print_table(tree, &plan, dtype, parameters);
+        print_table(tree, &plan, (dtype, &special_dtypes), parameters);
     }
     Ok(())
 }
 
 /// The plan as a table; `parameters` is the model's count (a quantized
 /// tree holds packed bytes, not parameters).
-fn print_table(tree: &ModuleTree, plan: &Plan, dtype: Option<DType>, parameters: u64) {
+fn print_table(
+    tree: &ModuleTree,
+    plan: &Plan,
+    (dtype, special_dtypes): (Option<DType>, &HashMap<String, DType>),
+    parameters: u64,
+) {
     let total: u64 = plan.device_bytes.iter().map(|(_, b)| b).sum();
     let sizes = ModuleSizes::compute(
         tree,
         &SizeOptions {
             dtype,
+            special_dtypes: special_dtypes.clone(),
             ..SizeOptions::default()
         },
     );

@@ -560,6 +560,12 @@ fn verified_map(
     let dtype = bm_models::folder_load_dtype(dir, model.family, options.dtype)
         .map_err(|e| in_dir(&e))?
         .or(options.dtype);
+    let special_dtypes = super::plan::kept_in_f32(
+        &tree,
+        model.family,
+        dtype.unwrap_or(model.dtype),
+        &options.keep_in_fp32_modules,
+    );
     let (max_memory, from_user) = match &options.max_memory {
         Some(m) => (m.clone(), true),
         None => (
@@ -576,6 +582,7 @@ fn verified_map(
         max_memory_from_user: from_user,
         no_split: model.no_split.clone(),
         dtype,
+        special_dtypes,
         prefetch_depth: options.prefetch_depth(),
         experts_on: options.experts_on,
         ..PlanOptions::default()
