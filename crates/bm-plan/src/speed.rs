@@ -21,9 +21,14 @@
 //! on the first tier, apart with the experts on each later tier in turn,
 //! whole on each later tier.
 //!
-//! So the search enumerates every `(tiers ^ other blocks) × (layer counts
-//! per kind)` combination: `tiers` kinds without experts, `2 · tiers − 1`
-//! with them. For a 3-tier, 80-layer dense model with three other blocks,
+//! A block without weights (Llama's `rotary_emb`) rests on the execution
+//! device: it needs no room and streams nothing, and only decides whether a
+//! GPU executes when no block with weights rests on it, so it takes the
+//! first tier, and the next too when the first is a GPU left empty.
+//!
+//! So the search enumerates every `(tiers ^ other blocks with weights) ×
+//! (layer counts per kind)` combination: `tiers` kinds without experts,
+//! `2 · tiers − 1` with them. For a 3-tier, 80-layer dense model with three other blocks,
 //! 27 × C(82, 2) = 27 × 3321 placements; on the CPU alone (two tiers) a
 //! 48-layer MoE has 8 × C(50, 2) = 8 × 1225; with a GPU a 32-layer one
 //! has C(36, 4) = 58,905 layer placements. Each is costed in microseconds
@@ -327,8 +332,9 @@ fn streaming_room(blocks: &[Block], placement: &[Device], prefetch_depth: usize)
 
 /// Every placement of `pass`'s blocks in `space` whose weights fit its
 /// room, costed by `cost`; the [`CHECKED`] cheapest, cheapest first. Blocks
-/// that are neither layers nor experts pick a tier each (or, past
-/// [`MAX_PLACEMENTS`], keep the default plan's where it has one); the
+/// with weights that are neither layers nor experts pick a tier each (or,
+/// past [`MAX_PLACEMENTS`], keep the default plan's where it has one),
+/// blocks without rest on the execution device; the
 /// layers are counted per kind and placed in order: whole on the first
 /// tier, then (for each experts tier X) the rest of the layer on the first
 /// tier with its experts on X, then whole on each further tier.
@@ -354,13 +360,23 @@ fn rank_placements(
             (i, lists.collect())
         })
         .collect();
-    let others: Vec<usize> = (0..blocks.len())
+    let (others, weightless): (Vec<usize>, Vec<usize>) = (0..blocks.len())
         .filter(|&i| blocks[i].kind != BlockKind::Layer && !is_experts(i))
-        .collect();
+        .partition(|&i| blocks[i].bytes > 0 || blocks[i].tensors > 0);
     let mut ranked: Vec<(f64, Vec<Device>)> = Vec::new();
     if tiers.is_empty() {
         return Ok(ranked);
     }
+    // A block without weights (Llama's `rotary_emb`) takes no room and
+    // streams nothing: where it rests matters only in that the lowest GPU
+    // any block rests on executes. So they all rest on the execution
+    // device: the first tier, and, when that is a GPU no block with weights
+    // rests on, also the next tier (the CPU executing), instead of every
+    // tier each.
+    let exec_choices: u128 = match weightless.is_empty() {
+        false if tiers[0].is_gpu() && tiers.len() > 1 => 2,
+        _ => 1,
+    };
     // What a layer may be, in the order the layers take them, as (the
     // tier of the rest of it, the tier of its experts): whole on the first
     // tier, apart with its experts on each of `xs`, whole on each further
@@ -387,7 +403,8 @@ fn rank_placements(
         .fold(0u128, u128::saturating_add);
     let all_choices = (tiers.len() as u128)
         .checked_pow(others.len() as u32)
-        .unwrap_or(u128::MAX);
+        .unwrap_or(u128::MAX)
+        .saturating_mul(exec_choices);
     // The tiers each other block may take.
     let options: Vec<Vec<usize>> = others
         .iter()
@@ -416,23 +433,31 @@ fn rank_placements(
                     }
                     next += count;
                 }
-                let (exec, streaming) = streaming_room(blocks, &placement, prefetch_depth);
-                let fits = tiers.iter().zip(room).all(|(&tier, &room)| {
-                    let used: u64 = blocks
-                        .iter()
-                        .zip(&placement)
-                        .filter(|(_, d)| **d == tier)
-                        .map(|(b, _)| b.bytes)
-                        .sum();
-                    let streamed = if tier == exec { streaming } else { 0 };
-                    used.saturating_add(streamed) <= room
-                });
-                if fits {
-                    let seconds = cost(&placement)?;
-                    let at = ranked.partition_point(|(s, _)| *s <= seconds);
-                    if at < CHECKED {
-                        ranked.insert(at, (seconds, placement.clone()));
-                        ranked.truncate(CHECKED);
+                let first_used =
+                    (0..blocks.len()).any(|i| placement[i] == tiers[0] && !weightless.contains(&i));
+                let execs = if first_used { 1 } else { exec_choices };
+                for exec_tier in &tiers[..execs as usize] {
+                    for &block in &weightless {
+                        placement[block] = *exec_tier;
+                    }
+                    let (exec, streaming) = streaming_room(blocks, &placement, prefetch_depth);
+                    let fits = tiers.iter().zip(room).all(|(&tier, &room)| {
+                        let used: u64 = blocks
+                            .iter()
+                            .zip(&placement)
+                            .filter(|(_, d)| **d == tier)
+                            .map(|(b, _)| b.bytes)
+                            .sum();
+                        let streamed = if tier == exec { streaming } else { 0 };
+                        used.saturating_add(streamed) <= room
+                    });
+                    if fits {
+                        let seconds = cost(&placement)?;
+                        let at = ranked.partition_point(|(s, _)| *s <= seconds);
+                        if at < CHECKED {
+                            ranked.insert(at, (seconds, placement.clone()));
+                            ranked.truncate(CHECKED);
+                        }
                     }
                 }
                 if !next_composition(&mut counts) {
@@ -685,6 +710,73 @@ mod tests {
             n += 1;
         }
         assert_eq!(n, 6);
+    }
+
+    /// The placements costed for the Llama with room for everything:
+    /// rotary's `rotary_emb`, which has no weights, is not placed on every
+    /// tier but on the execution device (the first tier, or the CPU when
+    /// no block with weights is on the GPU).
+    #[test]
+    fn blocks_without_weights_rest_on_the_execution_device() {
+        let model = model();
+        let pass = Pass::of(&model, &options(&model, "cpu=10MB"));
+        let blocks = pass.blocks();
+        let weightless: Vec<usize> = (0..blocks.len())
+            .filter(|&i| blocks[i].bytes == 0)
+            .collect();
+        assert_eq!(weightless.len(), 1, "{blocks:?}");
+        let rotary = weightless[0];
+        assert_eq!(blocks[rotary].name, "model.rotary_emb");
+        let layers = blocks.iter().filter(|b| b.kind == BlockKind::Layer).count();
+        let others = blocks.len() - layers - 1;
+        // Compositions of the layers into `parts` ordered counts.
+        let compositions = |parts: usize| (1..parts).fold(1, |c, i| c * (layers + i) / i);
+        for (tiers, costed) in [
+            (
+                &[Device::Cpu, Device::Disk][..],
+                2usize.pow(others as u32) * compositions(2),
+            ),
+            (
+                &[Device::Gpu(0), Device::Cpu, Device::Disk][..],
+                // Every placement, and again with the CPU executing those
+                // that leave the GPU empty.
+                3usize.pow(others as u32) * compositions(3)
+                    + 2usize.pow(others as u32) * compositions(2),
+            ),
+        ] {
+            let room = vec![u64::MAX; tiers.len()];
+            let default_tiers = vec![None; blocks.len()];
+            let space = Space {
+                tiers,
+                experts_tiers: &[],
+                room: &room,
+                default_tiers: &default_tiers,
+                prefetch_depth: 1,
+            };
+            let mut seen = Vec::new();
+            rank_placements(&pass, &space, |placement| {
+                seen.push(placement.to_vec());
+                Ok(0.0)
+            })
+            .unwrap();
+            // Rotary on every tier multiplied these by the tiers: 80
+            // instead of 40 placements on the CPU and disk, 1215 instead of
+            // 445 with a GPU.
+            assert_eq!(seen.len(), costed, "{tiers:?}");
+            for placement in &seen {
+                let exec = placement
+                    .iter()
+                    .copied()
+                    .filter(|d| d.is_gpu())
+                    .min()
+                    .unwrap_or(Device::Cpu);
+                assert_eq!(placement[rotary], exec, "{placement:?}");
+            }
+            seen.sort();
+            let all = seen.len();
+            seen.dedup();
+            assert_eq!(seen.len(), all, "a placement costed twice");
+        }
     }
 
     #[test]
