@@ -386,3 +386,22 @@ fn a_t5_folder_in_f16_is_planned_with_wo_in_f32() {
         "{stdout}"
     );
 }
+
+/// The JSON says the prefetch depth the plan holds streaming room for: the
+/// one asked, or less where its room would leave the GPU nothing of its
+/// own (run with it); Accelerate's planner holds none and has no key.
+#[test]
+fn the_json_says_the_prefetch_depth_the_plan_holds_room_for() {
+    let tree = fixture("trees/tiny-gpt2.tree.json");
+    let depth = |budgets: &str, extra: &[&str]| {
+        let (ok, stdout, stderr) =
+            plan(&[&[tree.as_str(), "--max-memory", budgets, "--json"], extra].concat());
+        assert!(ok, "{stderr}");
+        serde_json::from_str::<serde_json::Value>(&stdout).unwrap()["prefetch_depth"].clone()
+    };
+    assert_eq!(depth("cpu=1MB", &[]), 1);
+    assert_eq!(depth("cpu=1MB", &["--prefetch-depth", "3"]), 3);
+    let lowered = depth("0=12KB,cpu=1MB", &["--prefetch-depth", "3"]);
+    assert!(lowered.as_u64().unwrap() < 3, "{lowered}");
+    assert!(depth("cpu=1MB", &["--compat", "accelerate"]).is_null());
+}

@@ -46,7 +46,9 @@
 //! the full ledger ([`crate::auto::ledger`], counting experts apart as
 //! `--experts-on` does), and the first that fits is compared with the
 //! default plan and with the default planner at prefetch depths 0 to 3.
-//! Ties go to the default plan.
+//! Ties go to the default plan. With a GPU the placements are searched at
+//! the plan's prefetch depth and at 1 and 0 below it (the only depths the
+//! cost model tells apart, [`depths`]); the plan found carries its depth.
 
 use crate::Error;
 use crate::auto::ledger;
@@ -149,25 +151,25 @@ pub fn fastest(
         true => (1..tiers.len()).collect(),
         false => Vec::new(),
     };
-    let space = Space {
-        tiers: &tiers,
-        experts_tiers: &experts_tiers,
-        room: &room,
-        default_tiers: &default_tiers,
-        prefetch_depth: options.prefetch_depth,
-    };
-    let ranked = rank_placements(&pass, &space, |placement| {
-        searched += 1;
-        pass.predict(
-            &model.shape,
-            placement,
-            options.prefetch_depth,
-            workload,
-            calibration,
-        )
-        .map(|p| p.seconds_per_token)
-    })?;
-    for (seconds, placement) in ranked {
+    let mut ranked: Vec<(f64, usize, Vec<Device>)> = Vec::new();
+    for depth in depths(&tiers, options.prefetch_depth) {
+        let space = Space {
+            tiers: &tiers,
+            experts_tiers: &experts_tiers,
+            room: &room,
+            default_tiers: &default_tiers,
+            prefetch_depth: depth,
+        };
+        let found = rank_placements(&pass, &space, |placement| {
+            searched += 1;
+            pass.predict(&model.shape, placement, depth, workload, calibration)
+                .map(|p| p.seconds_per_token)
+        })?;
+        ranked.extend(found.into_iter().map(|(s, p)| (s, depth, p)));
+    }
+    // Stable: a tie goes to the depth searched first, the plan's.
+    ranked.sort_by(|a, b| a.0.total_cmp(&b.0));
+    for (seconds, depth, placement) in ranked {
         if seconds >= best.1.seconds_per_token {
             break;
         }
@@ -177,25 +179,23 @@ pub fn fastest(
         if check_device_map(tree, &map).is_err() {
             continue;
         }
-        let Ok(ledger) = ledger(tree, &map, &ledger_options(&options, &pass, &placement)) else {
+        let at_depth = PlanOptions {
+            prefetch_depth: depth,
+            ..options.clone()
+        };
+        let Ok(ledger) = ledger(tree, &map, &ledger_options(&at_depth, &pass, &placement)) else {
             continue;
         };
         if !ledger.shortfalls(&default.max_memory).is_empty() {
             continue;
         }
-        let prediction = pass.predict(
-            &model.shape,
-            &placement,
-            options.prefetch_depth,
-            workload,
-            calibration,
-        )?;
+        let prediction = pass.predict(&model.shape, &placement, depth, workload, calibration)?;
         let plan = Plan {
             device_bytes: device_bytes(tree, &map, &options),
             device_map: map,
             max_memory: default.max_memory.clone(),
             ledger,
-            prefetch_depth: options.prefetch_depth,
+            prefetch_depth: depth,
             ..Plan::default()
         };
         if prediction.seconds_per_token < best.1.seconds_per_token {
@@ -210,6 +210,22 @@ pub fn fastest(
         default: default_prediction,
         searched,
     })
+}
+
+/// The prefetch depths placements on `tiers` are searched at, `asked` (the
+/// plan's) first. With a GPU first, also 1 and 0 where below it: the cost
+/// model overlaps a streamed block's transfer with the compute of the
+/// block before it, so any depth from 1 predicts the same time and a
+/// deeper one only holds more streaming room, and no prefetch (0) holds
+/// the room of one offloaded unit instead of two, room a block may stay
+/// resident in, at the price of every transfer in the open. On the CPU
+/// the depth changes neither: offloaded weights are used in place.
+fn depths(tiers: &[Device], asked: usize) -> Vec<usize> {
+    let mut depths = vec![asked];
+    if tiers.first().is_some_and(|t| t.is_gpu()) {
+        depths.extend([1, 0].into_iter().filter(|&d| d < asked));
+    }
+    depths
 }
 
 /// The tiers blocks may rest on, fastest first: the first GPU with a
@@ -583,11 +599,13 @@ mod tests {
         }
     }
 
+    /// `budgets` at prefetch depth 1, the dispatcher's default.
     fn options(model: &HfModel, budgets: &str) -> PlanOptions {
         let mut options = PlanOptions {
             max_memory: MaxMemory::parse(budgets).unwrap(),
             max_memory_from_user: true,
             no_split: model.no_split.clone(),
+            prefetch_depth: 1,
             ..PlanOptions::default()
         };
         let on_gpu = options.max_memory.gpus().any(|(_, b)| b > 0);
@@ -655,13 +673,25 @@ mod tests {
         }
     }
 
+    /// `options` at prefetch depth `depth`.
+    fn at(options: &PlanOptions, depth: usize) -> PlanOptions {
+        PlanOptions {
+            prefetch_depth: depth,
+            ..options.clone()
+        }
+    }
+
     fn check(budgets: &str, tiers: &[Device], calibration: &Calibration) -> Fastest {
         let model = model();
         let options = options(&model, budgets);
         let default = plan_with(&model.tree, &options, Compat::Auto).unwrap();
-        let mut at_depth = options.clone();
-        at_depth.prefetch_depth = default.prefetch_depth;
-        let (optimum, fitting) = enumerated_optimum(&model, &at_depth, tiers, calibration);
+        // The best of every placement at every depth searched.
+        let (mut optimum, mut fitting) = (f64::INFINITY, 0);
+        for depth in depths(tiers, default.prefetch_depth) {
+            let (best, fit) = enumerated_optimum(&model, &at(&options, depth), tiers, calibration);
+            optimum = optimum.min(best);
+            fitting += fit;
+        }
         assert!(fitting > 1, "{budgets}: {fitting} placements fit");
         let found = fastest(
             &model,
@@ -677,12 +707,12 @@ mod tests {
             (seconds - optimum).abs() <= 1e-12 * optimum.max(1e-9),
             "{budgets}: found {seconds}, the optimum is {optimum}"
         );
-        // What it found fits and predicts as reported.
+        // What it found fits and predicts as reported at its depth.
         assert!(found.plan.ledger.shortfalls(&options.max_memory).is_empty());
         let again = crate::predict::predict(
             &model,
             &found.plan.device_map,
-            &at_depth,
+            &at(&options, found.plan.prefetch_depth),
             &workload(),
             calibration,
         )
@@ -809,6 +839,43 @@ mod tests {
         );
     }
 
+    /// Asked for prefetch depth 1 with a GPU: no prefetch holds the room of
+    /// one offloaded layer instead of two, room that keeps another block
+    /// resident, and in the cost model that beats hiding each transfer
+    /// behind a decode step's short compute. The search finds a placement
+    /// at depth 0 faster than any at depth 1 and than the default planner's
+    /// at any depth (all that a search at the asked depth could find).
+    #[test]
+    fn with_a_gpu_the_search_weighs_prefetching_against_its_room() {
+        let model = model();
+        let gpu = calibration(false, true);
+        let tiers = [Device::Gpu(0), Device::Cpu, Device::Disk];
+        let options = options(&model, "0=700KB,cpu=300KB,disk=10MB");
+        let default = plan_with(&model.tree, &options, Compat::Auto).unwrap();
+        assert_eq!(default.prefetch_depth, 1);
+        let found = fastest(&model, &model.tree, &options, &default, &workload(), &gpu).unwrap();
+        assert_eq!(found.plan.prefetch_depth, 0);
+        let seconds = found.prediction.seconds_per_token;
+        let (at_one, _) = enumerated_optimum(&model, &at(&options, 1), &tiers, &gpu);
+        assert!(seconds < at_one, "{seconds} against {at_one} at depth 1");
+        for depth in 0..=3 {
+            let plan = plan_with(&model.tree, &at(&options, depth), Compat::Auto).unwrap();
+            let planned = crate::predict::predict(
+                &model,
+                &plan.device_map,
+                &at(&options, plan.prefetch_depth),
+                &workload(),
+                &gpu,
+            )
+            .unwrap()
+            .seconds_per_token;
+            assert!(
+                seconds < planned,
+                "{seconds} against {planned} planned at {depth}"
+            );
+        }
+    }
+
     /// A Mixtral of `layers` layers, each of eight experts of which a
     /// token runs two: 98 KB an expert, 51 KB the rest of a layer, the
     /// embedding and the head 131 KB each.
@@ -921,7 +988,7 @@ mod tests {
         let again = crate::predict::predict(
             model,
             &found.plan.device_map,
-            &at_depth,
+            &at(&options, found.plan.prefetch_depth),
             &workload(),
             calibration,
         )

@@ -417,7 +417,7 @@ pub fn run(args: Args) -> CmdResult {
             if speed {
                 let found = bigmodel::plan::fastest(model, tree, &options, &plan, &workload, c)?;
                 eprintln!(
-                    "objective speed: {:.4} s/token predicted for the default map, {:.4} s/token for the fastest of {} placements searched{}",
+                    "objective speed: {:.4} s/token predicted for the default map, {:.4} s/token for the fastest of {} placements searched{}, at prefetch depth {}",
                     found.default.seconds_per_token,
                     found.prediction.seconds_per_token,
                     found.searched,
@@ -425,7 +425,8 @@ pub fn run(args: Args) -> CmdResult {
                         " (the default map)"
                     } else {
                         ""
-                    }
+                    },
+                    found.plan.prefetch_depth
                 );
                 default_predicted = Some(found.default);
                 // The planner's trace and warnings still explain the default.
@@ -466,6 +467,11 @@ pub fn run(args: Args) -> CmdResult {
     }
     if args.json {
         let mut doc = plan.to_json();
+        // The depth the plan holds streaming room for, which the speed
+        // objective may have chosen; Accelerate's planner holds none.
+        if compat == Compat::Auto {
+            doc["prefetch_depth"] = plan.prefetch_depth.into();
+        }
         if let Some(p) = &predicted {
             doc["predicted"] = p.to_json();
         }
