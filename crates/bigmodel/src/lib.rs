@@ -183,11 +183,10 @@ pub fn kept_in_f32(
         return HashMap::new();
     }
     tree.tensors()
-        .iter()
         .filter(|t| {
-            t.meta.dtype.is_float() && bm_dispatch::in_modules(&t.name, keep_in_fp32_modules)
+            t.meta.dtype.is_float() && bm_dispatch::in_modules(t.name, keep_in_fp32_modules)
         })
-        .map(|t| (t.name.clone(), DType::F32))
+        .map(|t| (t.name.to_string(), DType::F32))
         .collect()
 }
 

@@ -239,7 +239,7 @@ fn attach_offload_hooks(model: &Model, exec: Device, options: &DispatchOptions) 
             ..AlignDevicesHook::default()
         };
         model.add_hook(
-            &tree.module(m).name,
+            tree.module(m).name,
             Arc::new(hook) as Arc<dyn ModelHook>,
             true,
         )?;

@@ -72,7 +72,7 @@ impl Forward {
 
     /// Its full name.
     pub fn module_name(&self) -> &str {
-        &self.model.tree().module(self.module).name
+        self.model.tree().module(self.module).name
     }
 
     /// Where this forward computes (set by the hook; `None` without one).

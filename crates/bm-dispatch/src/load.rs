@@ -162,11 +162,11 @@ pub fn load_checkpoint_in_model(
         let group_present = match tree.tensor(t).tie_group {
             Some(g) => tree.tied_groups()[g]
                 .iter()
-                .any(|&o| checkpoint.meta(&tree.tensor(o).name).is_some()),
+                .any(|&o| checkpoint.meta(tree.tensor(o).name).is_some()),
             None => checkpoint.meta(name).is_some(),
         };
         if !group_present {
-            report.missing.push(name.clone());
+            report.missing.push(name.to_string());
         }
     }
     if options.strict && (!report.missing.is_empty() || !report.unexpected.is_empty()) {
@@ -181,13 +181,13 @@ pub fn load_checkpoint_in_model(
     // group present in the checkpoint (else its first name).
     let slot_count = model.slot_count();
     let mut rep: Vec<Option<usize>> = vec![None; slot_count];
-    for (t, tensor) in tree.tensors().iter().enumerate() {
+    for (t, tensor) in tree.tensors().enumerate() {
         let s = model.slots().slot_of(t);
         let better = match rep[s] {
             None => true,
             Some(r) => {
-                checkpoint.meta(&tree.tensor(r).name).is_none()
-                    && checkpoint.meta(&tensor.name).is_some()
+                checkpoint.meta(tree.tensor(r).name).is_none()
+                    && checkpoint.meta(tensor.name).is_some()
             }
         };
         if better {
@@ -197,7 +197,7 @@ pub fn load_checkpoint_in_model(
 
     let stored_bytes = |t: usize| {
         checkpoint
-            .meta(&tree.tensor(t).name)
+            .meta(tree.tensor(t).name)
             .map_or(0, |m| m.byte_len() as u64)
     };
     let to_load: u64 = rep.iter().flatten().map(|&t| stored_bytes(t)).sum();
@@ -213,25 +213,25 @@ pub fn load_checkpoint_in_model(
         loaded += stored_bytes(t);
         let tensor = tree.tensor(t);
         let target = placement.slots[s];
-        let Some(stored) = checkpoint.meta(&tensor.name) else {
+        let Some(stored) = checkpoint.meta(tensor.name) else {
             if tensor.kind == (TensorKind::Buffer { persistent: false }) {
-                let state = zeroed(&tensor.name, &tensor.meta, target, &devices)?;
+                let state = zeroed(tensor.name, tensor.meta, target, &devices)?;
                 staged.push((s, tensor.meta.clone(), state));
             }
             continue;
         };
-        let (data, stored, dtype) = match transform.filter(|t| t.claims(&tensor.name)) {
+        let (data, stored, dtype) = match transform.filter(|t| t.claims(tensor.name)) {
             Some(t) => {
-                let dtype = load_dtype(&tensor.name, stored.dtype, stored.dtype, options);
+                let dtype = load_dtype(tensor.name, stored.dtype, stored.dtype, options);
                 let bytes = t
-                    .produce(&tensor.name, &tensor.meta, checkpoint, dtype)
+                    .produce(tensor.name, tensor.meta, checkpoint, dtype)
                     .map_err(|source| Error::Transform {
-                        name: tensor.name.clone(),
+                        name: tensor.name.to_string(),
                         source,
                     })?;
                 if bytes.len() != tensor.meta.byte_len() {
                     return Err(Error::Transform {
-                        name: tensor.name.clone(),
+                        name: tensor.name.to_string(),
                         source: format!(
                             "produced {} bytes, the model declares {} ({} {:?})",
                             bytes.len(),
@@ -251,15 +251,15 @@ pub fn load_checkpoint_in_model(
             None => {
                 if stored.shape != tensor.meta.shape {
                     return Err(Error::ShapeMismatch {
-                        name: tensor.name.clone(),
+                        name: tensor.name.to_string(),
                         found: stored.shape.clone(),
                         expected: tensor.meta.shape.clone(),
                     });
                 }
-                let dtype = load_dtype(&tensor.name, tensor.meta.dtype, stored.dtype, options);
+                let dtype = load_dtype(tensor.name, tensor.meta.dtype, stored.dtype, options);
                 // Zero-copy from the mapping, except a strided view in a
                 // PyTorch file, which is gathered.
-                (checkpoint.bytes(&tensor.name)?, stored.clone(), dtype)
+                (checkpoint.bytes(tensor.name)?, stored.clone(), dtype)
             }
         };
         let stored = &stored;
@@ -268,7 +268,7 @@ pub fn load_checkpoint_in_model(
             Target::Resident(Device::Cpu) => {
                 let bytes = match data {
                     _ if dtype != stored.dtype => {
-                        Bytes::Host(checkpoint.read_as(&tensor.name, dtype)?)
+                        Bytes::Host(checkpoint.read_as(tensor.name, dtype)?)
                     }
                     TensorBytes::Mapped(view) => Bytes::Mmap(view),
                     TensorBytes::Gathered(buf) => Bytes::Host(buf),
@@ -281,18 +281,18 @@ pub fn load_checkpoint_in_model(
                     TensorBytes::Gathered(buf) => Bytes::Host(buf),
                 });
                 let bytes =
-                    gpu_load.write(&tensor.name, &stored_bytes, stored.dtype, dtype, device)?;
+                    gpu_load.write(tensor.name, &stored_bytes, stored.dtype, dtype, device)?;
                 SlotState::Resident(Arc::new(bytes))
             }
             Target::Offloaded(Tier::Cpu) => {
                 let mut pinned = devices
                     .alloc_pinned(meta.byte_len().max(1))
-                    .map_err(|e| Error::device(&tensor.name, e))?;
+                    .map_err(|e| Error::device(tensor.name, e))?;
                 let dst = pinned
                     .as_mut_slice()
-                    .map_err(|e| Error::device(&tensor.name, e))?;
+                    .map_err(|e| Error::device(tensor.name, e))?;
                 cast_chunks(
-                    &tensor.name,
+                    tensor.name,
                     data.as_bytes(),
                     stored.dtype,
                     dtype,
@@ -319,7 +319,7 @@ pub fn load_checkpoint_in_model(
                 let in_place = match &data {
                     TensorBytes::Mapped(view)
                         if dtype == stored.dtype
-                            && checkpoint.format_of(&tensor.name) == Some(Format::Safetensors) =>
+                            && checkpoint.format_of(tensor.name) == Some(Format::Safetensors) =>
                     {
                         Some(view.clone())
                     }
@@ -327,25 +327,25 @@ pub fn load_checkpoint_in_model(
                 };
                 let bytes = if let Some(view) = in_place {
                     let file = checkpoint
-                        .file_of(&tensor.name)
+                        .file_of(tensor.name)
                         .map(|p| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf()))
                         .unwrap_or_default();
                     index.push((
-                        tensor.name.clone(),
+                        tensor.name.to_string(),
                         OffloadEntry::Safetensors {
                             file,
-                            weight_name: tensor.name.clone(),
+                            weight_name: tensor.name.to_string(),
                             dtype: None,
                         },
                     ));
-                    report.mapped_in_place.push(tensor.name.clone());
+                    report.mapped_in_place.push(tensor.name.to_string());
                     Bytes::Mmap(view)
                 } else {
                     let path =
-                        write_dat(folder, &tensor.name, data.as_bytes(), stored.dtype, dtype)?;
-                    index.push((tensor.name.clone(), OffloadEntry::Dat(meta.clone())));
-                    report.written_to_folder.push(tensor.name.clone());
-                    Bytes::Mmap(MmapView::open(&path).map_err(|e| Error::tensor(&tensor.name, e))?)
+                        write_dat(folder, tensor.name, data.as_bytes(), stored.dtype, dtype)?;
+                    index.push((tensor.name.to_string(), OffloadEntry::Dat(meta.clone())));
+                    report.written_to_folder.push(tensor.name.to_string());
+                    Bytes::Mmap(MmapView::open(&path).map_err(|e| Error::tensor(tensor.name, e))?)
                 };
                 SlotState::Offloaded {
                     bytes: Arc::new(bytes),

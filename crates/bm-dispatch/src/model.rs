@@ -315,7 +315,6 @@ impl Model {
             .shared
             .tree
             .tensors()
-            .iter()
             .position(|t| t.kind == TensorKind::Param)?;
         let slots = &self.shared.slots;
         slots.with(slots.slot_of(t), |_, state| match state {

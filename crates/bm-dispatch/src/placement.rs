@@ -149,7 +149,7 @@ fn target_of(
     offload_buffers: bool,
 ) -> Target {
     let tensor = tree.tensor(t);
-    let mapped = map.device_of(&tensor.name).unwrap_or(bm_plan::Device::Cpu);
+    let mapped = map.device_of(tensor.name).unwrap_or(bm_plan::Device::Cpu);
     let tier = match mapped {
         bm_plan::Device::Gpu(i) => return Target::Resident(Device::Gpu(i as usize)),
         bm_plan::Device::Cpu if main == Device::Cpu => return Target::Resident(Device::Cpu),
@@ -195,7 +195,7 @@ pub(crate) fn offload_entries(tree: &ModuleTree, preload: &[String]) -> Vec<(Mod
             continue;
         }
         let module = tree.module(m);
-        let whole = preload.contains(&module.class);
+        let whole = preload.iter().any(|c| c == module.class);
         if whole {
             skip_below = Some(m);
         }

@@ -133,7 +133,7 @@ impl SlotTable {
     /// The name of slot `s` for messages: its first tensor's.
     pub(crate) fn name(&self, tree: &ModuleTree, s: SlotId) -> String {
         self.first_tensor(s)
-            .map(|t| tree.tensor(t).name.clone())
+            .map(|t| tree.tensor(t).name.to_string())
             .unwrap_or_else(|| format!("slot {s}"))
     }
 
@@ -268,7 +268,7 @@ impl SlotTable {
         let mut seen = HashSet::new();
         for &x in modules {
             let module = tree.module(x);
-            for &t in module.params.iter().chain(&module.buffers) {
+            for &t in module.params.iter().chain(module.buffers) {
                 let s = self.slot_of[t];
                 if keep(tree.tensor(t).kind) && seen.insert(s) {
                     out.push(s);

@@ -158,8 +158,7 @@ impl DispatchedWeights {
         model
             .tree()
             .tensors()
-            .iter()
-            .filter_map(|t| t.name.strip_prefix(&prefix).map(|l| (&t.name, l)))
+            .filter_map(|t| t.name.strip_prefix(&prefix).map(|l| (t.name, l)))
             .find(|(full, _)| model.shares_storage(full, name).unwrap_or(false))
             .map(|(_, local)| local.to_string())
             .ok_or_else(|| Error::MissingTensor {
@@ -416,7 +415,7 @@ fn check_layer_count(
     let layers: Vec<&str> = planned
         .layers
         .iter()
-        .map(|&m| planned.tree.module(m).name.as_str())
+        .map(|&m| planned.tree.module(m).name)
         .collect();
     check_stack(hf, hf.family.layers_key(), planned, &layers, weights)
 }
@@ -564,7 +563,7 @@ pub fn open_seq2seq_lm(
     let decoder: Vec<&str> = planned
         .layers
         .iter()
-        .map(|&m| planned.tree.module(m).name.as_str())
+        .map(|&m| planned.tree.module(m).name)
         .collect();
     check_stack(&hf, decoder_key, &planned, &decoder, &probe)?;
     let weights = dispatch(

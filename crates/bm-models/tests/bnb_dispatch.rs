@@ -151,8 +151,7 @@ fn pre_quantized_folders_load_under_a_device_map_without_options() {
         let planned = load_tree(Some(&bnb_fixture(format)), &dense_tree, None, None).unwrap();
         let sizes = |t: &bigmodel::plan::ModuleTree| {
             t.tensors()
-                .iter()
-                .map(|t| (t.name.clone(), t.meta.clone()))
+                .map(|t| (t.name.to_string(), t.meta.clone()))
                 .collect::<Vec<_>>()
         };
         assert_eq!(sizes(&planned), sizes(d.weights.model().tree()), "{format}");
@@ -290,7 +289,7 @@ fn fp32_cpu_offload_keeps_offloaded_modules_dense() {
         )
         .unwrap();
         assert_eq!(planned.tensors().len(), tree.tensors().len());
-        for (a, b) in planned.tensors().iter().zip(tree.tensors()) {
+        for (a, b) in planned.tensors().zip(tree.tensors()) {
             assert_eq!((&a.name, &a.meta), (&b.name, &b.meta));
         }
         // It runs (the emulated GPU's layers compute on the host) as the

@@ -173,11 +173,6 @@ fn a_plan_sizes_weights_in_the_dtype_loading_takes_not_the_configs() {
         loaded += planned;
     }
     // Every tensor in F32, as stored (the config's F16 would be half).
-    let elements: u64 = model
-        .tree
-        .tensors()
-        .iter()
-        .map(|t| t.meta.numel() as u64)
-        .sum();
+    let elements: u64 = model.tree.tensors().map(|t| t.meta.numel() as u64).sum();
     assert_eq!(loaded, elements * 4);
 }

@@ -66,7 +66,7 @@ pub fn get_balanced_memory(
     if !no_split.is_empty() {
         let mut seen: Vec<&str> = Vec::new();
         for m in first_touch_order(tree) {
-            let class = tree.module(m).class.as_str();
+            let class = tree.module(m).class;
             if m != 0 && no_split.iter().any(|c| c == class) && !seen.contains(&class) {
                 seen.push(class);
                 buffer = buffer.max(sizes.module[m]);
@@ -81,7 +81,7 @@ pub fn get_balanced_memory(
     let has_key = modules_with_counted_tensors(tree);
     let mut leaf_sum = 0u64;
     let mut leaf_count = 0u64;
-    for (m, module) in tree.modules().iter().enumerate() {
+    for (m, module) in tree.modules().enumerate() {
         if m != 0 && has_key[m] && !module.children.iter().any(|c| has_key[*c]) {
             leaf_sum += sizes.module[m];
             leaf_count += 1;
@@ -156,7 +156,7 @@ fn layer_maxima(tree: &ModuleTree, sizes: &ModuleSizes, no_split: &[String]) -> 
     let mut out = vec![(0u64, 0u64); tree.modules().len()];
     for &m in tree.preorder().iter().rev() {
         let module = tree.module(m);
-        out[m] = if module.children.is_empty() || no_split.contains(&module.class) {
+        out[m] = if module.children.is_empty() || no_split.iter().any(|c| c == module.class) {
             (sizes.module[m], 1)
         } else {
             module
@@ -558,7 +558,7 @@ pub fn infer_auto_device_map(
             let splittable = tied_modules.iter().find_map(|tm| match *tm {
                 Node::Module(m)
                     if !tree.module(m).children.is_empty()
-                        && !no_split.contains(&tree.module(m).class) =>
+                        && !no_split.iter().any(|c| c == tree.module(m).class) =>
                 {
                     Some(m)
                 }
@@ -591,7 +591,7 @@ pub fn infer_auto_device_map(
             match node {
                 Node::Module(m)
                     if !tree.module(m).children.is_empty()
-                        && !no_split.contains(&tree.module(m).class) =>
+                        && !no_split.iter().any(|c| c == tree.module(m).class) =>
                 {
                     say!("Splitting {name}.");
                     for child in expansion(tree, m).into_iter().rev() {
@@ -706,7 +706,7 @@ fn fallback_allocate(
         }
         if let Node::Module(m) = node
             && !tree.module(m).children.is_empty()
-            && !no_split.contains(&tree.module(m).class)
+            && !no_split.iter().any(|c| c == tree.module(m).class)
         {
             for child in expansion(tree, m).into_iter().rev() {
                 search.push(child);

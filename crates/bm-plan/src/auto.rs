@@ -80,7 +80,7 @@ impl ExpertModules {
         let n = tree.modules().len();
         let (mut expert, mut holds) = (vec![false; n], vec![false; n]);
         for list in expert_lists(tree) {
-            for &c in &tree.module(list).children {
+            for &c in tree.module(list).children {
                 expert[c] = true;
             }
             let mut at = Some(list);
@@ -110,7 +110,7 @@ fn items_of(tree: &ModuleTree, sizes: &ModuleSizes, options: &PlanOptions) -> Ve
         match node {
             Node::Module(m) => {
                 let module = tree.module(m);
-                let no_split = options.no_split.contains(&module.class);
+                let no_split = options.no_split.iter().any(|c| c == module.class);
                 let leaf =
                     module.children.is_empty() || is_expert(m) || (no_split && !holds_experts(m));
                 if leaf {
@@ -152,7 +152,7 @@ fn items_of(tree: &ModuleTree, sizes: &ModuleSizes, options: &PlanOptions) -> Ve
             unit_of_module[m] = unit_of_module[p];
         }
     }
-    for (t, tensor) in tree.tensors().iter().enumerate() {
+    for (t, tensor) in tree.tensors().enumerate() {
         if unit_of_tensor[t] == usize::MAX {
             unit_of_tensor[t] = unit_of_module[tensor.module];
         }
@@ -850,7 +850,7 @@ pub fn plan(tree: &ModuleTree, options: &PlanOptions) -> Result<Plan, Error> {
     let mut unknown: Vec<&str> = options
         .no_split
         .iter()
-        .filter(|c| !tree.modules().iter().any(|m| &m.class == *c))
+        .filter(|c| !tree.modules().any(|m| m.class == *c))
         .map(String::as_str)
         .collect();
     unknown.dedup();
@@ -956,7 +956,7 @@ pub fn ledger(tree: &ModuleTree, map: &DeviceMap, options: &PlanOptions) -> Resu
                 .iter()
                 .flat_map(|&m| {
                     let module = tree.module(m);
-                    module.params.iter().chain(&module.buffers)
+                    module.params.iter().chain(module.buffers)
                 })
                 .filter(|&&t| resolved.tensor[t].is_some())
                 .min()
@@ -1021,13 +1021,13 @@ fn cleaned_map(
         }
         let module = tree.module(m);
         let (mut count, mut state) = (0usize, Shared::Nothing);
-        for &t in module.params.iter().chain(&module.buffers) {
+        for &t in module.params.iter().chain(module.buffers) {
             if let Some(d) = tensor_unit[t] {
                 count += 1;
                 state = merge(state, d);
             }
         }
-        for &c in &module.children {
+        for &c in module.children {
             match module_unit[c] {
                 Some(d) => {
                     count += 1;
@@ -1058,25 +1058,25 @@ fn cleaned_map(
         };
         let module = tree.module(m);
         if let Some(d) = module_unit[m] {
-            entries.push((module.name.clone(), d));
+            entries.push((module.name.to_string(), d));
             continue;
         }
         if keys_below[m] >= 2
             && let Shared::One(d) = shared[m]
         {
-            entries.push((module.name.clone(), d));
+            entries.push((module.name.to_string(), d));
             continue;
         }
         let mut steps = Vec::new();
-        for &t in &module.params {
+        for &t in module.params {
             if let Some(d) = tensor_unit[t] {
-                steps.push(Step::Key(tree.tensor(t).name.clone(), d));
+                steps.push(Step::Key(tree.tensor(t).name.to_string(), d));
             }
         }
         steps.extend(module.children.iter().map(|c| Step::Module(*c)));
-        for &t in &module.buffers {
+        for &t in module.buffers {
             if let Some(d) = tensor_unit[t] {
-                steps.push(Step::Key(tree.tensor(t).name.clone(), d));
+                steps.push(Step::Key(tree.tensor(t).name.to_string(), d));
             }
         }
         stack.extend(steps.into_iter().rev());

@@ -167,7 +167,7 @@ mod tests {
         let order: Vec<&str> = tree
             .preorder()
             .iter()
-            .map(|m| tree.module(*m).name.as_str())
+            .map(|m| tree.module(*m).name)
             .collect();
         assert_eq!(
             order,
@@ -189,7 +189,7 @@ mod tests {
         let classes: Vec<&str> = ["model.layers", "model.layers.2", "model.norm"]
             .iter()
             .map(|n| match tree.find(n) {
-                Some(crate::Node::Module(m)) => tree.module(m).class.as_str(),
+                Some(crate::Node::Module(m)) => tree.module(m).class,
                 other => panic!("{other:?}"),
             })
             .collect();

@@ -87,11 +87,11 @@ pub(crate) fn split(
     out: &mut Vec<(String, Device)>,
 ) {
     let module = tree.module(m);
-    for &t in module.params.iter().chain(&module.buffers) {
-        out.push((tree.tensor(t).name.clone(), on));
+    for &t in module.params.iter().chain(module.buffers) {
+        out.push((tree.tensor(t).name.to_string(), on));
     }
-    for &c in &module.children {
-        let name = tree.module(c).name.clone();
+    for &c in module.children {
+        let name = tree.module(c).name.to_string();
         if lists.contains(&c) {
             out.push((name, device));
         } else if lists.iter().any(|&l| tree.is_within(l, c)) {

@@ -511,14 +511,14 @@ pub fn check_device_map(tree: &ModuleTree, map: &DeviceMap) -> Result<Vec<String
     for &m in tree.preorder() {
         let module = tree.module(m);
         covered_module[m] =
-            keys.contains(module.name.as_str()) || module.parent.is_some_and(|p| covered_module[p]);
+            keys.contains(module.name) || module.parent.is_some_and(|p| covered_module[p]);
     }
     let missing: Vec<String> = tree
         .state_dict()
         .into_iter()
         .map(|t| tree.tensor(t))
-        .filter(|t| !covered_module[t.module] && !keys.contains(t.name.as_str()))
-        .map(|t| t.name.clone())
+        .filter(|t| !covered_module[t.module] && !keys.contains(t.name))
+        .map(|t| t.name.to_string())
         .collect();
     if missing.is_empty() {
         Ok(warnings)
@@ -551,15 +551,12 @@ fn closest_names(tree: &ModuleTree, key: &str) -> Vec<String> {
         .take(COMPONENT)
         .collect();
     let module = tree.module(ancestor);
-    let children = module
-        .children
-        .iter()
-        .map(|&c| tree.module(c).name.as_str());
+    let children = module.children.iter().map(|&c| tree.module(c).name);
     let tensors = module
         .params
         .iter()
-        .chain(&module.buffers)
-        .map(|&t| tree.tensor(t).name.as_str());
+        .chain(module.buffers)
+        .map(|&t| tree.tensor(t).name);
     let mut ranked: Vec<(usize, &str)> = children
         .chain(tensors)
         .map(|name| {
@@ -750,8 +747,8 @@ mod tests {
     #[test]
     fn a_map_resolved_on_the_tree_gives_every_name_its_longest_key() {
         let tree = model_for_test(DType::F32);
-        let module = |i: usize| tree.module(i).name.clone();
-        let tensor = |i: usize| tree.tensor(i).name.clone();
+        let module = |i: usize| tree.module(i).name.to_string();
+        let tensor = |i: usize| tree.tensor(i).name.to_string();
         let maps = [
             map(&[("", Device::Cpu)]),
             map(&[
@@ -768,12 +765,12 @@ mod tests {
         ];
         for map in maps {
             let resolved = map.resolve(&tree);
-            for (m, module) in tree.modules().iter().enumerate() {
-                let expected = map.device_of(&module.name);
+            for (m, module) in tree.modules().enumerate() {
+                let expected = map.device_of(module.name);
                 assert_eq!(resolved.of(Node::Module(m)), expected, "{}", module.name);
             }
-            for (t, tensor) in tree.tensors().iter().enumerate() {
-                let expected = map.device_of(&tensor.name);
+            for (t, tensor) in tree.tensors().enumerate() {
+                let expected = map.device_of(tensor.name);
                 assert_eq!(resolved.of(Node::Tensor(t)), expected, "{}", tensor.name);
             }
         }

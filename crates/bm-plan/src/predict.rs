@@ -452,11 +452,10 @@ impl Pass {
         let block = |name: &str, kind: BlockKind, within: &dyn Fn(ModuleId) -> bool| {
             let streamed: Vec<(u64, u64, &str)> = tree
                 .tensors()
-                .iter()
                 .enumerate()
                 .filter(|(_, t)| within(t.module))
                 .filter(|(_, t)| options.offload_buffers || t.kind == TensorKind::Param)
-                .map(|(i, t)| (t.meta.numel() as u64, sizes.tensor[i], t.name.as_str()))
+                .map(|(i, t)| (t.meta.numel() as u64, sizes.tensor[i], t.name))
                 .collect();
             Block {
                 name: name.to_string(),
@@ -500,12 +499,12 @@ impl Pass {
                 } else {
                     BlockKind::Other
                 };
-                blocks.push(block(&module.name, kind, &|t| {
+                blocks.push(block(module.name, kind, &|t| {
                     tree.is_within(t, m) && !in_list(t)
                 }));
                 for &l in &own {
                     let experts = tree.module(l).children.len() as u64;
-                    let list = block(&tree.module(l).name, BlockKind::Experts { experts }, &|t| {
+                    let list = block(tree.module(l).name, BlockKind::Experts { experts }, &|t| {
                         tree.is_within(t, l)
                     });
                     if list.tensors > 0 {

@@ -97,23 +97,23 @@ pub fn quantize_tree(
     let mut replaced = Vec::new();
     let mut metas = Vec::new();
     let mut linear_modules = 0;
-    for (id, t) in tree.tensors().iter().enumerate() {
+    for (id, t) in tree.tensors().enumerate() {
         let module = tree.module(t.module);
-        let Some(transposed) = quantizable_class(&module.class) else {
+        let Some(transposed) = quantizable_class(module.class) else {
             continue;
         };
         if t.kind != TensorKind::Param || !t.name.ends_with(".weight") {
             continue;
         }
         linear_modules += 1;
-        let Some(scheme) = scheme_of(&module.name) else {
+        let Some(scheme) = scheme_of(module.name) else {
             continue;
         };
         let [a, b] = match t.meta.shape[..] {
             [a, b] if t.meta.dtype.is_float() => [a, b],
             _ => {
                 return Err(Error::NotQuantizable {
-                    what: t.name.clone(),
+                    what: t.name.to_string(),
                     reason: format!(
                         "a {} weight of shape {:?} is not a float matrix",
                         module.class, t.meta.shape
@@ -125,10 +125,10 @@ pub fn quantize_tree(
             let others: Vec<&str> = tree.tied_groups()[g]
                 .iter()
                 .filter(|&&o| o != id)
-                .map(|&o| tree.tensor(o).name.as_str())
+                .map(|&o| tree.tensor(o).name)
                 .collect();
             return Err(Error::NotQuantizable {
-                what: t.name.clone(),
+                what: t.name.to_string(),
                 reason: format!(
                     "it is tied to {}; keep {} unquantized (skip_modules)",
                     others.join(", "),
@@ -139,12 +139,12 @@ pub fn quantize_tree(
         let shape = if transposed { [b, a] } else { [a, b] };
         let bytes = scheme.packed_bytes(shape[0] as u64, shape[1] as u64);
         let len = usize::try_from(bytes).map_err(|_| Error::NotQuantizable {
-            what: t.name.clone(),
+            what: t.name.to_string(),
             reason: format!("{bytes} packed bytes do not fit this machine's address space"),
         })?;
         metas.push((id, TensorMeta::new(DType::U8, vec![len])));
         replaced.push(QuantizedWeight {
-            name: t.name.clone(),
+            name: t.name.to_string(),
             shape,
             dtype: t.meta.dtype,
             transposed,

@@ -70,7 +70,7 @@ impl ModuleSizes {
         let mut tensor = vec![0u64; tensors.len()];
         let mut module = vec![0u64; tree.modules().len()];
         let mut buffers = vec![0u64; tree.modules().len()];
-        for (id, t) in tensors.iter().enumerate() {
+        for (id, t) in tensors.clone().enumerate() {
             if !t.counted {
                 continue;
             }
@@ -79,7 +79,7 @@ impl ModuleSizes {
             let special = if options.special_dtypes.is_empty() {
                 None
             } else {
-                options.special_dtypes.get(&t.name).copied()
+                options.special_dtypes.get(t.name).copied()
             };
             let size = match options.rule {
                 SizeRule::Accelerate => match (special, options.dtype) {
@@ -156,9 +156,9 @@ impl ModuleSizes {
             }
             for &id in chain.iter().rev() {
                 seen[id] = true;
-                out.push((tree.module(id).name.clone(), self.module[id]));
+                out.push((tree.module(id).name.to_string(), self.module[id]));
             }
-            out.push((tensor.name.clone(), self.tensor[t]));
+            out.push((tensor.name.to_string(), self.tensor[t]));
         }
         out
     }

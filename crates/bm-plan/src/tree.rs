@@ -30,32 +30,33 @@ pub enum TensorKind {
     },
 }
 
-/// A module of the tree.
-#[derive(Clone, Debug)]
-pub struct Module {
+/// A module of the tree, as [`ModuleTree::module`] shows it: a view into
+/// the tree's tables.
+#[derive(Clone, Copy, Debug)]
+pub struct Module<'t> {
     /// Full dotted name; `""` for the root.
-    pub name: String,
+    pub name: &'t str,
     /// Class name, e.g. `LlamaDecoderLayer`.
-    pub class: String,
+    pub class: &'t str,
     /// The parent; `None` for the root.
     pub parent: Option<ModuleId>,
     /// Child modules in registration order.
-    pub children: Vec<ModuleId>,
+    pub children: &'t [ModuleId],
     /// Direct parameters in registration order.
-    pub params: Vec<TensorId>,
+    pub params: &'t [TensorId],
     /// Direct buffers in registration order.
-    pub buffers: Vec<TensorId>,
+    pub buffers: &'t [TensorId],
 }
 
-/// A parameter or buffer of the tree.
-#[derive(Clone, Debug)]
-pub struct Tensor {
+/// A parameter or buffer of the tree, as [`ModuleTree::tensor`] shows it.
+#[derive(Clone, Copy, Debug)]
+pub struct Tensor<'t> {
     /// Full dotted name.
-    pub name: String,
+    pub name: &'t str,
     /// The module that holds it directly.
     pub module: ModuleId,
     /// Dtype and shape.
-    pub meta: TensorMeta,
+    pub meta: &'t TensorMeta,
     /// Parameter or buffer.
     pub kind: TensorKind,
     /// Index into [`ModuleTree::tied_groups`] when the tensor is tied.
@@ -66,11 +67,76 @@ pub struct Tensor {
     pub counted: bool,
 }
 
+// The tree is stored as a few flat tables rather than one struct with
+// owned strings and lists per module: a tree of 100k modules was ~400k
+// small allocations, and building it cost more in fresh heap pages than in
+// reading its document. Indices and offsets are 32 bits (node codes already
+// are; `claim` refuses names past 4 GiB).
+
+/// Bytes `start..start + len` of [`ModuleTree::names`].
+#[derive(Clone, Copy, Debug)]
+struct NameAt {
+    start: u32,
+    len: u32,
+}
+
+/// `u32::MAX`: no parent, no tied group.
+const NONE: u32 = u32::MAX;
+
+#[derive(Clone, Debug)]
+struct ModuleRecord {
+    name: NameAt,
+    /// Index into `classes`.
+    class: u32,
+    parent: u32,
+    /// Its children, params and buffers are `links[links..]`, in that
+    /// order, `children`, `params` and `buffers` long (filled by `finish`).
+    links: u32,
+    children: u32,
+    params: u32,
+    buffers: u32,
+}
+
+#[derive(Clone, Debug)]
+struct TensorRecord {
+    meta: TensorMeta,
+    name: NameAt,
+    module: u32,
+    tie_group: u32,
+    kind: TensorKind,
+    counted: bool,
+}
+
+/// The tables a tree and its builder share.
+#[derive(Clone, Debug, Default)]
+struct Tables {
+    /// Every full name, one after another.
+    names: String,
+    /// Distinct class names.
+    classes: Vec<Box<str>>,
+    modules: Vec<ModuleRecord>,
+    tensors: Vec<TensorRecord>,
+}
+
+impl Tables {
+    fn name(&self, at: NameAt) -> &str {
+        &self.names[at.start as usize..(at.start + at.len) as usize]
+    }
+
+    fn node_name(&self, node: Node) -> &str {
+        match node {
+            Node::Module(m) => self.name(self.modules[m].name),
+            Node::Tensor(t) => self.name(self.tensors[t].name),
+        }
+    }
+}
+
 /// A module tree: what the planner plans on.
 #[derive(Clone, Debug)]
 pub struct ModuleTree {
-    modules: Vec<Module>,
-    tensors: Vec<Tensor>,
+    tables: Tables,
+    /// Each module's children, params and buffers (see [`ModuleRecord`]).
+    links: Vec<usize>,
     tied: Vec<Vec<TensorId>>,
     /// Position of each module in pre-order (root 0).
     preorder_pos: Vec<usize>,
@@ -94,8 +160,13 @@ pub enum Node {
 /// validates ties and computes the orders the planner needs.
 #[derive(Debug)]
 pub struct ModuleTreeBuilder {
-    modules: Vec<Module>,
-    tensors: Vec<Tensor>,
+    tables: Tables,
+    /// Class name to its index in `tables.classes`.
+    class_ids: std::collections::HashMap<Box<str>, u32>,
+    /// The class of the module added last.
+    last_class: u32,
+    /// Where a full name is put together.
+    scratch: String,
     by_name: NameIndex,
     tied_names: Vec<Vec<String>>,
     /// Node codes added but not yet in `by_name`, in the order they were
@@ -207,15 +278,16 @@ impl NameIndex {
         let node = |code: u32| Self::node(u64::from(code) + 1);
         self.reserve(codes.len());
         let mask = self.slots.len() - 1;
-        let tags: Vec<u64> = codes
+        // Tags are 32 bits (see `tag`): kept in 32 to touch half the memory.
+        let tags: Vec<u32> = codes
             .iter()
-            .map(|&code| self.tag(name_of(node(code))))
+            .map(|&code| self.tag(name_of(node(code))) as u32)
             .collect();
         // (tag, position in `codes`) by runs of home slots (a counting sort
         // on the home's top bits, which keeps the order nodes were added in
         // within a run): near enough to front to back for the cache.
         let run_bits = mask.count_ones().min(RUN_BITS);
-        let run_of = |tag: u64| (tag as usize & mask) >> (mask.count_ones() - run_bits);
+        let run_of = |tag: u32| (tag as usize & mask) >> (mask.count_ones() - run_bits);
         let mut starts = vec![0u32; (1 << run_bits) + 1];
         for &tag in &tags {
             starts[run_of(tag) + 1] += 1;
@@ -223,7 +295,7 @@ impl NameIndex {
         for r in 1..starts.len() {
             starts[r] += starts[r - 1];
         }
-        let mut order = vec![(0u64, 0u32); codes.len()];
+        let mut order = vec![(0u32, 0u32); codes.len()];
         for (i, &tag) in tags.iter().enumerate() {
             let at = &mut starts[run_of(tag)];
             order[*at as usize] = (tag, i as u32);
@@ -231,6 +303,7 @@ impl NameIndex {
         }
         let mut first_taken: Option<u32> = None;
         'next: for (tag, i) in order {
+            let tag = u64::from(tag);
             let code = codes[i as usize];
             // The probe of `slot`, reading a name only on a matching tag:
             // reading each one would be the cache miss per node again.
@@ -266,13 +339,6 @@ impl NameIndex {
     }
 }
 
-fn node_name<'t>(modules: &'t [Module], tensors: &'t [Tensor], node: Node) -> &'t str {
-    match node {
-        Node::Module(m) => &modules[m].name,
-        Node::Tensor(t) => &tensors[t].name,
-    }
-}
-
 fn join(prefix: &str, local: &str) -> String {
     if prefix.is_empty() {
         local.to_string()
@@ -288,52 +354,106 @@ fn join(prefix: &str, local: &str) -> String {
 impl ModuleTreeBuilder {
     /// A tree whose root module has class `root_class`.
     pub fn new(root_class: impl Into<String>) -> Self {
-        ModuleTreeBuilder {
-            modules: vec![Module {
-                name: String::new(),
-                class: root_class.into(),
-                parent: None,
-                children: Vec::new(),
-                params: Vec::new(),
-                buffers: Vec::new(),
-            }],
-            tensors: Vec::new(),
+        let mut builder = ModuleTreeBuilder {
+            tables: Tables::default(),
+            class_ids: Default::default(),
+            last_class: 0,
+            scratch: String::new(),
             by_name: NameIndex::default(),
             tied_names: Vec::new(),
             unindexed: None,
-        }
+        };
+        let class = builder.class_id(&root_class.into());
+        builder.tables.modules.push(ModuleRecord {
+            name: NameAt { start: 0, len: 0 },
+            class,
+            parent: NONE,
+            links: 0,
+            children: 0,
+            params: 0,
+            buffers: 0,
+        });
+        builder
     }
 
     /// The root module.
     pub const ROOT: ModuleId = 0;
 
-    fn claim(&mut self, parent: ModuleId, local: &str, node: Node) -> Result<String, Error> {
-        let parent_name = &self.modules[parent].name;
+    fn class_id(&mut self, class: &str) -> u32 {
+        // Modules of one class tend to come in a row.
+        let classes = &mut self.tables.classes;
+        if classes
+            .get(self.last_class as usize)
+            .is_some_and(|last| **last == *class)
+        {
+            return self.last_class;
+        }
+        let id = match self.class_ids.get(class) {
+            Some(&id) => id,
+            None => {
+                classes.push(class.into());
+                let id = (classes.len() - 1) as u32;
+                self.class_ids.insert(class.into(), id);
+                id
+            }
+        };
+        self.last_class = id;
+        id
+    }
+
+    /// Checks `local` and appends `parent`'s full name, a dot and `local`
+    /// to the names; indexes the name for `node` unless indexing waits.
+    fn claim(&mut self, parent: ModuleId, local: &str, node: Node) -> Result<NameAt, Error> {
+        let parent_at = self.tables.modules[parent].name;
+        let error = |tables: &Tables, reason: &str| {
+            Error::tree(join(tables.name(parent_at), local), reason)
+        };
         if local.is_empty() || local.contains('.') {
-            return Err(Error::tree(
-                join(parent_name, local),
-                format!("name {local:?} must be non-empty and contain no '.'"),
+            return Err(error(
+                &self.tables,
+                &format!("name {local:?} must be non-empty and contain no '.'"),
             ));
         }
-        let full = join(parent_name, local);
         if NameIndex::code(node) > MAX_NODE_CODE {
-            return Err(Error::tree(
-                full,
+            return Err(error(
+                &self.tables,
                 "the tree has more than 2^31 modules or tensors",
             ));
         }
+        let dot = usize::from(parent_at.len > 0);
+        let len = parent_at.len as usize + dot + local.len();
+        let names = &mut self.tables.names;
+        let start = names.len();
+        if start + len > u32::MAX as usize {
+            return Err(error(&self.tables, "the full names of the tree pass 4 GiB"));
+        }
+        // Through a scratch string: `String::extend_from_within` is newer
+        // than the toolchain the workspace supports.
+        let full = &mut self.scratch;
+        full.clear();
+        full.push_str(&names[parent_at.start as usize..(parent_at.start + parent_at.len) as usize]);
+        if dot == 1 {
+            full.push('.');
+        }
+        full.push_str(local);
+        names.push_str(full);
+        let at = NameAt {
+            start: start as u32,
+            len: len as u32,
+        };
         if let Some(unindexed) = &mut self.unindexed {
             unindexed.push(NameIndex::code(node) as u32);
-            return Ok(full);
+            return Ok(at);
         }
-        let (modules, tensors) = (&self.modules, &self.tensors);
-        if !self
-            .by_name
-            .insert(&full, node, |n| node_name(modules, tensors, n))
-        {
-            return Err(Error::tree(full, DUPLICATE));
+        let tables = &self.tables;
+        let name = &tables.names[start..];
+        let fresh = self.by_name.insert(name, node, |n| tables.node_name(n));
+        if !fresh {
+            let name = name.to_string();
+            self.tables.names.truncate(start);
+            return Err(Error::tree(name, DUPLICATE));
         }
-        Ok(full)
+        Ok(at)
     }
 
     /// From now on, names are checked and indexed in bulk by
@@ -352,20 +472,30 @@ impl ModuleTreeBuilder {
         let Some(codes) = self.unindexed.take() else {
             return Ok(());
         };
-        let (modules, tensors) = (&self.modules, &self.tensors);
+        let tables = &self.tables;
         self.by_name
-            .insert_all(&codes, |n| node_name(modules, tensors, n))
+            .insert_all(&codes, |n| tables.node_name(n))
             .map_err(|node| {
-                let name = node_name(modules, tensors, node).to_string();
+                let name = tables.node_name(node).to_string();
                 (node, Error::tree(name, DUPLICATE))
             })
     }
 
-    /// Makes room for this many more modules and tensors.
-    fn reserve(&mut self, modules: usize, tensors: usize) {
-        self.modules.reserve(modules);
-        self.tensors.reserve(tensors);
+    /// Makes room for this many more modules and tensors, and bytes of
+    /// names.
+    pub(crate) fn reserve(&mut self, modules: usize, tensors: usize, name_bytes: usize) {
+        self.tables.modules.reserve(modules);
+        self.tables.tensors.reserve(tensors);
+        self.tables.names.reserve(name_bytes);
         self.by_name.reserve(modules + tensors);
+        if let Some(unindexed) = &mut self.unindexed {
+            unindexed.reserve(modules + tensors);
+        }
+    }
+
+    /// The full name of a node added.
+    pub(crate) fn node_name(&self, node: Node) -> &str {
+        self.tables.node_name(node)
     }
 
     /// Adds a child module (after the existing children of `parent`).
@@ -373,19 +503,21 @@ impl ModuleTreeBuilder {
         &mut self,
         parent: ModuleId,
         local: &str,
-        class: impl Into<String>,
+        class: impl AsRef<str>,
     ) -> Result<ModuleId, Error> {
-        let id = self.modules.len();
+        let id = self.tables.modules.len();
         let name = self.claim(parent, local, Node::Module(id))?;
-        self.modules.push(Module {
+        let class = self.class_id(class.as_ref());
+        self.tables.modules.push(ModuleRecord {
             name,
-            class: class.into(),
-            parent: Some(parent),
-            children: Vec::new(),
-            params: Vec::new(),
-            buffers: Vec::new(),
+            class,
+            parent: parent as u32,
+            links: 0,
+            children: 0,
+            params: 0,
+            buffers: 0,
         });
-        self.modules[parent].children.push(id);
+        self.tables.modules[parent].children += 1;
         Ok(id)
     }
 
@@ -417,25 +549,26 @@ impl ModuleTreeBuilder {
         meta: TensorMeta,
         kind: TensorKind,
     ) -> Result<TensorId, Error> {
-        let id = self.tensors.len();
+        let id = self.tables.tensors.len();
         let name = self.claim(module, local, Node::Tensor(id))?;
         if meta.checked_byte_len().is_none() {
             return Err(Error::tree(
-                name,
+                self.tables.name(name),
                 "shape is too large (byte size overflows)",
             ));
         }
-        self.tensors.push(Tensor {
-            name,
-            module,
+        self.tables.tensors.push(TensorRecord {
             meta,
+            name,
+            module: module as u32,
+            tie_group: NONE,
             kind,
-            tie_group: None,
             counted: true,
         });
+        let record = &mut self.tables.modules[module];
         match kind {
-            TensorKind::Param => self.modules[module].params.push(id),
-            TensorKind::Buffer { .. } => self.modules[module].buffers.push(id),
+            TensorKind::Param => record.params += 1,
+            TensorKind::Buffer { .. } => record.buffers += 1,
         }
         Ok(id)
     }
@@ -462,15 +595,132 @@ impl ModuleTreeBuilder {
             self.unindexed.is_none(),
             "a lookup while names wait to be indexed"
         );
-        self.by_name
-            .get(name, |n| node_name(&self.modules, &self.tensors, n))
+        self.by_name.get(name, |n| self.tables.node_name(n))
+    }
+
+    /// Each module's children, params and buffers as one list: children
+    /// in the order they were added (ascending ids, as each was added after
+    /// its parent's earlier ones), then params, then buffers.
+    fn links(tables: &mut Tables) -> Vec<usize> {
+        let mut next = 0u32;
+        for record in &mut tables.modules {
+            record.links = next;
+            next += record.children + record.params + record.buffers;
+        }
+        // Where the next child, param and buffer of each module goes.
+        let mut fill: Vec<[u32; 3]> = tables
+            .modules
+            .iter()
+            .map(|r| {
+                let params = r.links + r.children;
+                [r.links, params, params + r.params]
+            })
+            .collect();
+        let mut links = vec![0usize; next as usize];
+        for (id, record) in tables.modules.iter().enumerate().skip(1) {
+            let at = &mut fill[record.parent as usize][0];
+            links[*at as usize] = id;
+            *at += 1;
+        }
+        for (id, record) in tables.tensors.iter().enumerate() {
+            let list = match record.kind {
+                TensorKind::Param => 1,
+                TensorKind::Buffer { .. } => 2,
+            };
+            let at = &mut fill[record.module as usize][list];
+            links[*at as usize] = id;
+            *at += 1;
+        }
+        links
     }
 
     /// Validates ties and computes traversal orders.
     pub fn finish(mut self) -> Result<ModuleTree, Error> {
         self.index_added().map_err(|(_, e)| e)?;
-        // Pre-order over modules (iterative: trees can be deep).
-        let n = self.modules.len();
+        let links = Self::links(&mut self.tables);
+        let mut tree = ModuleTree {
+            tables: self.tables,
+            links,
+            tied: Vec::with_capacity(self.tied_names.len()),
+            preorder_pos: Vec::new(),
+            subtree_end: Vec::new(),
+            preorder: Vec::new(),
+            by_name: self.by_name,
+        };
+        tree.compute_orders();
+
+        // Tied groups: every name must exist, be unique to one group, and all
+        // members must agree on dtype and shape.
+        for (g, names) in self.tied_names.iter().enumerate() {
+            if names.len() < 2 {
+                return Err(Error::tree(
+                    format!("tied[{g}]"),
+                    "a tied group needs at least two names",
+                ));
+            }
+            let mut group = Vec::with_capacity(names.len());
+            for name in names {
+                let id = match tree.find(name) {
+                    Some(Node::Tensor(t)) => t,
+                    _ => {
+                        return Err(Error::tree(
+                            format!("tied[{g}]"),
+                            format!("{name:?} is not a parameter or buffer of the tree"),
+                        ));
+                    }
+                };
+                let this = tree.tensor(id);
+                if let Some(other) = this.tie_group {
+                    return Err(Error::tree(
+                        format!("tied[{g}]"),
+                        format!("{name:?} is already in tied group {other}"),
+                    ));
+                }
+                let first = tree.tensor(group.first().copied().unwrap_or(id));
+                if first.meta != this.meta {
+                    return Err(Error::tree(
+                        format!("tied[{g}]"),
+                        format!(
+                            "{name:?} ({} {:?}) cannot share storage with {:?} ({} {:?})",
+                            this.meta.dtype,
+                            this.meta.shape,
+                            first.name,
+                            first.meta.dtype,
+                            first.meta.shape
+                        ),
+                    ));
+                }
+                tree.tables.tensors[id].tie_group = g as u32;
+                group.push(id);
+            }
+            tree.tied.push(group);
+        }
+
+        // The counted name of a tied tensor is its first in
+        // named_module_tensors order (params pre-order, then buffers).
+        let mut seen = vec![false; tree.tied.len()];
+        let params = tree.preorder.iter().flat_map(|m| tree.module(*m).params);
+        let buffers = tree.preorder.iter().flat_map(|m| tree.module(*m).buffers);
+        let order: Vec<TensorId> = params.chain(buffers).copied().collect();
+        for t in order {
+            if let Some(g) = tree.tensor(t).tie_group {
+                tree.tables.tensors[t].counted = !seen[g];
+                seen[g] = true;
+            }
+        }
+        let mut tied = std::mem::take(&mut tree.tied);
+        for group in &mut tied {
+            group.sort_by(|a, b| tree.tensor(*a).name.cmp(tree.tensor(*b).name));
+        }
+        tree.tied = tied;
+        Ok(tree)
+    }
+}
+
+impl ModuleTree {
+    /// Pre-order over modules (iterative: trees can be deep).
+    fn compute_orders(&mut self) {
+        let n = self.tables.modules.len();
         let mut preorder = Vec::with_capacity(n);
         let mut preorder_pos = vec![0usize; n];
         let mut subtree_end = vec![0usize; n];
@@ -483,111 +733,66 @@ impl ModuleTreeBuilder {
             preorder_pos[m] = preorder.len();
             preorder.push(m);
             stack.push((m, true));
-            for &c in self.modules[m].children.iter().rev() {
+            for &c in self.module(m).children.iter().rev() {
                 stack.push((c, false));
             }
         }
-
-        // Tied groups: every name must exist, be unique to one group, and all
-        // members must agree on dtype and shape.
-        let mut tied: Vec<Vec<TensorId>> = Vec::with_capacity(self.tied_names.len());
-        for (g, names) in self.tied_names.iter().enumerate() {
-            if names.len() < 2 {
-                return Err(Error::tree(
-                    format!("tied[{g}]"),
-                    "a tied group needs at least two names",
-                ));
-            }
-            let mut group = Vec::with_capacity(names.len());
-            for name in names {
-                let id = match self.find(name) {
-                    Some(Node::Tensor(t)) => t,
-                    _ => {
-                        return Err(Error::tree(
-                            format!("tied[{g}]"),
-                            format!("{name:?} is not a parameter or buffer of the tree"),
-                        ));
-                    }
-                };
-                if let Some(other) = self.tensors[id].tie_group {
-                    return Err(Error::tree(
-                        format!("tied[{g}]"),
-                        format!("{name:?} is already in tied group {other}"),
-                    ));
-                }
-                let first = &self.tensors[group.first().copied().unwrap_or(id)];
-                if first.meta != self.tensors[id].meta {
-                    return Err(Error::tree(
-                        format!("tied[{g}]"),
-                        format!(
-                            "{name:?} ({} {:?}) cannot share storage with {:?} ({} {:?})",
-                            self.tensors[id].meta.dtype,
-                            self.tensors[id].meta.shape,
-                            first.name,
-                            first.meta.dtype,
-                            first.meta.shape
-                        ),
-                    ));
-                }
-                self.tensors[id].tie_group = Some(g);
-                group.push(id);
-            }
-            tied.push(group);
-        }
-
-        let mut tree = ModuleTree {
-            modules: self.modules,
-            tensors: self.tensors,
-            tied,
-            preorder_pos,
-            subtree_end,
-            preorder,
-            by_name: self.by_name,
-        };
-        // The counted name of a tied tensor is its first in
-        // named_module_tensors order (params pre-order, then buffers).
-        let mut seen = vec![false; tree.tied.len()];
-        let params = tree
-            .preorder
-            .iter()
-            .flat_map(|m| tree.modules[*m].params.iter().copied());
-        let buffers = tree
-            .preorder
-            .iter()
-            .flat_map(|m| tree.modules[*m].buffers.iter().copied());
-        let order: Vec<TensorId> = params.chain(buffers).collect();
-        for t in order {
-            if let Some(g) = tree.tensors[t].tie_group {
-                tree.tensors[t].counted = !seen[g];
-                seen[g] = true;
-            }
-        }
-        for group in &mut tree.tied {
-            group.sort_by(|a, b| tree.tensors[*a].name.cmp(&tree.tensors[*b].name));
-        }
-        Ok(tree)
-    }
-}
-
-impl ModuleTree {
-    /// All modules; index 0 is the root.
-    pub fn modules(&self) -> &[Module] {
-        &self.modules
+        self.preorder = preorder;
+        self.preorder_pos = preorder_pos;
+        self.subtree_end = subtree_end;
     }
 
-    /// All tensors.
-    pub fn tensors(&self) -> &[Tensor] {
-        &self.tensors
+    /// The number of modules, the root included.
+    pub fn module_count(&self) -> usize {
+        self.tables.modules.len()
+    }
+
+    /// The number of tensors.
+    pub fn tensor_count(&self) -> usize {
+        self.tables.tensors.len()
+    }
+
+    /// All modules, by id; the first is the root.
+    pub fn modules(
+        &self,
+    ) -> impl ExactSizeIterator<Item = Module<'_>> + DoubleEndedIterator + Clone + '_ {
+        (0..self.module_count()).map(|m| self.module(m))
+    }
+
+    /// All tensors, by id.
+    pub fn tensors(
+        &self,
+    ) -> impl ExactSizeIterator<Item = Tensor<'_>> + DoubleEndedIterator + Clone + '_ {
+        (0..self.tensor_count()).map(|t| self.tensor(t))
     }
 
     /// A module.
-    pub fn module(&self, id: ModuleId) -> &Module {
-        &self.modules[id]
+    pub fn module(&self, id: ModuleId) -> Module<'_> {
+        let r = &self.tables.modules[id];
+        let links = r.links as usize;
+        let params = links + r.children as usize;
+        let buffers = params + r.params as usize;
+        Module {
+            name: self.tables.name(r.name),
+            class: &self.tables.classes[r.class as usize],
+            parent: (r.parent != NONE).then_some(r.parent as usize),
+            children: &self.links[links..params],
+            params: &self.links[params..buffers],
+            buffers: &self.links[buffers..buffers + r.buffers as usize],
+        }
     }
 
     /// A tensor.
-    pub fn tensor(&self, id: TensorId) -> &Tensor {
-        &self.tensors[id]
+    pub fn tensor(&self, id: TensorId) -> Tensor<'_> {
+        let r = &self.tables.tensors[id];
+        Tensor {
+            name: self.tables.name(r.name),
+            module: r.module as usize,
+            meta: &r.meta,
+            kind: r.kind,
+            tie_group: (r.tie_group != NONE).then_some(r.tie_group as usize),
+            counted: r.counted,
+        }
     }
 
     /// Groups of tied tensors, each sorted by name.
@@ -600,7 +805,7 @@ impl ModuleTree {
     pub fn tied_names(&self) -> Vec<Vec<String>> {
         self.tied
             .iter()
-            .map(|g| g.iter().map(|t| self.tensors[*t].name.clone()).collect())
+            .map(|g| g.iter().map(|t| self.tensor(*t).name.to_string()).collect())
             .collect()
     }
 
@@ -609,8 +814,7 @@ impl ModuleTree {
         if name.is_empty() {
             return Some(Node::Module(0));
         }
-        self.by_name
-            .get(name, |n| node_name(&self.modules, &self.tensors, n))
+        self.by_name.get(name, |n| self.tables.node_name(n))
     }
 
     /// Modules in pre-order (`named_modules()` order).
@@ -632,35 +836,32 @@ impl ModuleTree {
 
     /// The name of a node.
     pub fn node_name(&self, node: Node) -> &str {
-        node_name(&self.modules, &self.tensors, node)
+        self.tables.node_name(node)
     }
 
     /// Accelerate's `named_module_tensors(model, recurse=True)`: parameters
     /// in `named_parameters()` order with tied duplicates removed, then all
     /// buffers in `named_buffers()` order.
     pub fn named_module_tensors(&self) -> Vec<TensorId> {
-        let mut out = Vec::with_capacity(self.tensors.len());
+        let mut out = Vec::with_capacity(self.tensor_count());
         let mut seen_group = vec![false; self.tied.len()];
-        for &m in &self.preorder {
-            for &t in &self.modules[m].params {
-                if let Some(g) = self.tensors[t].tie_group {
-                    if seen_group[g] {
-                        continue;
-                    }
-                    seen_group[g] = true;
+        let mut keep = |t: TensorId, out: &mut Vec<TensorId>| {
+            if let Some(g) = self.tensor(t).tie_group {
+                if seen_group[g] {
+                    return;
                 }
-                out.push(t);
+                seen_group[g] = true;
+            }
+            out.push(t);
+        };
+        for &m in &self.preorder {
+            for &t in self.module(m).params {
+                keep(t, &mut out);
             }
         }
         for &m in &self.preorder {
-            for &t in &self.modules[m].buffers {
-                if let Some(g) = self.tensors[t].tie_group {
-                    if seen_group[g] {
-                        continue;
-                    }
-                    seen_group[g] = true;
-                }
-                out.push(t);
+            for &t in self.module(m).buffers {
+                keep(t, &mut out);
             }
         }
         out
@@ -670,13 +871,13 @@ impl ModuleTree {
     /// pre-order, its parameters then its persistent buffers. Tied names all
     /// appear.
     pub fn state_dict(&self) -> Vec<TensorId> {
-        let mut out = Vec::with_capacity(self.tensors.len());
+        let mut out = Vec::with_capacity(self.tensor_count());
         for &m in &self.preorder {
-            let module = &self.modules[m];
+            let module = self.module(m);
             out.extend(module.params.iter().copied());
             out.extend(module.buffers.iter().copied().filter(|t| {
                 matches!(
-                    self.tensors[*t].kind,
+                    self.tensor(*t).kind,
                     TensorKind::Buffer { persistent: true }
                 )
             }));
@@ -689,16 +890,15 @@ impl ModuleTree {
     pub(crate) fn with_metas(&self, metas: Vec<(TensorId, TensorMeta)>) -> ModuleTree {
         let mut tree = self.clone();
         for (t, meta) in metas {
-            debug_assert!(tree.tensors[t].tie_group.is_none());
-            tree.tensors[t].meta = meta;
+            debug_assert!(tree.tensor(t).tie_group.is_none());
+            tree.tables.tensors[t].meta = meta;
         }
         tree
     }
 
     /// Number of parameters (tied storages counted once).
     pub fn parameter_count(&self) -> u64 {
-        self.tensors
-            .iter()
+        self.tensors()
             .filter(|t| t.kind == TensorKind::Param && t.counted)
             .map(|t| t.meta.numel() as u64)
             .sum()
@@ -789,7 +989,7 @@ mod tests {
         assert_eq!(tree.subtree(a), [a, ax, axy, az]);
         assert_eq!(tree.subtree(ax), [ax, axy]);
         assert_eq!(tree.subtree(c), [c]);
-        for m in 0..tree.modules().len() {
+        for m in 0..tree.module_count() {
             for &x in tree.preorder() {
                 assert_eq!(tree.subtree(m).contains(&x), tree.is_within(x, m));
             }

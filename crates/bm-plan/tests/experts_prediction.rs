@@ -102,7 +102,6 @@ fn one_row_fetches_its_top_k_experts_per_layer() {
     let layer_bytes = model
         .tree
         .tensors()
-        .iter()
         .filter(|t| t.name.starts_with("model.layers.0."))
         .map(|t| t.meta.numel() as u64 * 4)
         .sum::<u64>();

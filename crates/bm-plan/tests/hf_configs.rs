@@ -68,11 +68,11 @@ fn moe_builders_match_transformers_outside_the_experts_and_in_layer_sizes() {
         let want = ModuleSizes::compute(&exported, &SizeOptions::default());
         let sparse = |n: &str| n.contains(".mlp") || n.contains(".block_sparse_moe");
         let mut compared = 0;
-        for (id, m) in exported.modules().iter().enumerate() {
-            if sparse(&m.name) {
+        for (id, m) in exported.modules().enumerate() {
+            if sparse(m.name) {
                 continue;
             }
-            let Some(Node::Module(b)) = tree.find(&m.name) else {
+            let Some(Node::Module(b)) = tree.find(m.name) else {
                 panic!("{name}: no module {}", m.name);
             };
             assert_eq!(tree.module(b).class, m.class, "{name} {}", m.name);

@@ -320,7 +320,7 @@ pub fn run(args: Args) -> CmdResult {
     };
     let mut warnings = Vec::new();
     for class in &args.no_split {
-        if !tree.modules().iter().any(|m| &m.class == class) && compat == Compat::Accelerate {
+        if !tree.modules().any(|m| m.class == class) && compat == Compat::Accelerate {
             warnings.push(format!("--no-split {class}: no module has this class"));
         }
     }

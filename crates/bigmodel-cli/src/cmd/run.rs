@@ -354,7 +354,6 @@ pub fn print_device_map(weights: &DispatchedWeights) {
     let tree = weights.model().tree();
     let bytes_under = |name: &str| -> u64 {
         tree.tensors()
-            .iter()
             .filter(|t| {
                 name.is_empty()
                     || t.name == name

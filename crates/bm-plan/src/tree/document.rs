@@ -34,6 +34,10 @@ const SHOWN: usize = 40;
 /// fewer bytes of names than they have of text.
 const NAME_BYTES_PER_BYTE: usize = 32;
 
+/// The shortest text of a child module and of a tensor that are valid.
+const SHORTEST_MODULE: &str = r#"{"name":"a","class":""},"#;
+const SHORTEST_TENSOR: &str = r#"{"name":"a","dtype":"I8","shape":[]},"#;
+
 /// Why the first pass stopped.
 enum Stop {
     /// The reader's message (with the byte offset).
@@ -267,14 +271,19 @@ fn read_document<'a>(r: &mut Reader<'a>, text: &'a str) -> Pass<RawDocument<'a>>
             "the document must be a JSON object",
         )));
     }
+    // Room for as many modules and tensors as the text could hold when
+    // each is written as short as a valid one can be: only the room used
+    // is ever touched, and growing these tables would copy them to fresh
+    // memory several times (fresh pages are a large part of the cost of
+    // reading a big tree).
     let mut doc = RawDocument {
         text,
         owned: Vec::new(),
         format: None,
         root: None,
         tied: Vec::new(),
-        modules: Vec::new(),
-        tensors: Vec::new(),
+        modules: Vec::with_capacity(text.len() / SHORTEST_MODULE.len()),
+        tensors: Vec::with_capacity(text.len() / SHORTEST_TENSOR.len()),
     };
     r.begin_object()?;
     let mut first = true;
@@ -745,8 +754,9 @@ fn build(text: &str, mut doc: RawDocument<'_>) -> Result<ModuleTree, Error> {
         return Err(Error::tree("root", "missing"));
     };
     let mut builder = ModuleTreeBuilder::new(doc.str(doc.modules[root].class));
-    builder.reserve(doc.modules.len(), doc.tensors.len());
+    // Names are mostly shorter than the text that holds them.
     builder.index_later();
+    builder.reserve(doc.modules.len(), doc.tensors.len(), text.len());
     // Where each node is in the text, by id, for a duplicate name found
     // when the names are indexed.
     let mut module_pos = vec![doc.modules[root].pos];
@@ -776,14 +786,7 @@ fn build(text: &str, mut doc: RawDocument<'_>) -> Result<ModuleTree, Error> {
     while let Some((raw, id)) = stack.pop() {
         let module = &doc.modules[raw];
         for (list, param) in [(module.params, true), (module.buffers, false)] {
-            let list = list.map_or(0..0, Span::range);
-            let ids = if param {
-                &mut builder.modules[id].params
-            } else {
-                &mut builder.modules[id].buffers
-            };
-            ids.reserve_exact(list.len());
-            for t in list {
+            for t in list.map_or(0..0, Span::range) {
                 let shape = std::mem::take(&mut doc.tensors[t].shape);
                 let t = &doc.tensors[t];
                 let meta = TensorMeta::new(t.dtype, shape);
@@ -794,24 +797,26 @@ fn build(text: &str, mut doc: RawDocument<'_>) -> Result<ModuleTree, Error> {
                     builder.add_buffer(id, name, meta, t.persistent.unwrap_or(true))
                 };
                 let tensor = added.map_err(|e| locate(text, e, t.pos as usize))?;
-                spend(&builder.tensors[tensor].name, t.pos as usize)?;
+                spend(builder.node_name(Node::Tensor(tensor)), t.pos as usize)?;
                 tensor_pos.push(t.pos);
             }
         }
-        let first_id = builder.modules.len();
         let kids = &children[starts[raw]..starts[raw + 1]];
-        builder.modules[id].children.reserve_exact(kids.len());
+        let mut first_id = None;
         for &c in kids {
             let child = &doc.modules[c];
             let cid = builder
                 .add_module(id, doc.str(child.name), doc.str(child.class))
                 .map_err(|e| locate(text, e, child.pos as usize))?;
-            spend(&builder.modules[cid].name, child.pos as usize)?;
+            spend(builder.node_name(Node::Module(cid)), child.pos as usize)?;
             module_pos.push(child.pos);
+            first_id.get_or_insert(cid);
         }
         // The children got consecutive ids; the first is read first.
-        for (k, &c) in kids.iter().enumerate().rev() {
-            stack.push((c, first_id + k));
+        if let Some(first_id) = first_id {
+            for (k, &c) in kids.iter().enumerate().rev() {
+                stack.push((c, first_id + k));
+            }
         }
     }
 
@@ -878,19 +883,19 @@ impl ModuleTree {
     /// Writes the tree as a `bigmodel-module-tree/1` document.
     pub fn to_json(&self) -> serde_json::Value {
         fn module_json(tree: &ModuleTree, id: ModuleId) -> serde_json::Value {
-            let m = &tree.modules[id];
+            let m = tree.module(id);
             let mut obj = serde_json::Map::new();
             if id != 0 {
-                let local = m.name.rsplit('.').next().unwrap_or(&m.name);
+                let local = m.name.rsplit('.').next().unwrap_or(m.name);
                 obj.insert("name".into(), local.into());
             }
-            obj.insert("class".into(), m.class.clone().into());
+            obj.insert("class".into(), m.class.into());
             let tensor_json = |t: TensorId| {
-                let t = &tree.tensors[t];
+                let t = tree.tensor(t);
                 let mut o = serde_json::Map::new();
                 o.insert(
                     "name".into(),
-                    t.name.rsplit('.').next().unwrap_or(&t.name).into(),
+                    t.name.rsplit('.').next().unwrap_or(t.name).into(),
                 );
                 o.insert("shape".into(), t.meta.shape.clone().into());
                 o.insert("dtype".into(), t.meta.dtype.as_safetensors_str().into());
@@ -957,7 +962,7 @@ mod tests {
         let names: Vec<_> = tree
             .preorder()
             .iter()
-            .map(|m| tree.module(*m).name.as_str())
+            .map(|m| tree.module(*m).name)
             .collect();
         assert_eq!(
             names,
@@ -992,7 +997,7 @@ mod tests {
         let sd: Vec<_> = tree
             .state_dict()
             .iter()
-            .map(|t| tree.tensor(*t).name.clone())
+            .map(|t| tree.tensor(*t).name.to_string())
             .collect();
         assert_eq!(sd, ["model.embed_tokens.weight", "lm_head.weight"]);
     }
@@ -1220,7 +1225,7 @@ mod tests {
             "children":[{"name":"gone","class":"L"}],
             "children":[{"name":"kept","class":"L","children":[{"name":"x","class":"L"}],"children":[]}]}}"#;
         let tree = ModuleTree::from_json_str(repeated).unwrap();
-        let names: Vec<_> = tree.modules().iter().map(|m| m.name.as_str()).collect();
+        let names: Vec<_> = tree.modules().map(|m| m.name).collect();
         assert_eq!(names, ["", "kept"]);
         let value: serde_json::Value = serde_json::from_str(repeated).unwrap();
         assert_eq!(
@@ -1239,7 +1244,7 @@ mod tests {
             {"name":"a","class":"L","children":[{"name":"x","class":"L"}]},
             {"name":"b","class":"L","params":[{"name":"w","shape":[1],"dtype":"F32"}]}]}"#);
         let tree = ModuleTree::from_json_str(&text).unwrap();
-        let names: Vec<_> = tree.modules().iter().map(|m| m.name.as_str()).collect();
+        let names: Vec<_> = tree.modules().map(|m| m.name).collect();
         assert_eq!(names, ["", "a", "b", "a.x"]);
         assert_eq!(tree.find("b.w"), Some(Node::Tensor(0)));
     }
