@@ -119,6 +119,7 @@ struct Tables {
 }
 
 impl Tables {
+    #[inline(always)]
     fn name(&self, at: NameAt) -> &str {
         &self.names[at.start as usize..(at.start + at.len) as usize]
     }
@@ -163,8 +164,8 @@ pub struct ModuleTreeBuilder {
     tables: Tables,
     /// Class name to its index in `tables.classes`.
     class_ids: std::collections::HashMap<Box<str>, u32>,
-    /// The class of the module added last.
-    last_class: u32,
+    /// The classes looked up last, the latest first (`NONE` for none).
+    recent_classes: [u32; 8],
     /// Where a full name is put together.
     scratch: String,
     by_name: NameIndex,
@@ -357,7 +358,7 @@ impl ModuleTreeBuilder {
         let mut builder = ModuleTreeBuilder {
             tables: Tables::default(),
             class_ids: Default::default(),
-            last_class: 0,
+            recent_classes: [NONE; 8],
             scratch: String::new(),
             by_name: NameIndex::default(),
             tied_names: Vec::new(),
@@ -380,24 +381,28 @@ impl ModuleTreeBuilder {
     pub const ROOT: ModuleId = 0;
 
     fn class_id(&mut self, class: &str) -> u32 {
-        // Modules of one class tend to come in a row.
-        let classes = &mut self.tables.classes;
-        if classes
-            .get(self.last_class as usize)
-            .is_some_and(|last| **last == *class)
+        // A tree's modules cycle through a few classes (a layer's, then
+        // its parts'): the recent ones are found without hashing.
+        let classes = &self.tables.classes;
+        if let Some(&id) = self
+            .recent_classes
+            .iter()
+            .find(|&&id| classes.get(id as usize).is_some_and(|c| **c == *class))
         {
-            return self.last_class;
+            return id;
         }
         let id = match self.class_ids.get(class) {
             Some(&id) => id,
             None => {
+                let classes = &mut self.tables.classes;
                 classes.push(class.into());
                 let id = (classes.len() - 1) as u32;
                 self.class_ids.insert(class.into(), id);
                 id
             }
         };
-        self.last_class = id;
+        self.recent_classes.rotate_right(1);
+        self.recent_classes[0] = id;
         id
     }
 
@@ -696,6 +701,9 @@ impl ModuleTreeBuilder {
             tree.tied.push(group);
         }
 
+        if tree.tied.is_empty() {
+            return Ok(tree);
+        }
         // The counted name of a tied tensor is its first in
         // named_module_tensors order (params pre-order, then buffers).
         let mut seen = vec![false; tree.tied.len()];
@@ -767,22 +775,28 @@ impl ModuleTree {
     }
 
     /// A module.
+    // Always inlined: a caller reads one or two fields, and the others'
+    // lookups then vanish (a call cost ~60 instructions on every
+    // `tree.module(m).parent`).
+    #[inline(always)]
     pub fn module(&self, id: ModuleId) -> Module<'_> {
         let r = &self.tables.modules[id];
-        let links = r.links as usize;
-        let params = links + r.children as usize;
-        let buffers = params + r.params as usize;
+        let start = r.links as usize;
+        let links = &self.links[start..start + (r.children + r.params + r.buffers) as usize];
+        let (children, own) = links.split_at(r.children as usize);
+        let (params, buffers) = own.split_at(r.params as usize);
         Module {
             name: self.tables.name(r.name),
             class: &self.tables.classes[r.class as usize],
             parent: (r.parent != NONE).then_some(r.parent as usize),
-            children: &self.links[links..params],
-            params: &self.links[params..buffers],
-            buffers: &self.links[buffers..buffers + r.buffers as usize],
+            children,
+            params,
+            buffers,
         }
     }
 
     /// A tensor.
+    #[inline(always)]
     pub fn tensor(&self, id: TensorId) -> Tensor<'_> {
         let r = &self.tables.tensors[id];
         Tensor {
