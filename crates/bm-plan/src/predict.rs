@@ -39,7 +39,9 @@
 //!   3 in its first norm, projections and MLP linears (about 5 ms at a
 //!   load average of 3 on a 2-core VM), and calibrated as what a small
 //!   layer's norm and linears take as the first ops of a fresh process
-//!   beyond the same calls warm.
+//!   beyond the same calls warm, the median over a few fresh processes (a
+//!   process measures it once, and one timing swings by several times on
+//!   a loaded machine).
 //!
 //!   On a GPU it is `flops / gpu_gemm_rate`.
 //! * A block whose weights sit on a device that does not execute (offloaded)
@@ -108,14 +110,17 @@ const OPS_OF_ROUTER: f64 = 1.0;
 /// Measured rates of the host's CPU.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct CpuRates {
-    /// Dense f32 GEMM throughput once a weight is packed, in FLOP/s.
+    /// Dense f32 GEMM throughput once a weight is packed, in FLOP/s
+    /// (fitted with the packing rate over a small model's linear shapes
+    /// and a few row counts).
     pub gemm_flops: f64,
     /// Bytes of f32 weight a linear of several rows packs per second (once
     /// per call, whatever the row count: what makes a short prompt's
     /// GEMMs slower per FLOP than a long one's).
     pub gemm_weight_bytes_per_second: f64,
     /// Bytes of f32 weights a one-row linear reads per second from memory
-    /// (a weight far larger than the cache).
+    /// (distinct weights, twice the cache in all, read one after another
+    /// as a decoding pass reads a model larger than the cache).
     pub gemv_bytes_per_second: f64,
     /// The same for a weight that stays in the cache.
     pub gemv_cached_bytes_per_second: f64,
@@ -144,7 +149,7 @@ pub struct CpuRates {
     /// Seconds the first pass of a process spends once starting its
     /// compute (the thread pool, the GEMM's per-thread buffers): a small
     /// layer's norm and linears as the first ops of a fresh process,
-    /// beyond the same calls warm.
+    /// beyond the same calls warm (the median over a few processes).
     pub startup_seconds: f64,
 }
 

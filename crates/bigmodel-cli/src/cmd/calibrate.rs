@@ -1,9 +1,11 @@
 //! `bigmodel devices --calibrate`: measures what the speed prediction
 //! needs on this machine (bm-plan's cost model, `bm_plan::predict`): CPU
-//! GEMM throughput and per-call weight packing, one-row linear throughput,
+//! GEMM throughput and per-call weight packing (fitted over a small
+//! model's linear shapes), one-row linear throughput from memory,
 //! attention throughput, the fixed cost of a small op, the start-up of
-//! the compute on a process's first pass, host memory bandwidth, the offload folder's disk read rate (cold and warm) and the
-//! first touch of a mapped file's cached pages,
+//! the compute on a process's first pass (in fresh processes of this
+//! program), host memory bandwidth, the offload folder's disk read rate
+//! (cold and warm) and the first touch of a mapped file's cached pages,
 //! and per CUDA GPU its context size, pinned and pageable host-to-device
 //! rates and GEMM throughput. Each figure is the median of a few timed
 //! runs.
@@ -119,30 +121,50 @@ fn attention_rates() -> Result<(f64, f64), String> {
     Ok((per_score, rate))
 }
 
+/// Weights (inputs, outputs) and row counts the multi-row linear is
+/// calibrated on: a model's projections and MLP linears, both ways round,
+/// over a short prompt, a typical one and a long one. Fitted together, so
+/// no one noisy pair of timings sets the rates (the difference of two row
+/// counts over one weight gave FLOP rates above what the cores sustain).
+const GEMM_WEIGHTS: [(usize, usize); 3] = [(512, 512), (512, 1408), (1408, 512)];
+const GEMM_ROWS: [usize; 3] = [16, 64, 256];
+
+/// `(seconds per FLOP, seconds per weight byte)` of the least-squares fit
+/// of `seconds ≈ a · flops + b · bytes` over `samples` (flops, bytes,
+/// seconds), each weighed by its relative error, so short calls count as
+/// much as long ones. Both are positive: where the fit gives no positive
+/// packing cost, `min_byte_seconds` (a cached read of the weight) is
+/// taken and the FLOP cost fitted alone.
+fn fit_linear_costs(samples: &[(f64, f64, f64)], min_byte_seconds: f64) -> (f64, f64) {
+    let (mut ff, mut fb, mut bb, mut fy, mut by) = (0.0, 0.0, 0.0, 0.0, 0.0);
+    for &(f, b, y) in samples {
+        let w = 1.0 / (y * y).max(f64::MIN_POSITIVE);
+        ff += w * f * f;
+        fb += w * f * b;
+        bb += w * b * b;
+        fy += w * f * y;
+        by += w * b * y;
+    }
+    let det = ff * bb - fb * fb;
+    if det > 0.0 {
+        let a = (fy * bb - by * fb) / det;
+        let b = (by * ff - fy * fb) / det;
+        if a > 0.0 && b >= min_byte_seconds {
+            return (a, b);
+        }
+    }
+    let b = min_byte_seconds;
+    let (mut num, mut den) = (0.0, 0.0);
+    for &(f, bytes, y) in samples {
+        let w = 1.0 / (y * y).max(f64::MIN_POSITIVE);
+        num += w * f * (y - b * bytes);
+        den += w * f * f;
+    }
+    ((num / den).max(f64::MIN_POSITIVE), b)
+}
+
 /// The CPU's rates.
 fn cpu_rates() -> Result<CpuRates, String> {
-    // A linear of m > 1 rows packs its weight once per call (a cost in the
-    // weight's bytes) and then multiplies at the GEMM rate: two row counts
-    // over the same weight separate the two.
-    // A weight of a small model's MLP (8 MiB, beyond the per-core caches):
-    // packing reads it transposed, far below memory bandwidth.
-    let (k, n) = (1024, 2048);
-    let weight = random_tensor(&[n, k], 2)?;
-    let (few, many) = (8, 128);
-    let few_seconds = linear_seconds(&random_tensor(&[few, k], 1)?, &weight, 3)?;
-    let many_seconds = linear_seconds(&random_tensor(&[many, k], 14)?, &weight, 3)?;
-    let flops = |m: usize| 2.0 * (m * k * n) as f64;
-    let gemm_flops = if many_seconds > few_seconds {
-        (flops(many) - flops(few)) / (many_seconds - few_seconds)
-    } else {
-        flops(many) / many_seconds
-    };
-    let (k1, n1) = (2048, 4096);
-    let gemv = linear_seconds(
-        &random_tensor(&[1, k1], 3)?,
-        &random_tensor(&[n1, k1], 4)?,
-        3,
-    )?;
     // Two small linears whose weights stay in the cache: the difference
     // of their times is the cached read rate, the rest a fixed cost per op.
     let small = linear_seconds(
@@ -162,12 +184,22 @@ fn cpu_rates() -> Result<CpuRates, String> {
         large_bytes / large
     };
     let op_seconds = (small - small_bytes / cached_rate).max(0.0);
-    // What is left of the few-row call after its multiply and its fixed
-    // cost is the packing of its weight (at least the time a cached read
-    // of the weight takes).
-    let weight_bytes = (k * n * 4) as f64;
-    let packing =
-        (few_seconds - flops(few) / gemm_flops - op_seconds).max(weight_bytes / cached_rate);
+    // A linear of several rows packs its weight once per call (a cost in
+    // the weight's bytes) and multiplies at the GEMM rate: fitted over the
+    // shapes above, less each call's fixed cost.
+    let mut samples = Vec::new();
+    for (seed, &(k, n)) in (22..).zip(&GEMM_WEIGHTS) {
+        let weight = random_tensor(&[n, k], seed)?;
+        for &m in &GEMM_ROWS {
+            let seconds = linear_seconds(&random_tensor(&[m, k], seed + 10)?, &weight, 3)?;
+            samples.push((
+                2.0 * (m * k * n) as f64,
+                (k * n * 4) as f64,
+                (seconds - op_seconds).max(f64::MIN_POSITIVE),
+            ));
+        }
+    }
+    let (flop_seconds, byte_seconds) = fit_linear_costs(&samples, 1.0 / cached_rate);
     let (attention_score_seconds, attention_flops) = attention_rates()?;
     // Element-wise ops over many rows (residual adds, the MLP's product,
     // and its activation, whose exponential costs more).
@@ -194,10 +226,33 @@ fn cpu_rates() -> Result<CpuRates, String> {
                 .fold(0u64, |a, b| a.wrapping_add(*b)),
         );
     });
-    let gemv_rate = (k1 * n1 * 4) as f64 / gemv;
+    // One row streams each weight from memory, as a decoding pass reads a
+    // model larger than the cache: distinct MLP-sized weights, twice the
+    // last-level cache in all, one after the other, less each call's
+    // fixed cost.
+    let (k1, n1) = (512, 1408);
+    let weight_bytes = k1 * n1 * 4;
+    let llc = usize::try_from(last_level_cache_bytes()).unwrap_or(usize::MAX);
+    let count = (2 * llc.max(32 << 20)).div_ceil(weight_bytes).min(64);
+    let weights = (0..count)
+        .map(|i| random_tensor(&[n1, k1], 40 + i as u32))
+        .collect::<Result<Vec<_>, _>>()?;
+    let row = random_tensor(&[1, k1], 3)?;
+    let mut failed = None;
+    let gemv = median_seconds(5, Duration::from_millis(150), || {
+        for w in &weights {
+            if let Err(e) = ops::linear(&row, w, None) {
+                failed = Some(format!("calibrating the CPU: {e}"));
+            }
+        }
+    }) / count as f64;
+    if let Some(e) = failed {
+        return Err(e);
+    }
+    let gemv_rate = weight_bytes as f64 / (gemv - op_seconds).max(weight_bytes as f64 / cached_rate);
     Ok(CpuRates {
-        gemm_flops,
-        gemm_weight_bytes_per_second: weight_bytes / packing,
+        gemm_flops: 1.0 / flop_seconds,
+        gemm_weight_bytes_per_second: 1.0 / byte_seconds,
         gemv_bytes_per_second: gemv_rate,
         gemv_cached_bytes_per_second: cached_rate,
         last_level_cache_bytes: last_level_cache_bytes(),
@@ -221,7 +276,7 @@ fn cpu_rates() -> Result<CpuRates, String> {
 /// its MLP's wide and narrow linears. (Traces of `bigmodel run` show the
 /// first pass's layer 0 slower than the later layers in exactly those
 /// calls, by about twice what a lone norm and linear measure.)
-fn startup_seconds() -> Result<f64, String> {
+pub fn startup_seconds() -> Result<f64, String> {
     let (rows, hidden, kv, mlp) = (64, 512, 256, 1408);
     let x = random_tensor(&[rows, hidden], 16)?;
     let norm = random_tensor(&[hidden], 17)?;
@@ -253,6 +308,44 @@ fn startup_seconds() -> Result<f64, String> {
         Some(e) => Err(e),
         None => Ok((first - warm).max(0.0)),
     }
+}
+
+/// Fresh processes [`fresh_startup_seconds`] measures the start-up in.
+const STARTUP_PROCESSES: usize = 5;
+
+/// The start-up of a fresh process's compute, [`startup_seconds`] in
+/// each of a few fresh processes of this program (`bigmodel devices
+/// --calibrate --startup-only`): the median, as the prediction is checked
+/// against the median of a few `run`s. A process measures its start-up
+/// once, and one such timing swings by several times on a loaded machine.
+fn fresh_startup_seconds() -> Result<f64, String> {
+    let exe = std::env::current_exe()
+        .map_err(|e| format!("calibrating the CPU's start-up: finding this program: {e}"))?;
+    let mut seconds = Vec::with_capacity(STARTUP_PROCESSES);
+    for _ in 0..STARTUP_PROCESSES {
+        let what = |why: &dyn std::fmt::Display| {
+            format!(
+                "calibrating the CPU's start-up: {} devices --calibrate --startup-only: {why}",
+                exe.display()
+            )
+        };
+        let out = std::process::Command::new(&exe)
+            .args(["devices", "--calibrate", "--startup-only"])
+            .stdin(std::process::Stdio::null())
+            .output()
+            .map_err(|e| what(&e))?;
+        if !out.status.success() {
+            return Err(what(&String::from_utf8_lossy(&out.stderr).trim()));
+        }
+        let text = String::from_utf8_lossy(&out.stdout);
+        let s = text
+            .trim()
+            .parse::<f64>()
+            .map_err(|_| what(&format!("printed {:?}, not seconds", text.trim())))?;
+        seconds.push(s);
+    }
+    seconds.sort_by(f64::total_cmp);
+    Ok(seconds[seconds.len() / 2])
 }
 
 /// The size of the CPU's last-level cache (sysfs; 0 where unknown).
@@ -527,8 +620,7 @@ fn dispatch_rates(folder: &Path) -> Result<(f64, f64), String> {
 
 /// Calibrates this machine, the disk at `offload_folder`.
 pub fn calibrate(offload_folder: &Path) -> Result<Calibration, String> {
-    // First: it times the first CPU ops of this process.
-    let startup = startup_seconds()?;
+    let startup = fresh_startup_seconds()?;
     let devices = DeviceSet::probe();
     let mut gpus = Vec::new();
     for gpu in devices.gpus() {
@@ -553,4 +645,42 @@ pub fn calibrate(offload_folder: &Path) -> Result<Calibration, String> {
         disk: Some(disk),
         gpus,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Samples of `a · flops + b · bytes` at the calibrated shapes.
+    fn samples(a: f64, b: f64) -> Vec<(f64, f64, f64)> {
+        let mut out = Vec::new();
+        for &(k, n) in &GEMM_WEIGHTS {
+            for &m in &GEMM_ROWS {
+                let (f, bytes) = (2.0 * (m * k * n) as f64, (k * n * 4) as f64);
+                out.push((f, bytes, a * f + b * bytes));
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn the_linear_fit_recovers_the_rates_it_was_made_of() {
+        let (a, b) = fit_linear_costs(&samples(1.0 / 40e9, 1.0 / 5e9), 1.0 / 50e9);
+        assert!((a * 40e9 - 1.0).abs() < 1e-9, "{}", 1.0 / a);
+        assert!((b * 5e9 - 1.0).abs() < 1e-9, "{}", 1.0 / b);
+    }
+
+    #[test]
+    fn a_packing_cost_below_a_cached_read_is_not_taken() {
+        // Timings that fall with the weight's bytes (noise) would fit a
+        // negative packing cost: the cached read is taken instead, and the
+        // FLOP rate fitted alone stays positive.
+        let noisy: Vec<(f64, f64, f64)> = samples(1.0 / 40e9, 0.0)
+            .into_iter()
+            .map(|(f, bytes, y)| (f, bytes, y * (1.0 - bytes * 1e-8)))
+            .collect();
+        let (a, b) = fit_linear_costs(&noisy, 1.0 / 50e9);
+        assert_eq!(b, 1.0 / 50e9);
+        assert!(a > 0.0 && 1.0 / a > 30e9 && 1.0 / a < 60e9, "{}", 1.0 / a);
+    }
 }

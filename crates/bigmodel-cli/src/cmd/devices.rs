@@ -21,10 +21,19 @@ pub struct Args {
     /// system). Default: the system's temporary folder.
     #[arg(long, requires = "calibrate")]
     pub offload_folder: Option<std::path::PathBuf>,
+    /// Measure only what this fresh process's first CPU ops pay to start
+    /// its compute and print the seconds: what --calibrate runs in a few
+    /// fresh processes of itself.
+    #[arg(long, hide = true, requires = "calibrate")]
+    pub startup_only: bool,
 }
 
 /// Runs the command.
 pub fn run(args: Args) -> CmdResult {
+    if args.startup_only {
+        println!("{}", super::calibrate::startup_seconds()?);
+        return Ok(());
+    }
     if args.calibrate {
         let folder = args.offload_folder.unwrap_or_else(std::env::temp_dir);
         let calibration = super::calibrate::calibrate(&folder)?;
