@@ -249,7 +249,8 @@ fn cpu_rates() -> Result<CpuRates, String> {
     if let Some(e) = failed {
         return Err(e);
     }
-    let gemv_rate = weight_bytes as f64 / (gemv - op_seconds).max(weight_bytes as f64 / cached_rate);
+    let gemv_rate =
+        weight_bytes as f64 / (gemv - op_seconds).max(weight_bytes as f64 / cached_rate);
     Ok(CpuRates {
         gemm_flops: 1.0 / flop_seconds,
         gemm_weight_bytes_per_second: 1.0 / byte_seconds,
