@@ -237,7 +237,7 @@ fn parse_tensor(path: &Path, name: String, r: &mut Reader<'_>) -> Result<HeaderT
                     return Err(bad(format!("`dtype` must be a string, found {found}")));
                 }
                 let s = r.string().map_err(syntax)?;
-                dtype = Some(dtype_from_header(&s).ok_or_else(|| {
+                dtype = Some(DType::from_safetensors_str(&s).ok_or_else(|| {
                     bad(format!(
                         "unknown dtype {:?} (expected one of F64 F32 F16 BF16 I64 I32 I16 I8 U8 BOOL F8_E4M3 F8_E5M2)",
                         crate::json::shorten(&s, SHOWN)
@@ -363,13 +363,6 @@ fn check_layout(path: &Path, tensors: &mut [HeaderTensor], data_len: u64) -> Res
         ));
     }
     Ok(())
-}
-
-fn dtype_from_header(s: &str) -> Option<DType> {
-    DType::ALL
-        .iter()
-        .copied()
-        .find(|d| d.as_safetensors_str() == s)
 }
 
 /// Position of a dtype in the safetensors crate's `Dtype` enum, which

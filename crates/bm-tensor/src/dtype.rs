@@ -94,6 +94,26 @@ impl DType {
         }
     }
 
+    /// The dtype of a safetensors header spelling (`"BF16"`), the inverse of
+    /// [`DType::as_safetensors_str`]; `None` for any other text.
+    pub fn from_safetensors_str(s: &str) -> Option<DType> {
+        Some(match s {
+            "BOOL" => DType::Bool,
+            "U8" => DType::U8,
+            "I8" => DType::I8,
+            "F8_E4M3" => DType::F8E4M3,
+            "F8_E5M2" => DType::F8E5M2,
+            "I16" => DType::I16,
+            "F16" => DType::F16,
+            "BF16" => DType::BF16,
+            "I32" => DType::I32,
+            "F32" => DType::F32,
+            "I64" => DType::I64,
+            "F64" => DType::F64,
+            _ => return None,
+        })
+    }
+
     /// The PyTorch/numpy-style name Accelerate's offload index uses
     /// (`"float32"`, `"bfloat16"`, `"float8_e4m3fn"`).
     pub const fn as_torch_str(self) -> &'static str {
@@ -154,8 +174,8 @@ impl FromStr for DType {
     /// Accepts the safetensors spelling (`F16`), the PyTorch one
     /// (`float16`, `torch.float16`) and the short CLI one (`f16`, `bf16`).
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        if let Some(d) = DType::ALL.iter().find(|d| d.as_safetensors_str() == s) {
-            return Ok(*d);
+        if let Some(d) = DType::from_safetensors_str(s) {
+            return Ok(d);
         }
         if let Some(d) = DType::from_torch_str(s) {
             return Ok(d);
@@ -191,6 +211,7 @@ mod tests {
     #[test]
     fn every_spelling_round_trips() {
         for d in DType::ALL {
+            assert_eq!(DType::from_safetensors_str(d.as_safetensors_str()), Some(d));
             assert_eq!(d.as_safetensors_str().parse::<DType>().unwrap(), d);
             assert_eq!(d.as_torch_str().parse::<DType>().unwrap(), d);
             assert_eq!(
@@ -200,6 +221,9 @@ mod tests {
                 d
             );
         }
+        // The header spelling only: case and other names are refused there.
+        assert_eq!(DType::from_safetensors_str("f32"), None);
+        assert_eq!(DType::from_safetensors_str("float32"), None);
         assert_eq!("bf16".parse::<DType>().unwrap(), DType::BF16);
         assert_eq!("f32".parse::<DType>().unwrap(), DType::F32);
     }

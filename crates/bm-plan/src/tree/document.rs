@@ -580,10 +580,7 @@ fn read_tensor<'a>(
             "dtype" => {
                 dtype = None;
                 if let Some(text) = string(r)? {
-                    dtype = DType::ALL
-                        .iter()
-                        .copied()
-                        .find(|d| d.as_safetensors_str() == text);
+                    dtype = DType::from_safetensors_str(&text);
                     if dtype.is_none() {
                         wrong.get_or_insert((
                             value_pos,
