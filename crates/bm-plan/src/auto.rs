@@ -930,60 +930,86 @@ fn unit_module(tree: &ModuleTree, unit: Node) -> usize {
 /// module or tensor resolves to; offloaded units execute on the map's first
 /// GPU, or the CPU (as bm-dispatch runs them).
 pub fn ledger(tree: &ModuleTree, map: &DeviceMap, options: &PlanOptions) -> Result<Ledger, Error> {
-    let sizes = options.sizes(tree, SizeRule::Loaded);
-    let items = items_of(tree, &sizes, options);
-    let mut devices: Vec<Device> = map.iter().map(|(_, d)| d).collect();
-    devices.extend(options.overheads.iter().map(|(d, _, _)| *d));
-    devices.extend(options.reserve.devices());
-    devices.push(Device::Cpu);
-    devices.sort();
-    devices.dedup();
-    let main = map
-        .iter()
-        .map(|(_, d)| d)
-        .filter(|d| d.is_gpu())
-        .min()
-        .unwrap_or(Device::Cpu);
-    let index = |device: Device| devices.iter().position(|d| *d == device).unwrap_or(0);
-    let exec = index(main);
-    let resolved = map.resolve(tree);
-    let mut device_of_item = Vec::with_capacity(items.len());
-    for item in &items {
-        // A unit the map splits (experts placed apart) runs where its
-        // first placed tensor is; its weights are all counted there.
-        let first_tensor = || {
-            tree.subtree(unit_module(tree, item.first))
-                .iter()
-                .flat_map(|&m| {
-                    let module = tree.module(m);
-                    module.params.iter().chain(module.buffers)
-                })
-                .filter(|&&t| resolved.tensor[t].is_some())
-                .min()
-                .and_then(|&t| resolved.tensor[t])
-        };
-        let device = match resolved.of(item.first).or_else(first_tensor) {
-            Some(d) => d,
-            // A weightless module the map need not name runs beside the
-            // previous one.
-            None if item.bytes == 0 => device_of_item.last().map_or(main, |&i| devices[i]),
-            None => {
-                return Err(Error::BadDeviceMap(format!(
-                    "no device for {}",
-                    item_name(tree, item)
-                )));
-            }
-        };
-        device_of_item.push(index(device));
+    LedgerUnits::of(tree, options).ledger(map)
+}
+
+/// The units of [`ledger`], sized once: they do not depend on the map, so
+/// they can be made while a planner makes the map (the CLI's `plan` does,
+/// for Accelerate's planner, which keeps no ledger).
+pub struct LedgerUnits<'a> {
+    tree: &'a ModuleTree,
+    options: &'a PlanOptions,
+    items: Vec<Item>,
+}
+
+impl<'a> LedgerUnits<'a> {
+    /// The units of `tree` under `options`, sized as loading allocates.
+    pub fn of(tree: &'a ModuleTree, options: &'a PlanOptions) -> LedgerUnits<'a> {
+        let sizes = options.sizes(tree, SizeRule::Loaded);
+        let items = items_of(tree, &sizes, options);
+        LedgerUnits {
+            tree,
+            options,
+            items,
+        }
     }
-    Ok(ledger_of(
-        &items,
-        &device_of_item,
-        &devices,
-        exec,
-        options.prefetch_depth,
-        options,
-    ))
+
+    /// The ledger of `map`.
+    pub fn ledger(&self, map: &DeviceMap) -> Result<Ledger, Error> {
+        let (tree, options, items) = (self.tree, self.options, &self.items);
+        let mut devices: Vec<Device> = map.iter().map(|(_, d)| d).collect();
+        devices.extend(options.overheads.iter().map(|(d, _, _)| *d));
+        devices.extend(options.reserve.devices());
+        devices.push(Device::Cpu);
+        devices.sort();
+        devices.dedup();
+        let main = map
+            .iter()
+            .map(|(_, d)| d)
+            .filter(|d| d.is_gpu())
+            .min()
+            .unwrap_or(Device::Cpu);
+        let index = |device: Device| devices.iter().position(|d| *d == device).unwrap_or(0);
+        let exec = index(main);
+        let resolved = map.resolve(tree);
+        let mut device_of_item = Vec::with_capacity(items.len());
+        for item in items {
+            // A unit the map splits (experts placed apart) runs where its
+            // first placed tensor is; its weights are all counted there.
+            let first_tensor = || {
+                tree.subtree(unit_module(tree, item.first))
+                    .iter()
+                    .flat_map(|&m| {
+                        let module = tree.module(m);
+                        module.params.iter().chain(module.buffers)
+                    })
+                    .filter(|&&t| resolved.tensor[t].is_some())
+                    .min()
+                    .and_then(|&t| resolved.tensor[t])
+            };
+            let device = match resolved.of(item.first).or_else(first_tensor) {
+                Some(d) => d,
+                // A weightless module the map need not name runs beside the
+                // previous one.
+                None if item.bytes == 0 => device_of_item.last().map_or(main, |&i| devices[i]),
+                None => {
+                    return Err(Error::BadDeviceMap(format!(
+                        "no device for {}",
+                        item_name(tree, item)
+                    )));
+                }
+            };
+            device_of_item.push(index(device));
+        }
+        Ok(ledger_of(
+            items,
+            &device_of_item,
+            &devices,
+            exec,
+            options.prefetch_depth,
+            options,
+        ))
+    }
 }
 
 /// The device map of a unit placement, cleaned as Accelerate's

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
 use bigmodel::device::DeviceSet;
+use bigmodel::plan::auto::LedgerUnits;
 use bigmodel::plan::config::{Family, HfConfig};
 use bigmodel::plan::hf::{HfModel, tree_from_config};
 use bigmodel::plan::{
@@ -390,14 +391,25 @@ pub fn run(args: Args) -> CmdResult {
         ),
         None => bigmodel::overheads(&options.max_memory, &[]),
     };
-    let mut plan = bigmodel::plan::plan_with(tree, &options, compat)?;
-    // Accelerate's planner keeps no ledger: the ledger of its map.
-    if compat == Compat::Accelerate {
-        let loaded = PlanOptions {
-            dtype: load_dtype,
-            ..options.clone()
-        };
-        plan.ledger = bigmodel::plan::auto::ledger(tree, &plan.device_map, &loaded)?;
+    // Accelerate's planner keeps no ledger: the ledger of its map, whose
+    // units are sized on a second thread while the planner runs.
+    let loaded = PlanOptions {
+        dtype: load_dtype,
+        ..options.clone()
+    };
+    let (plan, units) = std::thread::scope(|scope| {
+        let units =
+            (compat == Compat::Accelerate).then(|| scope.spawn(|| LedgerUnits::of(tree, &loaded)));
+        let plan = bigmodel::plan::plan_with(tree, &options, compat);
+        let units = units.map(|units| match units.join() {
+            Ok(units) => units,
+            Err(panic) => std::panic::resume_unwind(panic),
+        });
+        (plan, units)
+    });
+    let mut plan = plan?;
+    if let Some(units) = units {
+        plan.ledger = units.ledger(&plan.device_map)?;
     }
     let mut default_predicted: Option<Prediction> = None;
     let predicted = match &calibration {
