@@ -46,7 +46,11 @@ pub fn bigmodel_with_stdin(args: &[&str], stdin: &str) -> Output {
     // A command that fails on its arguments may exit before it reads its
     // input: the pipe is then closed, and its output says why.
     if let Err(e) = written {
-        assert_eq!(e.kind(), std::io::ErrorKind::BrokenPipe, "writing stdin: {e}");
+        assert_eq!(
+            e.kind(),
+            std::io::ErrorKind::BrokenPipe,
+            "writing stdin: {e}"
+        );
     }
     child.wait_with_output().unwrap()
 }

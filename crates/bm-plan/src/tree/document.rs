@@ -816,6 +816,11 @@ fn build(text: &str, mut doc: RawDocument<'_>) -> Result<ModuleTree, Error> {
             }
         }
     }
+    // The first pass's tables are read; freed now, their memory holds the
+    // index and the orders instead of fresh pages.
+    drop((starts, children));
+    doc.modules = Vec::new();
+    doc.tensors = Vec::new();
 
     builder.index_added().map_err(|(node, e)| {
         let pos = match node {
