@@ -963,12 +963,7 @@ impl<'a> LedgerUnits<'a> {
         devices.push(Device::Cpu);
         devices.sort();
         devices.dedup();
-        let main = map
-            .iter()
-            .map(|(_, d)| d)
-            .filter(|d| d.is_gpu())
-            .min()
-            .unwrap_or(Device::Cpu);
+        let main = Device::execution(map.iter().map(|(_, d)| d));
         let index = |device: Device| devices.iter().position(|d| *d == device).unwrap_or(0);
         let exec = index(main);
         let resolved = map.resolve(tree);

@@ -67,6 +67,16 @@ impl Device {
     pub fn is_gpu(self) -> bool {
         matches!(self, Device::Gpu(_))
     }
+
+    /// Where a model placed on `devices` executes (bm-dispatch's execution
+    /// device): the lowest GPU among them, else the CPU.
+    pub fn execution(devices: impl IntoIterator<Item = Device>) -> Device {
+        devices
+            .into_iter()
+            .filter(|d| d.is_gpu())
+            .min()
+            .unwrap_or(Device::Cpu)
+    }
 }
 
 impl fmt::Display for Device {

@@ -581,12 +581,7 @@ impl Pass {
     ) -> Result<Prediction, Error> {
         let blocks = &self.blocks;
         debug_assert_eq!(blocks.len(), placement.len());
-        let exec = placement
-            .iter()
-            .copied()
-            .filter(|d| d.is_gpu())
-            .min()
-            .unwrap_or(Device::Cpu);
+        let exec = Device::execution(placement.iter().copied());
         let gpu = match exec {
             Device::Gpu(i) => Some(calibration.gpu(i).ok_or_else(|| {
                 Error::BadDeviceMap(format!(

@@ -321,12 +321,7 @@ struct Space<'a> {
 /// that is not an experts list with the experts lists after it; nothing on
 /// the CPU, which runs offloaded weights in place.
 fn streaming_room(blocks: &[Block], placement: &[Device], prefetch_depth: usize) -> (Device, u64) {
-    let exec = placement
-        .iter()
-        .copied()
-        .filter(|d| d.is_gpu())
-        .min()
-        .unwrap_or(Device::Cpu);
+    let exec = Device::execution(placement.iter().copied());
     let mut groups: Vec<u64> = Vec::new();
     for (b, &on) in blocks.iter().zip(placement) {
         let bytes = if on == exec || on.is_gpu() {
@@ -794,12 +789,7 @@ mod tests {
             // 445 with a GPU.
             assert_eq!(seen.len(), costed, "{tiers:?}");
             for placement in &seen {
-                let exec = placement
-                    .iter()
-                    .copied()
-                    .filter(|d| d.is_gpu())
-                    .min()
-                    .unwrap_or(Device::Cpu);
+                let exec = Device::execution(placement.iter().copied());
                 assert_eq!(placement[rotary], exec, "{placement:?}");
             }
             seen.sort();
