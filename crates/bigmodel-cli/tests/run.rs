@@ -449,6 +449,53 @@ fn run_verify_plans_with_the_generation_ledger_and_runs_under_it() {
     assert!(!out.status.success() && stderr.contains("GPU"), "{stderr}");
 }
 
+/// `--prefetch-depth` reaches the model that streams: a CPU budget sends
+/// layers to disk, and every depth generates the same tokens.
+#[test]
+fn run_prefetch_depth_reaches_the_model() {
+    let model = tiny_llama();
+    let dir = tempfile::tempdir().unwrap();
+    let offload = dir.path().join("offload");
+    let mut generated = Vec::new();
+    for (flag, depth) in [(None, 1), (Some("0"), 0), (Some("3"), 3)] {
+        let mut args = vec![
+            "run",
+            model.to_str().unwrap(),
+            "--prompt-ids",
+            "1,2,3",
+            "--max-new-tokens",
+            "4",
+            "--max-memory",
+            "cpu=30KB",
+            "--offload-folder",
+            offload.to_str().unwrap(),
+            "--json",
+        ];
+        args.extend(flag.iter().flat_map(|d| ["--prefetch-depth", *d]));
+        let doc = json_of(&bigmodel(&args));
+        assert!(doc["bytes_streamed_per_token"].as_u64().unwrap() > 0);
+        assert_eq!(doc["prefetch_depth"], depth, "{flag:?}");
+        generated.push(doc["generated_ids"].clone());
+    }
+    assert!(
+        generated.iter().all(|g| *g == generated[0]),
+        "{generated:?}"
+    );
+    let out = bigmodel(&[
+        "run",
+        model.to_str().unwrap(),
+        "--prompt-ids",
+        "1",
+        "--prefetch-depth",
+        "two",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("--prefetch-depth"),
+        "{stderr}"
+    );
+}
+
 /// `run --verify` on a T5 folder loaded in F16 plans its `wo` weights in
 /// F32, as it loads them (transformers' `_keep_in_fp32_modules`): a CPU
 /// budget of exactly the ledger with `wo` at 4 bytes an element keeps the

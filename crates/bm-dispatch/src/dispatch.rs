@@ -87,6 +87,8 @@ pub fn dispatch_model(
         };
         model.to(device)?;
         model.set_device_map(Some(device_map.clone()));
+        // Nothing streams, but the model says what it would use.
+        model.set_prefetch_depth(options.prefetch_depth);
         return Ok(());
     }
     let disk = disk_modules(device_map);

@@ -184,6 +184,11 @@ impl Model {
         self.shared.residency.set_depth(depth);
     }
 
+    /// The prefetch depth in effect ([`Model::set_prefetch_depth`]).
+    pub fn prefetch_depth(&self) -> usize {
+        self.shared.residency.depth()
+    }
+
     /// How disk-offloaded weights are read on their way to a GPU (default
     /// [`DiskReads::Auto`], decided now from the weights offloaded to disk
     /// so far and the host memory available).

@@ -84,6 +84,10 @@ impl Residency {
         self.streaming.write().depth = depth;
     }
 
+    pub(crate) fn depth(&self) -> usize {
+        self.streaming.read().depth
+    }
+
     pub(crate) fn set_resident_budget(&self, bytes: u64) {
         self.streaming.write().resident_budget = bytes;
         let evicted = self.evict_idle(&mut self.live.lock());

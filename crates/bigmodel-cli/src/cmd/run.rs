@@ -208,6 +208,11 @@ pub struct PlacementArgs {
     /// in place).
     #[arg(long)]
     offload_folder: Option<PathBuf>,
+    /// Offloaded layers loaded ahead of the running one (default 1; 0 turns
+    /// prefetching off). Give the depth `plan --objective speed` reports
+    /// with the map it chose: its room is kept for that depth.
+    #[arg(long)]
+    prefetch_depth: Option<usize>,
 }
 
 impl PlacementArgs {
@@ -228,6 +233,7 @@ impl PlacementArgs {
             max_memory,
             dtype,
             offload_folder: self.offload_folder.clone(),
+            prefetch_depth: self.prefetch_depth,
             ..Options::default()
         })
     }
@@ -928,6 +934,7 @@ fn report(
             "bytes_streamed_per_token": streamed_per_token,
             "peak_host_bytes": peak,
             "batch_size": batched.batch_size,
+            "prefetch_depth": weights.model().prefetch_depth(),
         });
         if let Some(texts) = &texts_out {
             doc["text"] = if count == 1 {
