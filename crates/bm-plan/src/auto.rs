@@ -893,16 +893,28 @@ fn ledger_of(
     options: &PlanOptions,
 ) -> Ledger {
     let mut ledger = Ledger::default();
-    let mut peak = vec![0u64; devices.len()];
-    for (item, &d) in items.iter().zip(device_of_item) {
-        ledger.add(devices[d], LedgerItem::Weights, item.bytes);
-        let runs_on = if executes(devices, exec, d) { d } else { exec };
-        ledger.add(devices[runs_on], LedgerItem::KvCache, item.kv);
-        ledger.add(devices[runs_on], LedgerItem::Logits, item.logits);
-        peak[runs_on] = peak[runs_on].max(item.peak);
+    // Summed per device first: a large tree has ~100k items, and the
+    // ledger's rows are sorted (its sums saturate either way).
+    #[derive(Clone, Copy, Default)]
+    struct Sums {
+        weights: u64,
+        kv: u64,
+        logits: u64,
+        peak: u64,
     }
-    for (d, p) in devices.iter().zip(peak) {
-        ledger.add(*d, LedgerItem::Activations, p);
+    let mut sums = vec![Sums::default(); devices.len()];
+    for (item, &d) in items.iter().zip(device_of_item) {
+        sums[d].weights = sums[d].weights.saturating_add(item.bytes);
+        let runs_on = &mut sums[if executes(devices, exec, d) { d } else { exec }];
+        runs_on.kv = runs_on.kv.saturating_add(item.kv);
+        runs_on.logits = runs_on.logits.saturating_add(item.logits);
+        runs_on.peak = runs_on.peak.max(item.peak);
+    }
+    for (&d, sums) in devices.iter().zip(sums) {
+        ledger.add(d, LedgerItem::Weights, sums.weights);
+        ledger.add(d, LedgerItem::KvCache, sums.kv);
+        ledger.add(d, LedgerItem::Logits, sums.logits);
+        ledger.add(d, LedgerItem::Activations, sums.peak);
     }
     let offloaded = (0..items.len()).filter(|&i| !executes(devices, exec, device_of_item[i]));
     let (streamed, _) = streamed_bytes(items, offloaded, devices[exec], prefetch_depth);
