@@ -1,6 +1,6 @@
 //! `bigmodel plan`: where each module of a model goes.
 
-use super::{parse_json, read_json, read_text};
+use super::{parse_json, read_json};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
@@ -142,15 +142,16 @@ fn load_source(path: &Path) -> Result<Source, String> {
     if !is_json {
         return checkpoint();
     }
-    let text = read_text(path)?;
+    let mapped = super::map_text(path)?;
+    let text = mapped.text();
     // A module tree is read straight into its types: it can be ~10 MB, and
     // a `serde_json::Value` of it costs many times what planning does.
-    if ModuleTree::is_document(&text) {
-        return ModuleTree::from_json_str(&text)
+    if ModuleTree::is_document(text) {
+        return ModuleTree::from_json_str(text)
             .map(Source::Tree)
             .map_err(in_context);
     }
-    let doc = parse_json(path, &text)?;
+    let doc = parse_json(path, text)?;
     if doc.get("model_type").is_some() {
         return config_model(doc, path)
             .map(|m| Source::Config(Box::new(m)))
