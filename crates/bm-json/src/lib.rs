@@ -24,6 +24,10 @@ pub struct Reader<'a> {
     pos: usize,
     /// Objects and arrays open around the position.
     depth: usize,
+    /// The depth refused: [`MAX_DEPTH`] but in a [`Reader::part`].
+    limit: usize,
+    /// The greatest depth reached.
+    deepest: usize,
 }
 
 /// What the next value is, from its first byte.
@@ -48,7 +52,40 @@ impl<'a> Reader<'a> {
             text,
             pos: 0,
             depth: 0,
+            limit: MAX_DEPTH,
+            deepest: 0,
         }
+    }
+
+    /// A reader of `text` from byte `pos` (a place between two values, as
+    /// [`Reader::offset`] gives them) for a document read in two parts,
+    /// the first by another reader: this one does not know how deep `pos`
+    /// is, so it starts as deep as a document may nest and can close that
+    /// many objects and arrays; [`Reader::join`] checks the real nesting.
+    pub fn part(text: &'a str, pos: usize) -> Self {
+        Reader {
+            text,
+            pos,
+            depth: MAX_DEPTH,
+            limit: 2 * MAX_DEPTH,
+            deepest: MAX_DEPTH,
+        }
+    }
+
+    /// Continues where `part` stopped, when `part` (a [`Reader::part`])
+    /// started where this reader is: false, and nothing changed, when the
+    /// two together nest [`MAX_DEPTH`] levels deep or more (reading on from
+    /// here finds where) or `part` closed more than is open here.
+    pub fn join(&mut self, part: &Reader<'a>) -> bool {
+        if self.depth + (part.deepest - MAX_DEPTH) >= MAX_DEPTH
+            || self.depth + part.depth < MAX_DEPTH
+        {
+            return false;
+        }
+        self.depth = self.depth + part.depth - MAX_DEPTH;
+        self.deepest = self.deepest.max(self.depth + part.deepest - MAX_DEPTH);
+        self.pos = part.pos;
+        true
     }
 
     /// The byte offset of the next value (white space skipped), for
@@ -124,7 +161,8 @@ impl<'a> Reader<'a> {
     #[inline]
     fn enter(&mut self) -> Result<(), String> {
         self.depth += 1;
-        if self.depth >= MAX_DEPTH {
+        self.deepest = self.deepest.max(self.depth);
+        if self.depth >= self.limit {
             return Err(self.error("nesting 128 levels deep or more"));
         }
         Ok(())
@@ -132,22 +170,27 @@ impl<'a> Reader<'a> {
 
     /// The next key of the object being read, or `None` after its `}`.
     /// `first` is true for the first call after [`Reader::begin_object`].
-    #[inline]
+    #[inline(always)]
     pub fn next_key(&mut self, first: bool) -> Result<Option<Cow<'a, str>>, String> {
         self.skip_ws();
-        if self.bytes().get(self.pos) == Some(&b'}') {
-            self.pos += 1;
-            self.depth -= 1;
-            return Ok(None);
-        }
-        if !first {
-            self.expect(b',')?;
-            self.skip_ws();
+        match self.bytes().get(self.pos) {
+            Some(b'}') => {
+                self.pos += 1;
+                self.depth -= 1;
+                return Ok(None);
+            }
+            Some(b',') if !first => {
+                self.pos += 1;
+                self.skip_ws();
+            }
+            _ if !first => return Err(self.expected(b',')),
+            _ => {}
         }
         if self.bytes().get(self.pos) != Some(&b'"') {
             return Err(self.error("expected a key"));
         }
-        let key = self.string()?;
+        self.pos += 1;
+        let key = self.string_body()?;
         self.expect(b':')?;
         Ok(Some(key))
     }
@@ -176,23 +219,36 @@ impl<'a> Reader<'a> {
     }
 
     /// Reads a string value.
-    #[inline]
+    #[inline(always)]
     pub fn string(&mut self) -> Result<Cow<'a, str>, String> {
         self.expect(b'"')?;
+        self.string_body()
+    }
+
+    /// The rest of a string after its opening quote.
+    #[inline(always)]
+    fn string_body(&mut self) -> Result<Cow<'a, str>, String> {
         let start = self.pos;
         let bytes = self.bytes();
         // Fast path: no escape, borrowed as is.
         let i = start + find_special(&bytes[start..]);
-        match bytes.get(i) {
-            Some(b'"') => {
-                self.pos = i + 1;
-                return Ok(Cow::Borrowed(&self.text[start..i]));
-            }
-            Some(0..=0x1f) => {
-                self.pos = i;
-                return Err(self.error("control character in a string"));
-            }
-            _ => {}
+        if bytes.get(i) == Some(&b'"') {
+            self.pos = i + 1;
+            // SAFETY: `start` follows an ASCII quote and `i` is at one, in
+            // text that is UTF-8: both are character boundaries.
+            return Ok(Cow::Borrowed(unsafe { self.text.get_unchecked(start..i) }));
+        }
+        self.string_escaped(start, i)
+    }
+
+    /// A string from `start` with an escape, a control character or no end
+    /// at `i`.
+    #[inline(never)]
+    fn string_escaped(&mut self, start: usize, i: usize) -> Result<Cow<'a, str>, String> {
+        let bytes = self.bytes();
+        if let Some(0..=0x1f) = bytes.get(i) {
+            self.pos = i;
+            return Err(self.error("control character in a string"));
         }
         let mut out = String::from(&self.text[start..i]);
         self.pos = i;
@@ -598,6 +654,55 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_part_read_apart_joins_where_it_ends_and_nests_as_one_read() {
+        let text = r#"{"a":[[1],[2,[3]]],"z":0}"#;
+        let mut first = Reader::new(text);
+        first.begin_object().unwrap();
+        assert_eq!(first.next_key(true).unwrap().unwrap(), "a");
+        first.begin_array().unwrap();
+        assert!(first.next_element(true).unwrap());
+        first.skip_value().unwrap();
+        // The rest, read without knowing what encloses it.
+        let mut part = Reader::part(text, first.offset());
+        assert!(part.next_element(false).unwrap());
+        part.skip_value().unwrap();
+        assert!(!part.next_element(false).unwrap());
+        assert_eq!(part.next_key(false).unwrap().unwrap(), "z");
+        part.skip_value().unwrap();
+        assert!(part.next_key(false).unwrap().is_none());
+        assert!(first.join(&part));
+        first.end().unwrap();
+        assert_eq!(first.depth, 0);
+
+        // Nesting counts both parts: refused where one reader refuses.
+        for inner in [26, 27, 28, 40] {
+            let text =
+                "[".repeat(100) + "0," + &"[".repeat(inner) + &"]".repeat(inner) + &"]".repeat(100);
+            let mut first = Reader::new(&text);
+            for _ in 0..100 {
+                first.begin_array().unwrap();
+            }
+            assert!(first.next_element(true).unwrap());
+            first.skip_value().unwrap();
+            let mut part = Reader::part(&text, first.offset());
+            assert!(part.next_element(false).unwrap());
+            part.skip_value().unwrap();
+            for _ in 0..100 {
+                assert!(!part.next_element(false).unwrap());
+            }
+            assert_eq!(first.join(&part), validate(&text).is_ok(), "{inner}");
+        }
+        // A part that closes more than is open does not join.
+        let mut first = Reader::new("[0]");
+        first.begin_array().unwrap();
+        let mut part = Reader::part("[0]]]", 1);
+        part.skip_value().unwrap();
+        assert!(!part.next_element(false).unwrap());
+        assert!(!part.next_element(false).unwrap());
+        assert!(!first.join(&part));
     }
 
     #[test]

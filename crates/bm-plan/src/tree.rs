@@ -166,8 +166,6 @@ pub struct ModuleTreeBuilder {
     class_ids: std::collections::HashMap<Box<str>, u32>,
     /// The classes looked up last, the latest first (`NONE` for none).
     recent_classes: [u32; 8],
-    /// Where a full name is put together.
-    scratch: String,
     by_name: NameIndex,
     tied_names: Vec<Vec<String>>,
     /// Node codes added but not yet in `by_name`, in the order they were
@@ -380,7 +378,6 @@ impl ModuleTreeBuilder {
             tables: Tables::default(),
             class_ids: Default::default(),
             recent_classes: [NONE; 8],
-            scratch: String::new(),
             by_name: NameIndex::default(),
             tied_names: Vec::new(),
             unindexed: None,
@@ -434,7 +431,8 @@ impl ModuleTreeBuilder {
         let error = |tables: &Tables, reason: &str| {
             Error::tree(join(tables.name(parent_at), local), reason)
         };
-        if local.is_empty() || local.contains('.') {
+        // A byte loop: names are a few bytes, shorter than a call to memchr.
+        if local.is_empty() || local.bytes().any(|b| b == b'.') {
             return Err(error(
                 &self.tables,
                 &format!("name {local:?} must be non-empty and contain no '.'"),
@@ -453,16 +451,17 @@ impl ModuleTreeBuilder {
         if start + len > u32::MAX as usize {
             return Err(error(&self.tables, "the full names of the tree pass 4 GiB"));
         }
-        // Through a scratch string: `String::extend_from_within` is newer
-        // than the toolchain the workspace supports.
-        let full = &mut self.scratch;
-        full.clear();
-        full.push_str(&names[parent_at.start as usize..(parent_at.start + parent_at.len) as usize]);
+        names.reserve(len);
+        let parent_range = parent_at.start as usize..(parent_at.start + parent_at.len) as usize;
+        // SAFETY: the bytes copied are a whole name, UTF-8 that starts and
+        // ends on character boundaries, so `names` stays UTF-8.
+        // (`String::extend_from_within` is newer than the toolchain the
+        // workspace supports.)
+        unsafe { names.as_mut_vec() }.extend_from_within(parent_range);
         if dot == 1 {
-            full.push('.');
+            names.push('.');
         }
-        full.push_str(local);
-        names.push_str(full);
+        names.push_str(local);
         let at = NameAt {
             start: start as u32,
             len: len as u32,
@@ -483,28 +482,12 @@ impl ModuleTreeBuilder {
     }
 
     /// From now on, names are checked and indexed in bulk by
-    /// [`ModuleTreeBuilder::index_added`] instead of one at a time: much
+    /// [`ModuleTreeBuilder::finish_indexing`] instead of one at a time: much
     /// faster for a large tree, for a builder that looks nothing up by name
     /// meanwhile ([`ModuleTreeBuilder::module_id`] sees only what was
     /// indexed).
     pub(crate) fn index_later(&mut self) {
         self.unindexed.get_or_insert_with(Vec::new);
-    }
-
-    /// Indexes the names added since [`ModuleTreeBuilder::index_later`];
-    /// a name taken twice is an error about the later node, which is
-    /// returned with it.
-    pub(crate) fn index_added(&mut self) -> Result<(), (Node, Error)> {
-        let Some(codes) = self.unindexed.take() else {
-            return Ok(());
-        };
-        let tables = &self.tables;
-        self.by_name
-            .insert_all(&codes, |n| tables.node_name(n))
-            .map_err(|node| {
-                let name = tables.node_name(node).to_string();
-                (node, Error::tree(name, DUPLICATE))
-            })
     }
 
     /// Makes room for this many more modules and tensors, and bytes of
@@ -624,22 +607,108 @@ impl ModuleTreeBuilder {
         self.by_name.get(name, |n| self.tables.node_name(n))
     }
 
+    /// Validates ties and computes traversal orders.
+    pub fn finish(self) -> Result<ModuleTree, Error> {
+        self.finish_indexing().map_err(|(_, e)| e)
+    }
+
+    /// [`ModuleTreeBuilder::finish`], which also indexes the names waiting
+    /// since [`ModuleTreeBuilder::index_later`]: a name taken twice is an
+    /// error about the later node, returned with it. The index and the
+    /// orders need nothing of each other, so a large tree's are made side
+    /// by side on two threads.
+    pub(crate) fn finish_indexing(mut self) -> Result<ModuleTree, (Option<Node>, Error)> {
+        let unindexed = self.unindexed.take();
+        let tables = &self.tables;
+        let by_name = &mut self.by_name;
+        let index = move || match unindexed {
+            Some(codes) => by_name.insert_all(&codes, |n| tables.node_name(n)),
+            None => Ok(()),
+        };
+        let structure = || Structure::of(tables);
+        let (indexed, structure) = if tables.modules.len() + tables.tensors.len()
+            >= TWO_THREADS_FROM
+            && std::thread::available_parallelism().is_ok_and(|n| n.get() >= 2)
+        {
+            std::thread::scope(|scope| {
+                let structure = scope.spawn(structure);
+                let indexed = index();
+                match structure.join() {
+                    Ok(structure) => (indexed, structure),
+                    Err(panic) => std::panic::resume_unwind(panic),
+                }
+            })
+        } else {
+            (index(), structure())
+        };
+        indexed.map_err(|node| {
+            let name = self.tables.node_name(node).to_string();
+            (Some(node), Error::tree(name, DUPLICATE))
+        })?;
+        for (record, start) in self.tables.modules.iter_mut().zip(structure.starts) {
+            record.links = start;
+        }
+        let mut tree = ModuleTree {
+            tables: self.tables,
+            links: structure.links,
+            tied: Vec::with_capacity(self.tied_names.len()),
+            preorder_pos: structure.preorder_pos,
+            subtree_end: structure.subtree_end,
+            preorder: structure.preorder,
+            by_name: self.by_name,
+        };
+        let tied_names = std::mem::take(&mut self.tied_names);
+        tree.tie(&tied_names).map_err(|e| (None, e))?;
+        Ok(tree)
+    }
+}
+
+/// The links and orders of a tree, made from its tables.
+struct Structure {
+    /// Where each module's part of `links` starts ([`ModuleRecord::links`]).
+    starts: Vec<u32>,
+    links: Vec<usize>,
+    preorder: Vec<ModuleId>,
+    preorder_pos: Vec<usize>,
+    subtree_end: Vec<usize>,
+}
+
+impl Structure {
+    fn of(tables: &Tables) -> Structure {
+        let (starts, links) = Self::links(tables);
+        let mut structure = Structure {
+            starts,
+            links,
+            preorder: Vec::new(),
+            preorder_pos: Vec::new(),
+            subtree_end: Vec::new(),
+        };
+        structure.orders(tables);
+        structure
+    }
+
     /// Each module's children, params and buffers as one list: children
     /// in the order they were added (ascending ids, as each was added after
     /// its parent's earlier ones), then params, then buffers.
-    fn links(tables: &mut Tables) -> Vec<usize> {
+    fn links(tables: &Tables) -> (Vec<u32>, Vec<usize>) {
         let mut next = 0u32;
-        for record in &mut tables.modules {
-            record.links = next;
-            next += record.children + record.params + record.buffers;
-        }
+        let starts: Vec<u32> = tables
+            .modules
+            .iter()
+            .map(|record| {
+                let start = next;
+                next += record.children + record.params + record.buffers;
+                start
+            })
+            .collect();
         // Where the next child, param and buffer of each module goes.
         let mut fill: Vec<[u32; 3]> = tables
             .modules
             .iter()
-            .map(|r| {
-                let params = r.links + r.children;
-                [r.links, params, params + r.params]
+            .zip(&starts)
+            .map(|(r, &start)| {
+                let params = start + r.children;
+                [start, params, params + r.params]
             })
             .collect();
         let mut links = vec![0usize; next as usize];
@@ -657,27 +726,43 @@ impl ModuleTreeBuilder {
             links[*at as usize] = id;
             *at += 1;
         }
-        links
+        (starts, links)
     }
 
-    /// Validates ties and computes traversal orders.
-    pub fn finish(mut self) -> Result<ModuleTree, Error> {
-        self.index_added().map_err(|(_, e)| e)?;
-        let links = Self::links(&mut self.tables);
-        let mut tree = ModuleTree {
-            tables: self.tables,
-            links,
-            tied: Vec::with_capacity(self.tied_names.len()),
-            preorder_pos: Vec::new(),
-            subtree_end: Vec::new(),
-            preorder: Vec::new(),
-            by_name: self.by_name,
-        };
-        tree.compute_orders();
+    /// Pre-order over modules (iterative: trees can be deep).
+    fn orders(&mut self, tables: &Tables) {
+        let n = tables.modules.len();
+        let mut preorder = Vec::with_capacity(n);
+        let mut preorder_pos = vec![0usize; n];
+        let mut subtree_end = vec![0usize; n];
+        let mut stack: Vec<(ModuleId, bool)> = vec![(0, false)];
+        while let Some((m, done)) = stack.pop() {
+            if done {
+                subtree_end[m] = preorder.len();
+                continue;
+            }
+            preorder_pos[m] = preorder.len();
+            preorder.push(m);
+            stack.push((m, true));
+            let start = self.starts[m] as usize;
+            let children = &self.links[start..start + tables.modules[m].children as usize];
+            for &c in children.iter().rev() {
+                stack.push((c, false));
+            }
+        }
+        self.preorder = preorder;
+        self.preorder_pos = preorder_pos;
+        self.subtree_end = subtree_end;
+    }
+}
 
+impl ModuleTree {
+    /// Validates the tied groups (`names`) and records them.
+    fn tie(&mut self, tied_names: &[Vec<String>]) -> Result<(), Error> {
+        let tree = self;
         // Tied groups: every name must exist, be unique to one group, and all
         // members must agree on dtype and shape.
-        for (g, names) in self.tied_names.iter().enumerate() {
+        for (g, names) in tied_names.iter().enumerate() {
             if names.len() < 2 {
                 return Err(Error::tree(
                     format!("tied[{g}]"),
@@ -723,7 +808,7 @@ impl ModuleTreeBuilder {
         }
 
         if tree.tied.is_empty() {
-            return Ok(tree);
+            return Ok(());
         }
         // The counted name of a tied tensor is its first in
         // named_module_tensors order (params pre-order, then buffers).
@@ -742,35 +827,11 @@ impl ModuleTreeBuilder {
             group.sort_by(|a, b| tree.tensor(*a).name.cmp(tree.tensor(*b).name));
         }
         tree.tied = tied;
-        Ok(tree)
+        Ok(())
     }
 }
 
 impl ModuleTree {
-    /// Pre-order over modules (iterative: trees can be deep).
-    fn compute_orders(&mut self) {
-        let n = self.tables.modules.len();
-        let mut preorder = Vec::with_capacity(n);
-        let mut preorder_pos = vec![0usize; n];
-        let mut subtree_end = vec![0usize; n];
-        let mut stack: Vec<(ModuleId, bool)> = vec![(0, false)];
-        while let Some((m, done)) = stack.pop() {
-            if done {
-                subtree_end[m] = preorder.len();
-                continue;
-            }
-            preorder_pos[m] = preorder.len();
-            preorder.push(m);
-            stack.push((m, true));
-            for &c in self.module(m).children.iter().rev() {
-                stack.push((c, false));
-            }
-        }
-        self.preorder = preorder;
-        self.preorder_pos = preorder_pos;
-        self.subtree_end = subtree_end;
-    }
-
     /// The number of modules, the root included.
     pub fn module_count(&self) -> usize {
         self.tables.modules.len()
@@ -1006,9 +1067,49 @@ mod tests {
             .unwrap();
         b.add_module(0, "250", "Block").unwrap();
         b.add_param(m, "w", meta()).unwrap();
-        let (node, e) = b.index_added().unwrap_err();
-        assert_eq!(node, Node::Tensor(300));
+        let (node, e) = b.finish_indexing().unwrap_err();
+        assert_eq!(node, Some(Node::Tensor(300)));
         assert!(e.to_string().contains("at 7.w: duplicate name"), "{e}");
+    }
+
+    #[test]
+    fn a_large_tree_indexed_beside_its_orders_is_the_tree_built_one_name_at_a_time() {
+        // Past `TWO_THREADS_FROM` nodes, the index and the orders are made
+        // on two threads.
+        let build = |bulk: bool| {
+            let mut b = ModuleTreeBuilder::new("Root");
+            if bulk {
+                b.index_later();
+            }
+            for i in 0..260 {
+                let m = b.add_module(0, &i.to_string(), "Block").unwrap();
+                let inner = b.add_module(m, "inner", "Linear").unwrap();
+                for p in 0..250 {
+                    b.add_param(inner, &format!("p{p}"), TensorMeta::new(DType::F32, [2]))
+                        .unwrap();
+                }
+                b.add_buffer(m, "buf", TensorMeta::new(DType::F32, [1]), i % 2 == 0)
+                    .unwrap();
+            }
+            b.tie(&["7.inner.p3", "9.inner.p3"]);
+            b.finish().unwrap()
+        };
+        let (bulk, one) = (build(true), build(false));
+        assert!(bulk.module_count() + bulk.tensor_count() >= TWO_THREADS_FROM);
+        assert_eq!(bulk.preorder(), one.preorder());
+        for m in 0..one.module_count() {
+            let (a, b) = (bulk.module(m), one.module(m));
+            assert_eq!(
+                (a.name, a.children, a.params, a.buffers),
+                (b.name, b.children, b.params, b.buffers)
+            );
+            assert_eq!(bulk.subtree(m), one.subtree(m));
+            assert_eq!(bulk.find(a.name), Some(Node::Module(m)));
+        }
+        for t in 0..one.tensor_count() {
+            assert_eq!(bulk.find(one.tensor(t).name), Some(Node::Tensor(t)));
+        }
+        assert_eq!(bulk.tied_names(), [["7.inner.p3", "9.inner.p3"]]);
     }
 
     #[test]

@@ -9,11 +9,14 @@
 //! feeds those tables to [`ModuleTreeBuilder`] in the order the tree has
 //! always been built in, which checks names and ties. Every error names the
 //! dotted path of the module or tensor and the byte, line and column of the
-//! offending value. The walk over modules does not recurse; nesting is
-//! refused where serde_json refuses it (128 levels of objects and lists, so
-//! a tree of 62 levels of modules), and memory stays a small multiple of the
-//! document: what is stored is only what was found valid, and the full
-//! dotted names, which grow with depth, have a budget.
+//! offending value. A document of a megabyte or more is read in two parts
+//! on two threads, joined only when the join is exactly what one thread
+//! would have read (see "Reading in two parts" below). The walk over
+//! modules does not recurse; nesting is refused where serde_json refuses
+//! it (128 levels of objects and lists, so a tree of 62 levels of
+//! modules), and memory stays a small multiple of the document: what is
+//! stored is only what was found valid, and the full dotted names, which
+//! grow with depth, have a budget.
 
 use std::borrow::Cow;
 use std::fmt::Write as _;
@@ -37,6 +40,7 @@ const NAME_BYTES_PER_BYTE: usize = 32;
 /// The shortest text of a child module and of a tensor that are valid.
 const SHORTEST_MODULE: &str = r#"{"name":"a","class":""},"#;
 const SHORTEST_TENSOR: &str = r#"{"name":"a","dtype":"I8","shape":[]},"#;
+const SHORTEST_DIM: &str = "0,";
 
 /// Why the first pass stopped.
 enum Stop {
@@ -45,13 +49,15 @@ enum Stop {
     Invalid(Error),
 }
 
-impl From<String> for Stop {
+// Boxed: results move through every call of the first pass, and a large
+// error type makes each of them a copy through the stack.
+impl From<String> for Box<Stop> {
     fn from(e: String) -> Self {
-        Stop::Syntax(e)
+        Box::new(Stop::Syntax(e))
     }
 }
 
-type Pass<T> = Result<T, Stop>;
+type Pass<T> = Result<T, Box<Stop>>;
 
 /// A module-tree error at byte offset `pos` of `text`.
 fn error_at(text: &str, path: impl Into<String>, reason: &str, pos: usize) -> Error {
@@ -62,8 +68,9 @@ fn error_at(text: &str, path: impl Into<String>, reason: &str, pos: usize) -> Er
     )
 }
 
-fn invalid(text: &str, path: impl Into<String>, reason: &str, pos: usize) -> Stop {
-    Stop::Invalid(error_at(text, path, reason, pos))
+#[cold]
+fn invalid(text: &str, path: impl Into<String>, reason: &str, pos: usize) -> Box<Stop> {
+    Box::new(Stop::Invalid(error_at(text, path, reason, pos)))
 }
 
 /// Adds the position `pos` to a module-tree error of the builder.
@@ -135,7 +142,8 @@ struct RawTensor {
     name: Str,
     dtype: DType,
     persistent: Option<bool>,
-    shape: Vec<usize>,
+    /// Its dimensions in `RawDocument::dims`.
+    shape: Span,
 }
 
 /// A group of `tied`.
@@ -157,6 +165,9 @@ struct RawDocument<'a> {
     /// Every module object read, each after its parent.
     modules: Vec<RawModule>,
     tensors: Vec<RawTensor>,
+    /// The tensors' shapes, one after another: one table rather than a
+    /// list per tensor, and nothing in the tables changes once read.
+    dims: Vec<usize>,
 }
 
 impl<'a> RawDocument<'a> {
@@ -169,6 +180,7 @@ impl<'a> RawDocument<'a> {
     }
 
     /// Keeps a string the reader read from `self.text`.
+    #[inline(always)]
     fn keep(&mut self, s: Cow<'a, str>) -> Str {
         match s {
             Cow::Borrowed(b) => Str {
@@ -187,6 +199,7 @@ impl<'a> RawDocument<'a> {
 
     /// A string value kept, or `None` (after skipping it) for a value of
     /// another type.
+    #[inline(always)]
     fn string(&mut self, r: &mut Reader<'a>) -> Pass<Option<Str>> {
         Ok(string(r)?.map(|s| self.keep(s)))
     }
@@ -207,8 +220,10 @@ impl ModuleTree {
     pub fn from_json_str(text: &str) -> Result<ModuleTree, Error> {
         match read(text) {
             Ok(doc) => build(text, doc),
-            Err(Stop::Invalid(e)) => Err(e),
-            Err(Stop::Syntax(e)) => Err(Error::tree("", format!("not valid JSON: {e}"))),
+            Err(stop) => match *stop {
+                Stop::Invalid(e) => Err(e),
+                Stop::Syntax(e) => Err(Error::tree("", format!("not valid JSON: {e}"))),
+            },
         }
     }
 
@@ -244,32 +259,60 @@ impl ModuleTree {
 }
 
 /// The first pass: the whole document's syntax, and the keys the format
-/// knows, checked object by object.
+/// knows, checked object by object. A large document is read in two parts
+/// on two threads (see [`Handoff`]).
 fn read(text: &str) -> Pass<RawDocument<'_>> {
-    let mut r = Reader::new(text);
-    read_document(&mut r, text).map_err(|stop| match stop {
-        Stop::Syntax(e) => {
-            let (line, column) = line_column(text, r.offset());
-            Stop::Syntax(format!("{e} (line {line}, column {column})"))
-        }
-        invalid => invalid,
+    let two_threads = text.len() >= SPLIT_FROM
+        && std::thread::available_parallelism().is_ok_and(|n| n.get() >= 2);
+    match two_threads.then(|| split_point(text)).flatten() {
+        Some(at) => read_split(text, at),
+        None => read_from(text, None),
+    }
+}
+
+/// [`read`] with the part from byte `at` read on a second thread.
+fn read_split(text: &str, at: usize) -> Pass<RawDocument<'_>> {
+    std::thread::scope(|scope| {
+        let part = scope.spawn(move || read_part(text, at));
+        read_from(
+            text,
+            Some(Handoff {
+                at,
+                part: Some(part),
+            }),
+        )
     })
 }
 
-fn read_document<'a>(r: &mut Reader<'a>, text: &'a str) -> Pass<RawDocument<'a>> {
+fn read_from<'a>(text: &'a str, handoff: Option<Handoff<'a, '_>>) -> Pass<RawDocument<'a>> {
+    let mut r = Reader::new(text);
+    read_document(&mut r, text, handoff).map_err(|stop| match *stop {
+        Stop::Syntax(e) => {
+            let (line, column) = line_column(text, r.offset());
+            Box::new(Stop::Syntax(format!("{e} (line {line}, column {column})")))
+        }
+        invalid => Box::new(invalid),
+    })
+}
+
+fn read_document<'a>(
+    r: &mut Reader<'a>,
+    text: &'a str,
+    mut handoff: Option<Handoff<'a, '_>>,
+) -> Pass<RawDocument<'a>> {
     if text.len() >= u32::MAX as usize {
-        return Err(Stop::Invalid(Error::tree(
+        return Err(Box::new(Stop::Invalid(Error::tree(
             "",
             "documents of 4 GiB or more are not read",
-        )));
+        ))));
     }
     if r.peek()? != Kind::Object {
         r.skip_value()?;
         r.end()?;
-        return Err(Stop::Invalid(Error::tree(
+        return Err(Box::new(Stop::Invalid(Error::tree(
             "",
             "the document must be a JSON object",
-        )));
+        ))));
     }
     // Room for as many modules and tensors as the text could hold when
     // each is written as short as a valid one can be: only the room used
@@ -284,6 +327,7 @@ fn read_document<'a>(r: &mut Reader<'a>, text: &'a str) -> Pass<RawDocument<'a>>
         tied: Vec::new(),
         modules: Vec::with_capacity(text.len() / SHORTEST_MODULE.len()),
         tensors: Vec::with_capacity(text.len() / SHORTEST_TENSOR.len()),
+        dims: Vec::with_capacity(text.len() / SHORTEST_DIM.len()),
     };
     r.begin_object()?;
     let mut first = true;
@@ -292,7 +336,7 @@ fn read_document<'a>(r: &mut Reader<'a>, text: &'a str) -> Pass<RawDocument<'a>>
         match &*key {
             "format" => doc.format = doc.string(r)?,
             "root" if r.peek()? == Kind::Object => {
-                doc.root = Some(read_modules(r, &mut doc)?);
+                doc.root = Some(read_modules(r, &mut doc, handoff.as_mut())?);
             }
             "root" => return Err(invalid(text, "root", "must be an object", r.pos())),
             "tied" => doc.tied = read_tied(r, &mut doc)?,
@@ -304,6 +348,7 @@ fn read_document<'a>(r: &mut Reader<'a>, text: &'a str) -> Pass<RawDocument<'a>>
 }
 
 /// A string, or `None` (after skipping it) for a value of another type.
+#[inline(always)]
 fn string<'a>(r: &mut Reader<'a>) -> Pass<Option<Cow<'a, str>>> {
     if r.peek()? == Kind::String {
         Ok(Some(r.string()?))
@@ -315,6 +360,7 @@ fn string<'a>(r: &mut Reader<'a>) -> Pass<Option<Cow<'a, str>>> {
 
 /// A module object being read.
 struct Open {
+    /// Its index in `RawDocument::modules`, or an [`ancestor`] of a part.
     module: usize,
     /// Its place in its parent's `children`, for paths while its name is
     /// not known yet.
@@ -326,7 +372,12 @@ struct Open {
     children: usize,
     has_name: bool,
     name: Option<Str>,
+    has_class: bool,
     class: Option<Str>,
+    params: Option<Span>,
+    buffers: Option<Span>,
+    /// The modules read inside its (last) `children` list.
+    list: Option<Span>,
     problem: Option<Box<Problem>>,
 }
 
@@ -340,14 +391,18 @@ impl Open {
             children: 0,
             has_name: false,
             name: None,
+            has_class: false,
             class: None,
+            params: None,
+            buffers: None,
+            list: None,
             problem: None,
         }
     }
 
     /// Keeps the first problem.
-    fn spoil(&mut self, problem: Problem) {
-        self.problem.get_or_insert(Box::new(problem));
+    fn spoil(&mut self, problem: Box<Problem>) {
+        self.problem.get_or_insert(problem);
     }
 }
 
@@ -370,78 +425,111 @@ fn full_name(doc: &RawDocument<'_>, open: &[Open]) -> String {
 }
 
 /// Reads the module object at the reader and all modules below it, without
-/// recursion: `open` holds the modules whose objects are being read.
-fn read_modules<'a>(r: &mut Reader<'a>, doc: &mut RawDocument<'a>) -> Pass<usize> {
+/// recursion: `open` holds the modules whose objects are being read. With a
+/// `handoff`, the part after its byte is taken from the second thread.
+fn read_modules<'a>(
+    r: &mut Reader<'a>,
+    doc: &mut RawDocument<'a>,
+    mut handoff: Option<&mut Handoff<'a, '_>>,
+) -> Pass<usize> {
     let root = doc.modules.len();
     doc.modules.push(RawModule::new(r.pos(), NO_PARENT));
     r.begin_object()?;
     let mut open = vec![Open::new(root, 0)];
-    while let Some(top) = open.last_mut() {
-        let m = top.module;
-        if let Some(first_child) = top.first_child {
-            top.first_child = Some(false);
-            if !r.next_element(first_child)? {
-                top.first_child = None;
-                let end = doc.modules.len();
-                if let Some(span) = &mut doc.modules[m].children {
-                    span.end = end as u32;
-                }
-            } else if r.peek()? == Kind::Object {
-                let index = top.children;
-                top.children += 1;
-                let child = doc.modules.len();
-                doc.modules.push(RawModule::new(r.pos(), m as u32));
-                r.begin_object()?;
-                open.push(Open::new(child, index));
-            } else {
-                top.children += 1;
-                let pos = r.pos();
-                r.skip_value()?;
-                top.spoil(Problem {
-                    pos,
-                    reason: "each child must be an object".into(),
-                    tensor: None,
-                });
-            }
-            continue;
+    let at = handoff.as_ref().map_or(usize::MAX, |h| h.at);
+    while !open.is_empty() {
+        // Closed by the splice, or read on here.
+        if r.offset() == at
+            && let Some(handoff) = handoff.take()
+            && let Some(part) = handoff.take_part(&open)
+            && splice(r, doc, &mut open, part)?
+        {
+            #[cfg(test)]
+            tests::SPLICED.with(|n| n.set(n.get() + 1));
+            break;
         }
-        let first_key = std::mem::replace(&mut top.first_key, false);
-        let Some(key) = r.next_key(first_key)? else {
-            if let Some(done) = open.pop() {
-                close_module(doc, &open, done)?;
-            }
-            continue;
-        };
-        match &*key {
-            "name" => {
-                top.has_name = true;
-                top.name = doc.string(r)?;
-            }
-            "class" => top.class = doc.string(r)?,
-            "params" | "buffers" => match read_tensors(r, doc, &key)? {
-                Ok(range) if key == "params" => doc.modules[m].params = Some(range),
-                Ok(range) => doc.modules[m].buffers = Some(range),
-                Err(problem) => top.spoil(problem),
-            },
-            "children" if r.peek()? == Kind::Array => {
-                r.begin_array()?;
-                doc.modules[m].children = Some(Span::at(doc.modules.len()));
-                top.first_child = Some(true);
-                top.children = 0;
-            }
-            "children" => {
-                let pos = r.pos();
-                r.skip_value()?;
-                top.spoil(Problem {
-                    pos,
-                    reason: "\"children\" must be a list".into(),
-                    tensor: None,
-                });
-            }
-            _ => r.skip_value()?,
+        if let Some(done) = read_step(r, doc, &mut open)? {
+            close_module(doc, &open, done)?;
         }
     }
     Ok(root)
+}
+
+/// Reads the next key, list item or end of the innermost open module; the
+/// module that ended, if one did.
+#[inline(always)]
+fn read_step<'a>(
+    r: &mut Reader<'a>,
+    doc: &mut RawDocument<'a>,
+    open: &mut Vec<Open>,
+) -> Pass<Option<Open>> {
+    let Some(top) = open.last_mut() else {
+        return Ok(None);
+    };
+    let m = top.module;
+    if let Some(first_child) = top.first_child {
+        top.first_child = Some(false);
+        if !r.next_element(first_child)? {
+            top.first_child = None;
+            let end = doc.modules.len();
+            if let Some(span) = &mut top.list {
+                span.end = end as u32;
+            }
+        } else if r.peek()? == Kind::Object {
+            let index = top.children;
+            top.children += 1;
+            let child = doc.modules.len();
+            doc.modules.push(RawModule::new(r.pos(), m as u32));
+            r.begin_object()?;
+            open.push(Open::new(child, index));
+        } else {
+            top.children += 1;
+            let pos = r.pos();
+            r.skip_value()?;
+            top.spoil(Box::new(Problem {
+                pos,
+                reason: "each child must be an object".into(),
+                tensor: None,
+            }));
+        }
+        return Ok(None);
+    }
+    let first_key = std::mem::replace(&mut top.first_key, false);
+    let Some(key) = r.next_key(first_key)? else {
+        return Ok(open.pop());
+    };
+    match &*key {
+        "name" => {
+            top.has_name = true;
+            top.name = doc.string(r)?;
+        }
+        "class" => {
+            top.has_class = true;
+            top.class = doc.string(r)?;
+        }
+        "params" | "buffers" => match read_tensors(r, doc, &key)? {
+            Ok(range) if key == "params" => top.params = Some(range),
+            Ok(range) => top.buffers = Some(range),
+            Err(problem) => top.spoil(problem),
+        },
+        "children" if r.peek()? == Kind::Array => {
+            r.begin_array()?;
+            top.list = Some(Span::at(doc.modules.len()));
+            top.first_child = Some(true);
+            top.children = 0;
+        }
+        "children" => {
+            let pos = r.pos();
+            r.skip_value()?;
+            top.spoil(Box::new(Problem {
+                pos,
+                reason: "\"children\" must be a list".into(),
+                tensor: None,
+            }));
+        }
+        _ => r.skip_value()?,
+    }
+    Ok(None)
 }
 
 impl RawModule {
@@ -460,7 +548,7 @@ impl RawModule {
 }
 
 /// Checks a module object that ended (`open` holds its ancestors) and keeps
-/// its name and class. Paths are made only for errors: making them for
+/// what was read of it. Paths are made only for errors: making them for
 /// every module would cost the depth of the tree each time.
 fn close_module(doc: &mut RawDocument<'_>, open: &[Open], done: Open) -> Pass<()> {
     let text = doc.text;
@@ -507,7 +595,266 @@ fn close_module(doc: &mut RawDocument<'_>, open: &[Open], done: Open) -> Pass<()
     let module = &mut doc.modules[done.module];
     module.name = name;
     module.class = class;
+    module.params = done.params;
+    module.buffers = done.buffers;
+    module.children = done.list;
     Ok(())
+}
+
+// Reading in two parts. A second thread reads from a place near the middle
+// where a `children` list has another module: it knows neither how deep
+// that is nor what encloses it, so it reads the modules that follow, and
+// whenever a module list ends inside something it did not see begin, takes
+// it for the enclosing module's list and keeps what follows of that module
+// (an *ancestor*), until it has closed the one at the top, the root. The
+// first thread reads from the start; only if it comes to that very place
+// between two modules of a list, with as many modules open as the second
+// closed, and the second found nothing wrong, are the parts joined: the
+// second's modules and tensors follow the first's, and each open module
+// takes what the second read of it, in the order one thread would have
+// (keys read later replace earlier ones), before it is checked. Anything
+// else (an error, a `children` key on an ancestor, another shape of
+// document) and the first thread reads on alone, so what is accepted and
+// every error are the same as reading on one thread.
+
+/// Documents this long or longer are read on two threads.
+const SPLIT_FROM: usize = 1 << 20;
+
+/// How far past the middle a place to split is looked for.
+const SPLIT_SEARCH: usize = 1 << 16;
+
+/// The place to split `text` at: just after the `}` of a module object
+/// followed by another one in the same list (`}`, `,`, `{` and a `"name"`
+/// or `"class"` key, with any white space between), past its middle.
+fn split_point(text: &str) -> Option<usize> {
+    let bytes = text.as_bytes();
+    let from = text.len() / 2;
+    let until = (from + SPLIT_SEARCH).min(bytes.len());
+    let ws = |i| after_ws(bytes, i);
+    (from..until)
+        .find(|&i| {
+            if bytes[i] != b'}' {
+                return false;
+            }
+            let comma = ws(i + 1);
+            if bytes.get(comma) != Some(&b',') {
+                return false;
+            }
+            let brace = ws(comma + 1);
+            if bytes.get(brace) != Some(&b'{') {
+                return false;
+            }
+            // A module, not a tensor (which has a name but no class): a module
+            // written name first has its class before any `}`.
+            let object = &bytes[ws(brace + 1)..];
+            let head = &object[..object.len().min(256)];
+            let class = head.windows(7).position(|w| w == b"\"class\"");
+            let end = head.iter().position(|&b| b == b'}');
+            object.starts_with(b"\"class\"")
+                || (object.starts_with(b"\"name\"")
+                    && class.is_some_and(|c| end.is_none_or(|e| c < e)))
+        })
+        .map(|i| i + 1)
+}
+
+/// The first byte at or after `i` that is not white space.
+fn after_ws(bytes: &[u8], mut i: usize) -> usize {
+    while let Some(b' ' | b'\t' | b'\n' | b'\r') = bytes.get(i) {
+        i += 1;
+    }
+    i
+}
+
+/// The id an ancestor of a part is given in place of a module index:
+/// `level` 0 is the module whose list the part starts in.
+fn ancestor(level: usize) -> usize {
+    ANCESTORS - level
+}
+
+/// Ancestors are counted down from here; no module index comes near (a
+/// document has fewer than 2^32 / 24 modules).
+const ANCESTORS: usize = u32::MAX as usize - 1;
+
+/// What the second thread read.
+struct Part<'a> {
+    modules: Vec<RawModule>,
+    tensors: Vec<RawTensor>,
+    dims: Vec<usize>,
+    owned: Vec<String>,
+    /// What it read of each ancestor after the place, innermost first.
+    ancestors: Vec<Open>,
+    /// Where it stopped: after the root's `}`.
+    reader: Reader<'a>,
+}
+
+/// The first thread's side of a split: the place and the second thread.
+struct Handoff<'a, 'scope> {
+    at: usize,
+    part: Option<std::thread::ScopedJoinHandle<'scope, Option<Part<'a>>>>,
+}
+
+impl<'a> Handoff<'a, '_> {
+    /// The part, when the first thread is at the place between two modules
+    /// of a list and the second read what it needs to.
+    fn take_part(&mut self, open: &[Open]) -> Option<Part<'a>> {
+        let at_item = open.last()?.first_child == Some(false);
+        let part = match self.part.take()?.join() {
+            Ok(part) => part?,
+            Err(panic) => std::panic::resume_unwind(panic),
+        };
+        (at_item && part.ancestors.len() == open.len()).then_some(part)
+    }
+}
+
+/// Reads the part of `text` from `at` (just after a module object in a
+/// `children` list) up to the end of the root module: `None` when it is
+/// anything else or has anything wrong.
+fn read_part(text: &str, at: usize) -> Option<Part<'_>> {
+    let mut r = Reader::part(text, at);
+    let mut doc = RawDocument {
+        text,
+        owned: Vec::new(),
+        format: None,
+        root: None,
+        tied: Vec::new(),
+        modules: Vec::with_capacity((text.len() - at) / SHORTEST_MODULE.len()),
+        tensors: Vec::with_capacity((text.len() - at) / SHORTEST_TENSOR.len()),
+        dims: Vec::with_capacity((text.len() - at) / SHORTEST_DIM.len()),
+    };
+    let in_list = |level: usize| {
+        let mut open = Open::new(ancestor(level), 0);
+        open.first_key = false;
+        open.first_child = Some(false);
+        open.list = Some(Span {
+            start: BEFORE_PART,
+            end: BEFORE_PART,
+        });
+        open
+    };
+    let mut ancestors = Vec::new();
+    let mut open = vec![in_list(0)];
+    loop {
+        let Some(done) = read_step(&mut r, &mut doc, &mut open).ok()? else {
+            continue;
+        };
+        if !open.is_empty() {
+            close_module(&mut doc, &open, done).ok()?;
+            continue;
+        }
+        // An ancestor ended: with nothing wrong and its list the one the
+        // part started in (a second `children` would replace it).
+        if done.problem.is_some() || done.list.is_none_or(|l| l.start != BEFORE_PART) {
+            return None;
+        }
+        ancestors.push(done);
+        if ancestors.len() > MAX_LEVELS {
+            return None;
+        }
+        // In its parent's list, another module or the list's end follows;
+        // after the root, another key of the document or its end.
+        let next = r.pos();
+        let bytes = text.as_bytes();
+        let in_parent_list = match bytes.get(next) {
+            Some(b']') => true,
+            Some(b',') => bytes.get(after_ws(bytes, next + 1)) == Some(&b'{'),
+            _ => false,
+        };
+        if !in_parent_list {
+            break;
+        }
+        open.push(in_list(ancestors.len()));
+    }
+    Some(Part {
+        modules: doc.modules,
+        tensors: doc.tensors,
+        dims: doc.dims,
+        owned: doc.owned,
+        ancestors,
+        reader: r,
+    })
+}
+
+/// The start of an ancestor's list, which is before the part.
+const BEFORE_PART: u32 = u32::MAX;
+
+/// Modules nest at most this deep (two levels of JSON each).
+const MAX_LEVELS: usize = 64;
+
+/// Joins `part` to what the first thread read (`open` holds its modules
+/// open at the place): appends the part's tables, then closes each open
+/// module, innermost first, with what the part read of it.
+fn splice<'a>(
+    r: &mut Reader<'a>,
+    doc: &mut RawDocument<'a>,
+    open: &mut Vec<Open>,
+    part: Part<'a>,
+) -> Pass<bool> {
+    if !r.join(&part.reader) {
+        return Ok(false);
+    }
+    let (modules, tensors, owned) = (doc.modules.len(), doc.tensors.len(), doc.owned.len());
+    let dims = doc.dims.len();
+    let string = |s: Str| match s.start {
+        OWNED => Str {
+            start: OWNED,
+            len: s.len + owned as u32,
+        },
+        _ => s,
+    };
+    let shift = |span: Span, by: usize| Span {
+        start: span.start + by as u32,
+        end: span.end + by as u32,
+    };
+    doc.owned.extend(part.owned);
+    doc.dims.extend_from_slice(&part.dims);
+    doc.tensors
+        .extend(part.tensors.into_iter().map(|t| RawTensor {
+            name: string(t.name),
+            shape: shift(t.shape, dims),
+            ..t
+        }));
+    let parent_of = |p: u32, open: &[Open]| -> u32 {
+        let p = p as usize;
+        if p > ANCESTORS - MAX_LEVELS - 1 {
+            open[open.len() - 1 - (ANCESTORS - p)].module as u32
+        } else {
+            (p + modules) as u32
+        }
+    };
+    doc.modules
+        .extend(part.modules.into_iter().map(|m| RawModule {
+            pos: m.pos,
+            parent: parent_of(m.parent, open),
+            name: string(m.name),
+            class: string(m.class),
+            params: m.params.map(|s| shift(s, tensors)),
+            buffers: m.buffers.map(|s| shift(s, tensors)),
+            children: m.children.map(|s| shift(s, modules)),
+        }));
+    for later in part.ancestors {
+        let Some(mut done) = open.pop() else {
+            unreachable!("as many ancestors as open modules");
+        };
+        if later.has_name {
+            done.has_name = true;
+            done.name = later.name.map(string);
+        }
+        if later.has_class {
+            done.has_class = true;
+            done.class = later.class.map(string);
+        }
+        if let Some(params) = later.params {
+            done.params = Some(shift(params, tensors));
+        }
+        if let Some(buffers) = later.buffers {
+            done.buffers = Some(shift(buffers, tensors));
+        }
+        if let (Some(list), Some(end)) = (&mut done.list, later.list) {
+            list.end = end.end + modules as u32;
+        }
+        close_module(doc, open, done)?;
+    }
+    Ok(true)
 }
 
 /// Reads a `params` or `buffers` list into `tensors`: the range it added,
@@ -516,15 +863,15 @@ fn read_tensors<'a>(
     r: &mut Reader<'a>,
     doc: &mut RawDocument<'a>,
     key: &str,
-) -> Pass<Result<Span, Problem>> {
+) -> Pass<Result<Span, Box<Problem>>> {
     let pos = r.pos();
     if r.peek()? != Kind::Array {
         r.skip_value()?;
-        return Ok(Err(Problem {
+        return Ok(Err(Box::new(Problem {
             pos,
             reason: format!("\"{key}\" must be a list"),
             tensor: None,
-        }));
+        })));
     }
     r.begin_array()?;
     let start = doc.tensors.len();
@@ -533,22 +880,18 @@ fn read_tensors<'a>(
     while r.next_element(first)? {
         first = false;
         let pos = r.pos();
-        let read = if r.peek()? == Kind::Object {
+        let found = if r.peek()? == Kind::Object {
             read_tensor(r, doc, key)?
         } else {
             r.skip_value()?;
-            Err(Problem {
+            Some(Box::new(Problem {
                 pos,
                 reason: format!("each entry of \"{key}\" must be an object"),
                 tensor: None,
-            })
+            }))
         };
-        match read {
-            Ok(tensor) if problem.is_none() => doc.tensors.push(tensor),
-            Ok(_) => {}
-            Err(p) => {
-                problem.get_or_insert(p);
-            }
+        if let Some(p) = found {
+            problem.get_or_insert(p);
         }
     }
     Ok(match problem {
@@ -560,16 +903,19 @@ fn read_tensors<'a>(
     })
 }
 
-/// Reads one tensor object of a `key` list.
+/// Reads one tensor object of a `key` list into `doc.tensors`, or says
+/// what is wrong with it. (Tensors read after a problem are kept but never
+/// used: any problem stops the document.) Results stay small: they are
+/// returned once per tensor.
 fn read_tensor<'a>(
     r: &mut Reader<'a>,
     doc: &mut RawDocument<'a>,
     key: &str,
-) -> Pass<Result<RawTensor, Problem>> {
+) -> Pass<Option<Box<Problem>>> {
     let pos = r.pos();
     let (mut name, mut dtype, mut shape, mut persistent) = (None, None, None, None);
     // The first wrong value; its tensor's name may come after it.
-    let mut wrong: Option<(usize, String)> = None;
+    let mut wrong: Option<Box<(usize, String)>> = None;
     r.begin_object()?;
     let mut first = true;
     while let Some(field) = r.next_key(first)? {
@@ -582,21 +928,20 @@ fn read_tensor<'a>(
                 if let Some(text) = string(r)? {
                     dtype = DType::from_safetensors_str(&text);
                     if dtype.is_none() {
-                        wrong.get_or_insert((
+                        wrong.get_or_insert_with(|| Box::new((
                             value_pos,
                             format!(
                                 "unknown dtype {text:?} (expected F64 F32 F16 BF16 I64 I32 I16 I8 U8 BOOL F8_E4M3 F8_E5M2)"
                             ),
-                        ));
+                        )));
                     }
                 }
             }
-            "shape" if r.peek()? == Kind::Array => match read_shape(r)? {
-                Ok(dims) => shape = Some(dims),
-                Err(problem) => {
+            "shape" if r.peek()? == Kind::Array => {
+                if let Some(problem) = read_shape(r, doc, &mut shape)? {
                     wrong.get_or_insert(problem);
                 }
-            },
+            }
             "shape" => {
                 r.skip_value()?;
                 shape = None;
@@ -614,10 +959,12 @@ fn read_tensor<'a>(
                     Some(b) => persistent = Some(b),
                     None => {
                         let found = saved.clone().skip_and_show(SHOWN)?;
-                        wrong.get_or_insert((
-                            value_pos,
-                            format!("\"persistent\" must be true or false, found {found}"),
-                        ));
+                        wrong.get_or_insert_with(|| {
+                            Box::new((
+                                value_pos,
+                                format!("\"persistent\" must be true or false, found {found}"),
+                            ))
+                        });
                     }
                 }
             }
@@ -625,50 +972,60 @@ fn read_tensor<'a>(
         }
     }
     let Some(name) = name else {
-        return Ok(Err(Problem {
+        return Ok(Some(Box::new(Problem {
             pos,
             reason: format!("an entry of \"{key}\" has no \"name\" string"),
             tensor: None,
-        }));
+        })));
     };
-    let problem = |pos: usize, reason: String| Problem {
-        pos,
-        reason,
-        tensor: Some(name),
+    let problem = |pos: usize, reason: String| {
+        Some(Box::new(Problem {
+            pos,
+            reason,
+            tensor: Some(name),
+        }))
     };
-    if let Some((pos, reason)) = wrong {
-        return Ok(Err(problem(pos, reason)));
+    if let Some(wrong) = wrong {
+        let (pos, reason) = *wrong;
+        return Ok(problem(pos, reason));
     }
     let Some(dtype) = dtype else {
-        return Ok(Err(problem(pos, "missing \"dtype\" string".into())));
+        return Ok(problem(pos, "missing \"dtype\" string".into()));
     };
     let Some(shape) = shape else {
-        return Ok(Err(problem(pos, "missing \"shape\" list".into())));
+        return Ok(problem(pos, "missing \"shape\" list".into()));
     };
     if key == "params" && persistent.is_some() {
-        return Ok(Err(problem(
+        return Ok(problem(
             pos,
             "\"persistent\" applies to buffers only".into(),
-        )));
+        ));
     }
-    Ok(Ok(RawTensor {
+    doc.tensors.push(RawTensor {
         pos: pos as u32,
         name,
         dtype,
         shape,
         persistent,
-    }))
+    });
+    Ok(None)
 }
 
-/// A `shape` list, or the position of its first bad dimension and why.
-fn read_shape(r: &mut Reader<'_>) -> Pass<Result<Vec<usize>, (usize, String)>> {
+/// Reads a `shape` list into `dims`, and its place there into `shape`, or
+/// says where its first bad dimension is and why (and leaves `shape` as it
+/// was).
+fn read_shape(
+    r: &mut Reader<'_>,
+    doc: &mut RawDocument<'_>,
+    shape: &mut Option<Span>,
+) -> Pass<Option<Box<(usize, String)>>> {
     r.begin_array()?;
-    let mut dims = Ok(Vec::new());
+    let start = doc.dims.len();
+    let mut wrong = None;
     let mut first = true;
     while r.next_element(first)? {
         first = false;
         let pos = r.pos();
-        let saved = r.clone();
         // A plain integer: no sign, fraction or exponent.
         let dim = match r.peek()? {
             Kind::Number => r.number()?.and_then(|d| usize::try_from(d).ok()),
@@ -677,20 +1034,28 @@ fn read_shape(r: &mut Reader<'_>) -> Pass<Result<Vec<usize>, (usize, String)>> {
                 None
             }
         };
-        if let Ok(list) = &mut dims {
-            match dim {
-                Some(d) => list.push(d),
-                None => {
-                    let text = saved.clone().skip_and_show(SHOWN)?;
-                    dims = Err((
-                        pos,
-                        format!("shape dimension {text} is not a non-negative integer"),
-                    ));
-                }
+        match dim {
+            Some(d) => doc.dims.push(d),
+            None if wrong.is_none() => {
+                // The value just read, as `skip_and_show` shows it.
+                let text = bm_json::shorten(&doc.text[pos..r.offset()], SHOWN);
+                wrong = Some(Box::new((
+                    pos,
+                    format!("shape dimension {text} is not a non-negative integer"),
+                )));
             }
+            None => {}
         }
     }
-    Ok(dims)
+    if wrong.is_some() {
+        doc.dims.truncate(start);
+    } else {
+        *shape = Some(Span {
+            start: start as u32,
+            end: doc.dims.len() as u32,
+        });
+    }
+    Ok(wrong)
 }
 
 fn read_tied<'a>(r: &mut Reader<'a>, doc: &mut RawDocument<'a>) -> Pass<Vec<RawTie>> {
@@ -759,10 +1124,10 @@ fn build(text: &str, mut doc: RawDocument<'_>) -> Result<ModuleTree, Error> {
     let mut module_pos = vec![doc.modules[root].pos];
     module_pos.reserve_exact(doc.modules.len());
     let mut tensor_pos = Vec::with_capacity(doc.tensors.len());
-    let (starts, children) = children_lists(&doc.modules);
+    let lists = children_lists(&doc.modules);
     let name_budget = text.len().saturating_mul(NAME_BYTES_PER_BYTE);
     let mut name_bytes = 0usize;
-    let mut spend = |name: &str, pos: usize| {
+    let mut spend = |name: &str, pos: u32| {
         name_bytes += name.len();
         if name_bytes > name_budget {
             return Err(error_at(
@@ -772,7 +1137,7 @@ fn build(text: &str, mut doc: RawDocument<'_>) -> Result<ModuleTree, Error> {
                     "the full names of the modules and tensors pass {name_budget} bytes, \
                      {NAME_BYTES_PER_BYTE} times the size of the document: the tree nests too deep"
                 ),
-                pos,
+                pos as usize,
             ));
         }
         Ok(())
@@ -784,9 +1149,8 @@ fn build(text: &str, mut doc: RawDocument<'_>) -> Result<ModuleTree, Error> {
         let module = &doc.modules[raw];
         for (list, param) in [(module.params, true), (module.buffers, false)] {
             for t in list.map_or(0..0, Span::range) {
-                let shape = std::mem::take(&mut doc.tensors[t].shape);
                 let t = &doc.tensors[t];
-                let meta = TensorMeta::new(t.dtype, shape);
+                let meta = TensorMeta::new(t.dtype, &doc.dims[t.shape.range()]);
                 let name = doc.str(t.name);
                 let added = if param {
                     builder.add_param(id, name, meta)
@@ -794,18 +1158,18 @@ fn build(text: &str, mut doc: RawDocument<'_>) -> Result<ModuleTree, Error> {
                     builder.add_buffer(id, name, meta, t.persistent.unwrap_or(true))
                 };
                 let tensor = added.map_err(|e| locate(text, e, t.pos as usize))?;
-                spend(builder.node_name(Node::Tensor(tensor)), t.pos as usize)?;
+                spend(builder.node_name(Node::Tensor(tensor)), t.pos)?;
                 tensor_pos.push(t.pos);
             }
         }
-        let kids = &children[starts[raw]..starts[raw + 1]];
+        let kids = lists.of(raw);
         let mut first_id = None;
         for &c in kids {
             let child = &doc.modules[c];
             let cid = builder
                 .add_module(id, doc.str(child.name), doc.str(child.class))
                 .map_err(|e| locate(text, e, child.pos as usize))?;
-            spend(builder.node_name(Node::Module(cid)), child.pos as usize)?;
+            spend(builder.node_name(Node::Module(cid)), child.pos)?;
             module_pos.push(child.pos);
             first_id.get_or_insert(cid);
         }
@@ -818,42 +1182,55 @@ fn build(text: &str, mut doc: RawDocument<'_>) -> Result<ModuleTree, Error> {
     }
     // The first pass's tables are read; freed now, their memory holds the
     // index and the orders instead of fresh pages.
-    drop((starts, children));
+    drop(lists);
     doc.modules = Vec::new();
     doc.tensors = Vec::new();
+    doc.dims = Vec::new();
 
-    builder.index_added().map_err(|(node, e)| {
-        let pos = match node {
-            Node::Module(m) => module_pos[m],
-            Node::Tensor(t) => tensor_pos[t],
-        };
-        locate(text, e, pos as usize)
-    })?;
     for group in &doc.tied {
         let names: Vec<&str> = group.names.iter().map(|n| doc.str(*n)).collect();
         builder.tie(&names);
     }
-    builder.finish().map_err(|e| {
-        // The builder names a bad group `tied[g]`; point at it.
-        let group = match &e {
-            Error::Tree { path, .. } => path
-                .strip_prefix("tied[")
-                .and_then(|rest| rest.strip_suffix(']'))
-                .and_then(|g| g.parse::<usize>().ok())
-                .and_then(|g| doc.tied.get(g)),
-            _ => None,
+    builder.finish_indexing().map_err(|(node, e)| {
+        let pos = match node {
+            Some(Node::Module(m)) => module_pos[m],
+            Some(Node::Tensor(t)) => tensor_pos[t],
+            // The builder names a bad group `tied[g]`; point at it.
+            None => {
+                let group = match &e {
+                    Error::Tree { path, .. } => path
+                        .strip_prefix("tied[")
+                        .and_then(|rest| rest.strip_suffix(']'))
+                        .and_then(|g| g.parse::<usize>().ok())
+                        .and_then(|g| doc.tied.get(g)),
+                    _ => None,
+                };
+                match group {
+                    Some(group) => group.pos,
+                    None => return e,
+                }
+            }
         };
-        match group {
-            Some(group) => locate(text, e, group.pos as usize),
-            None => e,
-        }
+        locate(text, e, pos as usize)
     })
 }
 
 /// Each module's children in document order, as one list: module `m`'s
-/// are `children[starts[m]..starts[m + 1]]`. A child belongs to its
+/// are `children[starts[m]..starts[m + 1]]`.
+struct ChildLists {
+    starts: Vec<usize>,
+    children: Vec<usize>,
+}
+
+impl ChildLists {
+    fn of(&self, m: usize) -> &[usize] {
+        &self.children[self.starts[m]..self.starts[m + 1]]
+    }
+}
+
+/// The children lists of the first pass's modules. A child belongs to its
 /// parent's last `children` list only (a repeated key replaces the list).
-fn children_lists(modules: &[RawModule]) -> (Vec<usize>, Vec<usize>) {
+fn children_lists(modules: &[RawModule]) -> ChildLists {
     let belongs = |c: usize| -> Option<usize> {
         let p = modules[c].parent;
         match modules.get(p as usize)?.children {
@@ -878,7 +1255,7 @@ fn children_lists(modules: &[RawModule]) -> (Vec<usize>, Vec<usize>) {
             fill[p] += 1;
         }
     }
-    (starts, children)
+    ChildLists { starts, children }
 }
 
 impl ModuleTree {
@@ -1349,5 +1726,186 @@ mod tests {
         ] {
             assert!(!ModuleTree::is_document(other), "{other}");
         }
+    }
+
+    thread_local! {
+        /// Documents joined from two parts on this thread.
+        pub(super) static SPLICED: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    }
+
+    /// A small deterministic generator (xorshift) for the split tests.
+    struct Rng(u64);
+
+    impl Rng {
+        fn below(&mut self, n: usize) -> usize {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            (self.0 % n as u64) as usize
+        }
+    }
+
+    /// A module object of a random tree, its keys in a random order, with
+    /// white space or not, and now and then something wrong or unusual
+    /// (a key repeated, a child with no class, a bad dtype, a list item
+    /// that is not an object).
+    fn module_text(rng: &mut Rng, depth: usize, name: Option<String>, odd: bool) -> String {
+        let ws = if rng.below(4) == 0 { "\n  " } else { "" };
+        let mut keys: Vec<String> = Vec::new();
+        if let Some(name) = name {
+            keys.push(format!("\"name\":{ws}\"{name}\""));
+        }
+        if !(odd && rng.below(40) == 0) {
+            keys.push(format!("\"class\":\"C{}\"", rng.below(3)));
+        }
+        let tensor = |rng: &mut Rng, i: usize| {
+            let dtype = if odd && rng.below(60) == 0 {
+                "F17"
+            } else {
+                "F32"
+            };
+            format!(
+                "{{\"name\":\"t{i}\",\"shape\":[{},{}],{ws}\"dtype\":\"{dtype}\"}}",
+                1 + rng.below(4),
+                rng.below(3)
+            )
+        };
+        if rng.below(2) == 0 {
+            let n = rng.below(3);
+            let list: Vec<String> = (0..n).map(|i| tensor(rng, i)).collect();
+            keys.push(format!("\"params\":[{}]", list.join(",")));
+        }
+        if rng.below(5) == 0 {
+            keys.push(format!(
+                "\"buffers\":[{{\"name\":\"b\",\"shape\":[],\"dtype\":\"I64\",\"persistent\":{}}}]",
+                rng.below(2) == 0
+            ));
+        }
+        if depth > 0 {
+            let n = 1 + rng.below(4);
+            let mut list: Vec<String> = (0..n)
+                .map(|i| module_text(rng, depth - 1, Some(format!("m{i}")), odd))
+                .collect();
+            if odd && rng.below(50) == 0 {
+                list.push("7".into());
+            }
+            keys.push(format!(
+                "\"children\":[{ws}{}]",
+                list.join(&format!(",{ws}"))
+            ));
+            if odd && rng.below(60) == 0 {
+                keys.push("\"children\":[]".into());
+            }
+        }
+        if rng.below(6) == 0 {
+            keys.push("\"note\":{\"x\":[1,{\"y\":null}]}".into());
+        }
+        // Any order: a module's name may come after its children.
+        for i in (1..keys.len()).rev() {
+            keys.swap(i, rng.below(i + 1));
+        }
+        format!("{{{ws}{}}}", keys.join(&format!(",{ws}")))
+    }
+
+    /// What reading `text` gives: the tree (its document and its ids'
+    /// names) or the error.
+    fn outcome(
+        text: &str,
+        read: Pass<RawDocument<'_>>,
+    ) -> Result<(serde_json::Value, Vec<String>), String> {
+        let tree = match read {
+            Ok(doc) => build(text, doc),
+            Err(stop) => match *stop {
+                Stop::Invalid(e) => Err(e),
+                Stop::Syntax(e) => Err(Error::tree("", format!("not valid JSON: {e}"))),
+            },
+        };
+        tree.map(|t| {
+            let names = t
+                .modules()
+                .map(|m| m.name.to_string())
+                .chain(t.tensors().map(|x| x.name.to_string()))
+                .collect();
+            (t.to_json(), names)
+        })
+        .map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn reading_in_two_parts_gives_what_one_reader_gives_wherever_it_splits() {
+        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+        let (mut splits, mut trees, mut errors) = (0, 0, 0);
+        for case in 0..80 {
+            let odd = case % 3 == 0;
+            let root = module_text(&mut rng, 2 + case % 3, None, odd);
+            let tied = if rng.below(3) == 0 {
+                r#","tied":[["m0.t0","m1.t0"]]"#
+            } else {
+                ""
+            };
+            let text = format!(r#"{{"format":"bigmodel-module-tree/1","root":{root}{tied}}}"#);
+            let one = outcome(&text, read_from(&text, None));
+            match &one {
+                Ok(_) => trees += 1,
+                Err(_) => errors += 1,
+            }
+            // Every place after a `}`, module or not.
+            for at in text.match_indices('}').map(|(i, _)| i + 1) {
+                let two = outcome(&text, read_split(&text, at));
+                assert_eq!(two, one, "case {case}, split at {at}:\n{text}");
+                splits += 1;
+            }
+        }
+        // Both kinds of document, and most splits between two modules
+        // joined rather than read again.
+        let spliced = SPLICED.with(|n| n.get());
+        assert!(trees > 15 && errors > 8, "{trees} trees, {errors} errors");
+        assert!(
+            splits > 3000 && spliced > splits / 5,
+            "{spliced} of {splits}"
+        );
+    }
+
+    #[test]
+    fn the_split_point_is_between_two_modules_past_the_middle() {
+        let children: Vec<String> = (0..2000)
+            .map(|i| {
+                format!(
+                    r#"{{"name":"{i}","class":"L","params":[{{"name":"w","shape":[2],"dtype":"F32"}},{{"name":"b","shape":[2],"dtype":"F32"}}]}}"#
+                )
+            })
+            .collect();
+        let text = format!(
+            r#"{{"format":"bigmodel-module-tree/1","root":{{"class":"M","children":[{}]}}}}"#,
+            children.join(",")
+        );
+        let at = split_point(&text).unwrap();
+        assert!(at > text.len() / 2);
+        assert!(
+            text[at..].starts_with(r#",{"name":""#),
+            "{}",
+            &text[at..at + 20]
+        );
+        assert!(text[..at].ends_with("]}"));
+        // Only tensors past the middle: nowhere to split.
+        let tensors: Vec<String> = (0..2000)
+            .map(|i| format!(r#"{{"name":"w{i}","shape":[2],"dtype":"F32"}}"#))
+            .collect();
+        let flat = format!(
+            r#"{{"format":"bigmodel-module-tree/1","root":{{"class":"M","params":[{}]}}}}"#,
+            tensors.join(",")
+        );
+        assert_eq!(split_point(&flat), None);
+        // And a large document is read through it.
+        assert!(text.len() < SPLIT_FROM);
+        let big = text.replace(
+            r#"[2],"dtype""#,
+            &format!(r#"[2],"pad":"{}","dtype""#, "x".repeat(300)),
+        );
+        assert!(big.len() >= SPLIT_FROM);
+        let tree = ModuleTree::from_json_str(&big).unwrap();
+        assert_eq!(tree.module_count(), 2001);
+        assert_eq!(tree.module(2000).name, "1999");
+        assert_eq!(tree.tensor(3999).name, "1999.b");
     }
 }
