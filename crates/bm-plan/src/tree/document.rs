@@ -171,6 +171,24 @@ struct RawDocument<'a> {
 }
 
 impl<'a> RawDocument<'a> {
+    /// Tables with room for as many modules, tensors and dimensions as
+    /// `bytes` of the text could hold when each is written as short as a
+    /// valid one can be: only the room used is ever touched, and growing
+    /// these tables would copy them to fresh memory several times (fresh
+    /// pages are a large part of the cost of reading a big tree).
+    fn with_room(text: &'a str, bytes: usize) -> Self {
+        RawDocument {
+            text,
+            owned: Vec::new(),
+            format: None,
+            root: None,
+            tied: Vec::new(),
+            modules: Vec::with_capacity(bytes / SHORTEST_MODULE.len()),
+            tensors: Vec::with_capacity(bytes / SHORTEST_TENSOR.len()),
+            dims: Vec::with_capacity(bytes / SHORTEST_DIM.len()),
+        }
+    }
+
     fn str(&self, s: Str) -> &str {
         if s.start == OWNED {
             &self.owned[s.len as usize]
@@ -314,21 +332,7 @@ fn read_document<'a>(
             "the document must be a JSON object",
         ))));
     }
-    // Room for as many modules and tensors as the text could hold when
-    // each is written as short as a valid one can be: only the room used
-    // is ever touched, and growing these tables would copy them to fresh
-    // memory several times (fresh pages are a large part of the cost of
-    // reading a big tree).
-    let mut doc = RawDocument {
-        text,
-        owned: Vec::new(),
-        format: None,
-        root: None,
-        tied: Vec::new(),
-        modules: Vec::with_capacity(text.len() / SHORTEST_MODULE.len()),
-        tensors: Vec::with_capacity(text.len() / SHORTEST_TENSOR.len()),
-        dims: Vec::with_capacity(text.len() / SHORTEST_DIM.len()),
-    };
+    let mut doc = RawDocument::with_room(text, text.len());
     r.begin_object()?;
     let mut first = true;
     while let Some(key) = r.next_key(first)? {
@@ -403,6 +407,19 @@ impl Open {
     /// Keeps the first problem.
     fn spoil(&mut self, problem: Box<Problem>) {
         self.problem.get_or_insert(problem);
+    }
+
+    /// Skips the value at the reader, wrong for `reason`, keeping the
+    /// problem.
+    fn skip_wrong(&mut self, r: &mut Reader<'_>, reason: &str) -> Pass<()> {
+        let pos = r.pos();
+        r.skip_value()?;
+        self.spoil(Box::new(Problem {
+            pos,
+            reason: reason.into(),
+            tensor: None,
+        }));
+        Ok(())
     }
 }
 
@@ -484,13 +501,7 @@ fn read_step<'a>(
             open.push(Open::new(child, index));
         } else {
             top.children += 1;
-            let pos = r.pos();
-            r.skip_value()?;
-            top.spoil(Box::new(Problem {
-                pos,
-                reason: "each child must be an object".into(),
-                tensor: None,
-            }));
+            top.skip_wrong(r, "each child must be an object")?;
         }
         return Ok(None);
     }
@@ -518,15 +529,7 @@ fn read_step<'a>(
             top.first_child = Some(true);
             top.children = 0;
         }
-        "children" => {
-            let pos = r.pos();
-            r.skip_value()?;
-            top.spoil(Box::new(Problem {
-                pos,
-                reason: "\"children\" must be a list".into(),
-                tensor: None,
-            }));
-        }
+        "children" => top.skip_wrong(r, "\"children\" must be a list")?,
         _ => r.skip_value()?,
     }
     Ok(None)
@@ -711,16 +714,7 @@ impl<'a> Handoff<'a, '_> {
 /// anything else or has anything wrong.
 fn read_part(text: &str, at: usize) -> Option<Part<'_>> {
     let mut r = Reader::part(text, at);
-    let mut doc = RawDocument {
-        text,
-        owned: Vec::new(),
-        format: None,
-        root: None,
-        tied: Vec::new(),
-        modules: Vec::with_capacity((text.len() - at) / SHORTEST_MODULE.len()),
-        tensors: Vec::with_capacity((text.len() - at) / SHORTEST_TENSOR.len()),
-        dims: Vec::with_capacity((text.len() - at) / SHORTEST_DIM.len()),
-    };
+    let mut doc = RawDocument::with_room(text, text.len() - at);
     let in_list = |level: usize| {
         let mut open = Open::new(ancestor(level), 0);
         open.first_key = false;
