@@ -2,7 +2,9 @@
 //! in registration order, and the groups of tied parameters. Its JSON
 //! document, `bigmodel-module-tree/1`, is read and written in `document.rs`.
 
+use std::collections::HashMap;
 use std::hash::BuildHasher;
+use std::sync::OnceLock;
 
 use bm_tensor::TensorMeta;
 
@@ -145,7 +147,53 @@ pub struct ModuleTree {
     subtree_end: Vec<usize>,
     /// Modules in pre-order.
     preorder: Vec<ModuleId>,
-    by_name: NameIndex,
+    /// Made by the first lookup in a module with more than [`NARROW`]
+    /// links.
+    wide: OnceLock<WideLinks>,
+}
+
+/// A module with this many children, params and buffers or fewer is
+/// searched one by one for a name.
+const NARROW: usize = 32;
+
+/// The links of each module with more than [`NARROW`] of them, sorted by
+/// name, for a binary search. A tree keeps no index of full names: a name
+/// is found from the root down, one part at a time, and making a large
+/// tree's index (hashing every full name) cost more than planning it.
+#[derive(Clone, Debug, Default)]
+struct WideLinks {
+    /// Where a wide module's sorted links start in `links`.
+    start: HashMap<ModuleId, usize>,
+    links: Vec<WideLink>,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct WideLink {
+    key: PartKey,
+    /// Its part of the name, in the tree's names.
+    part: NameAt,
+    node: Node,
+}
+
+/// What orders parts of names without reading them, mostly: their length,
+/// then their first 8 bytes (big-endian, so in byte order). Parts equal
+/// in both are then compared in full.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct PartKey {
+    len: usize,
+    head: u64,
+}
+
+impl PartKey {
+    fn of(part: &str) -> PartKey {
+        let mut head = [0u8; 8];
+        let n = part.len().min(8);
+        head[..n].copy_from_slice(&part.as_bytes()[..n]);
+        PartKey {
+            len: part.len(),
+            head: u64::from_be_bytes(head),
+        }
+    }
 }
 
 /// A named node of the tree: a module or a tensor.
@@ -168,14 +216,13 @@ pub struct ModuleTreeBuilder {
     recent_classes: [u32; 8],
     by_name: NameIndex,
     tied_names: Vec<Vec<String>>,
-    /// Node codes added but not yet in `by_name`, in the order they were
-    /// added, when the builder indexes in bulk
-    /// ([`ModuleTreeBuilder::index_later`]); `None` when each name is
-    /// indexed as it is added.
-    unindexed: Option<Vec<u32>>,
+    /// False once [`ModuleTreeBuilder::siblings_checked_by_caller`]: names
+    /// are then neither indexed nor checked for duplicates as they come.
+    indexing: bool,
 }
 
-/// Full names to nodes, for [`ModuleTree::find`] and the builder's checks.
+/// Full names to nodes, for the builder's checks and lookups while it
+/// builds.
 ///
 /// An open-addressing table of node ids only: the names stay where they
 /// are, in the modules and tensors (a `HashMap<String, Node>` held a second
@@ -189,34 +236,6 @@ struct NameIndex {
     slots: Vec<u64>,
     len: usize,
     hasher: std::hash::RandomState,
-}
-
-/// [`NameIndex::insert_all`] inserts by runs of home slots, up to
-/// `2^RUN_BITS` runs (of 64 slots each for a table of 2^18).
-const RUN_BITS: u32 = 12;
-
-/// `f` of every element, on two threads when there are this many or more.
-const TWO_THREADS_FROM: usize = 1 << 16;
-
-/// `f` of every element of `items`, in order; a large slice is split in two
-/// halves mapped on two threads (hashing a large tree's names is a tenth
-/// of reading its document, and nothing else waits on it).
-fn map_halves<T: Sync>(items: &[T], f: impl Fn(&T) -> u32 + Sync) -> Vec<u32> {
-    let threads = std::thread::available_parallelism().map_or(1, usize::from);
-    if items.len() < TWO_THREADS_FROM || threads < 2 {
-        return items.iter().map(f).collect();
-    }
-    let (first, second) = items.split_at(items.len() / 2);
-    std::thread::scope(|scope| {
-        let second = scope.spawn(|| second.iter().map(&f).collect::<Vec<u32>>());
-        let mut out = Vec::with_capacity(items.len());
-        out.extend(first.iter().map(&f));
-        match second.join() {
-            Ok(rest) => out.extend(rest),
-            Err(panic) => std::panic::resume_unwind(panic),
-        }
-        out
-    })
 }
 
 /// Why a name is refused when another node has it.
@@ -284,67 +303,6 @@ impl NameIndex {
         }
     }
 
-    /// Adds the nodes of `codes` ([`NameIndex::code`]s, in the order they
-    /// were added to the tree) under their names. Inserting them in the
-    /// order of their home slots walks the table front to back: one
-    /// insertion at a time costs a cache miss each, which was most of the
-    /// time of building a 100k-node tree. A name taken twice has one home,
-    /// and nodes of one run of homes go in the order they were added, so the node
-    /// returned for a taken name is the later one; of several, the first
-    /// added (where adding one at a time would have stopped). The index is
-    /// then incomplete and the tree must not be finished.
-    fn insert_all<'n>(
-        &mut self,
-        codes: &[u32],
-        name_of: impl Fn(Node) -> &'n str + Sync,
-    ) -> Result<(), Node> {
-        let node = |code: u32| Self::node(u64::from(code) + 1);
-        self.reserve(codes.len());
-        let mask = self.slots.len() - 1;
-        // Tags are 32 bits (see `tag`): kept in 32 to touch half the memory.
-        let tags = map_halves(codes, |&code| self.tag(name_of(node(code))) as u32);
-        // (tag, position in `codes`) by runs of home slots (a counting sort
-        // on the home's top bits, which keeps the order nodes were added in
-        // within a run): near enough to front to back for the cache.
-        let run_bits = mask.count_ones().min(RUN_BITS);
-        let run_of = |tag: u32| (tag as usize & mask) >> (mask.count_ones() - run_bits);
-        let mut starts = vec![0u32; (1 << run_bits) + 1];
-        for &tag in &tags {
-            starts[run_of(tag) + 1] += 1;
-        }
-        for r in 1..starts.len() {
-            starts[r] += starts[r - 1];
-        }
-        let mut order = vec![(0u32, 0u32); codes.len()];
-        for (i, &tag) in tags.iter().enumerate() {
-            let at = &mut starts[run_of(tag)];
-            order[*at as usize] = (tag, i as u32);
-            *at += 1;
-        }
-        let mut first_taken: Option<u32> = None;
-        'next: for (tag, i) in order {
-            let tag = u64::from(tag);
-            let code = codes[i as usize];
-            // The probe of `slot`, reading a name only on a matching tag:
-            // reading each one would be the cache miss per node again.
-            let mut slot = tag as usize & mask;
-            while self.slots[slot] != 0 {
-                let taken = self.slots[slot];
-                if taken >> 32 == tag && name_of(Self::node(taken)) == name_of(node(code)) {
-                    first_taken = Some(first_taken.map_or(i, |f| f.min(i)));
-                    continue 'next;
-                }
-                slot = (slot + 1) & mask;
-            }
-            self.slots[slot] = tag << 32 | (u64::from(code) + 1);
-            self.len += 1;
-        }
-        match first_taken {
-            Some(i) => Err(node(codes[i as usize])),
-            None => Ok(()),
-        }
-    }
-
     /// Adds `name` → `node`; false (and nothing added) when the name is taken.
     fn insert<'n>(&mut self, name: &str, node: Node, name_of: impl Fn(Node) -> &'n str) -> bool {
         self.reserve(1);
@@ -380,7 +338,7 @@ impl ModuleTreeBuilder {
             recent_classes: [NONE; 8],
             by_name: NameIndex::default(),
             tied_names: Vec::new(),
-            unindexed: None,
+            indexing: true,
         };
         let class = builder.class_id(&root_class.into());
         builder.tables.modules.push(ModuleRecord {
@@ -466,8 +424,7 @@ impl ModuleTreeBuilder {
             start: start as u32,
             len: len as u32,
         };
-        if let Some(unindexed) = &mut self.unindexed {
-            unindexed.push(NameIndex::code(node) as u32);
+        if !self.indexing {
             return Ok(at);
         }
         let tables = &self.tables;
@@ -481,13 +438,15 @@ impl ModuleTreeBuilder {
         Ok(at)
     }
 
-    /// From now on, names are checked and indexed in bulk by
-    /// [`ModuleTreeBuilder::finish_indexing`] instead of one at a time: much
-    /// faster for a large tree, for a builder that looks nothing up by name
-    /// meanwhile ([`ModuleTreeBuilder::module_id`] sees only what was
-    /// indexed).
-    pub(crate) fn index_later(&mut self) {
-        self.unindexed.get_or_insert_with(Vec::new);
+    /// From now on, names are neither indexed nor checked for duplicates:
+    /// the caller has checked that no two children, params and buffers of
+    /// one module share a name (a document's reader does, module by module,
+    /// where the names are at hand), and looks nothing up by name while
+    /// building ([`ModuleTreeBuilder::module_id`] sees only what was
+    /// indexed). Two siblings are the only way two nodes can have one full
+    /// name, as a name has no `.`.
+    pub(crate) fn siblings_checked_by_caller(&mut self) {
+        self.indexing = false;
     }
 
     /// Makes room for this many more modules and tensors, and bytes of
@@ -496,9 +455,8 @@ impl ModuleTreeBuilder {
         self.tables.modules.reserve(modules);
         self.tables.tensors.reserve(tensors);
         self.tables.names.reserve(name_bytes);
-        self.by_name.reserve(modules + tensors);
-        if let Some(unindexed) = &mut self.unindexed {
-            unindexed.reserve(modules + tensors);
+        if self.indexing {
+            self.by_name.reserve(modules + tensors);
         }
     }
 
@@ -600,65 +558,28 @@ impl ModuleTreeBuilder {
     }
 
     fn find(&self, name: &str) -> Option<Node> {
-        debug_assert!(
-            self.unindexed.is_none(),
-            "a lookup while names wait to be indexed"
-        );
+        debug_assert!(self.indexing, "a lookup in a builder that does not index");
         self.by_name.get(name, |n| self.tables.node_name(n))
     }
 
-    /// Validates ties and computes traversal orders.
+    /// Validates ties and computes traversal orders. The builder's name
+    /// index is dropped: the tree finds names from the root down.
     pub fn finish(self) -> Result<ModuleTree, Error> {
-        self.finish_indexing().map_err(|(_, e)| e)
-    }
-
-    /// [`ModuleTreeBuilder::finish`], which also indexes the names waiting
-    /// since [`ModuleTreeBuilder::index_later`]: a name taken twice is an
-    /// error about the later node, returned with it. The index and the
-    /// orders need nothing of each other, so a large tree's are made side
-    /// by side on two threads.
-    pub(crate) fn finish_indexing(mut self) -> Result<ModuleTree, (Option<Node>, Error)> {
-        let unindexed = self.unindexed.take();
-        let tables = &self.tables;
-        let by_name = &mut self.by_name;
-        let index = move || match unindexed {
-            Some(codes) => by_name.insert_all(&codes, |n| tables.node_name(n)),
-            None => Ok(()),
-        };
-        let structure = || Structure::of(tables);
-        let (indexed, structure) = if tables.modules.len() + tables.tensors.len()
-            >= TWO_THREADS_FROM
-            && std::thread::available_parallelism().is_ok_and(|n| n.get() >= 2)
-        {
-            std::thread::scope(|scope| {
-                let structure = scope.spawn(structure);
-                let indexed = index();
-                match structure.join() {
-                    Ok(structure) => (indexed, structure),
-                    Err(panic) => std::panic::resume_unwind(panic),
-                }
-            })
-        } else {
-            (index(), structure())
-        };
-        indexed.map_err(|node| {
-            let name = self.tables.node_name(node).to_string();
-            (Some(node), Error::tree(name, DUPLICATE))
-        })?;
-        for (record, start) in self.tables.modules.iter_mut().zip(structure.starts) {
+        let structure = Structure::of(&self.tables);
+        let mut tables = self.tables;
+        for (record, start) in tables.modules.iter_mut().zip(structure.starts) {
             record.links = start;
         }
         let mut tree = ModuleTree {
-            tables: self.tables,
+            tables,
             links: structure.links,
             tied: Vec::with_capacity(self.tied_names.len()),
             preorder_pos: structure.preorder_pos,
             subtree_end: structure.subtree_end,
             preorder: structure.preorder,
-            by_name: self.by_name,
+            wide: OnceLock::new(),
         };
-        let tied_names = std::mem::take(&mut self.tied_names);
-        tree.tie(&tied_names).map_err(|e| (None, e))?;
+        tree.tie(&self.tied_names)?;
         Ok(tree)
     }
 }
@@ -753,6 +674,46 @@ impl Structure {
         self.preorder = preorder;
         self.preorder_pos = preorder_pos;
         self.subtree_end = subtree_end;
+    }
+}
+
+impl WideLinks {
+    fn of(tree: &ModuleTree) -> WideLinks {
+        let mut wide = WideLinks::default();
+        for m in 0..tree.module_count() {
+            let module = tree.module(m);
+            let count = module.children.len() + module.params.len() + module.buffers.len();
+            if count <= NARROW {
+                continue;
+            }
+            let from = wide.links.len();
+            wide.start.insert(m, from);
+            let skip = if m == 0 {
+                0
+            } else {
+                module.name.len() as u32 + 1
+            };
+            let children = module.children.iter().map(|&c| Node::Module(c));
+            let tensors = module.params.iter().chain(module.buffers);
+            let nodes = children.chain(tensors.map(|&t| Node::Tensor(t)));
+            let name = |at: NameAt| tree.tables.name(at);
+            wide.links.extend(nodes.map(|node| {
+                let at = match node {
+                    Node::Module(c) => tree.tables.modules[c].name,
+                    Node::Tensor(t) => tree.tables.tensors[t].name,
+                };
+                let part = NameAt {
+                    start: at.start + skip,
+                    len: at.len - skip,
+                };
+                let key = PartKey::of(name(part));
+                WideLink { key, part, node }
+            }));
+            wide.links[from..].sort_unstable_by(|a, b| {
+                (a.key.cmp(&b.key)).then_with(|| name(a.part).cmp(name(b.part)))
+            });
+        }
+        wide
     }
 }
 
@@ -910,7 +871,62 @@ impl ModuleTree {
         if name.is_empty() {
             return Some(Node::Module(0));
         }
-        self.by_name.get(name, |n| self.tables.node_name(n))
+        let mut node = Node::Module(0);
+        for part in name.split('.') {
+            let Node::Module(m) = node else {
+                return None;
+            };
+            node = self.link_named(m, part)?;
+        }
+        Some(node)
+    }
+
+    /// The child, param or buffer of `m` whose name ends in `.part` (or is
+    /// `part`, under the root). Siblings' names differ, so at most one does.
+    fn link_named(&self, m: ModuleId, part: &str) -> Option<Node> {
+        let r = &self.tables.modules[m];
+        let start = r.links as usize;
+        let count = (r.children + r.params + r.buffers) as usize;
+        let links = &self.links[start..start + count];
+        let (children, tensors) = links.split_at(r.children as usize);
+        // A link's name is its module's, a dot and its part: only one of
+        // the right length is read.
+        let skip = if r.name.len == 0 { 0 } else { r.name.len + 1 };
+        let is_part = |at: NameAt| {
+            at.len as usize == skip as usize + part.len()
+                && self.tables.names.as_bytes()[(at.start + skip) as usize..][..part.len()]
+                    == *part.as_bytes()
+        };
+        // The children of a list (`ModuleList`, `Sequential`) are named by
+        // their place in it.
+        if let Ok(i) = part.parse::<usize>()
+            && let Some(&c) = children.get(i)
+            && is_part(self.tables.modules[c].name)
+        {
+            return Some(Node::Module(c));
+        }
+        if count <= NARROW {
+            return children
+                .iter()
+                .find(|&&c| is_part(self.tables.modules[c].name))
+                .map(|&c| Node::Module(c))
+                .or_else(|| {
+                    tensors
+                        .iter()
+                        .find(|&&t| is_part(self.tables.tensors[t].name))
+                        .map(|&t| Node::Tensor(t))
+                });
+        }
+        let wide = self.wide.get_or_init(|| WideLinks::of(self));
+        let from = wide.start[&m];
+        let sorted = &wide.links[from..from + count];
+        let key = PartKey::of(part);
+        let at = sorted
+            .binary_search_by(|link| {
+                (link.key.cmp(&key)).then_with(|| self.tables.name(link.part).cmp(part))
+            })
+            .ok()?;
+        Some(sorted[at].node)
     }
 
     /// Modules in pre-order (`named_modules()` order).
@@ -1039,89 +1055,60 @@ mod tests {
     }
 
     #[test]
-    fn names_indexed_in_bulk_find_the_same_nodes_and_the_same_first_duplicate() {
+    fn names_are_found_from_the_root_down_in_narrow_and_wide_modules() {
         let meta = || TensorMeta::new(DType::F32, [2]);
-        let build = |bulk: bool| {
-            let mut b = ModuleTreeBuilder::new("Root");
-            if bulk {
-                b.index_later();
-            }
-            for i in 0..300 {
-                let m = b.add_module(0, &i.to_string(), "Block").unwrap();
-                b.add_param(m, "w", meta()).unwrap();
-            }
-            b
-        };
-        let one_at_a_time = build(false).finish().unwrap();
-        let bulk = build(true).finish().unwrap();
-        for i in 0..300 {
-            for name in [i.to_string(), format!("{i}.w")] {
-                assert_eq!(bulk.find(&name), one_at_a_time.find(&name), "{name}");
-            }
+        let mut b = ModuleTreeBuilder::new("Root");
+        // A wide module (more than `NARROW` links) of children, params and
+        // buffers whose names sort apart from the order they were added,
+        // beside narrow ones.
+        let wide = b.add_module(0, "experts", "List").unwrap();
+        for i in (0..3 * NARROW).rev() {
+            let e = b.add_module(wide, &i.to_string(), "Expert").unwrap();
+            b.add_param(e, "w", meta()).unwrap();
         }
-        // Two names taken twice: the first refused is the one adding one at
-        // a time stops at.
-        let mut b = build(true);
-        let m = b.add_module(0, "x", "Block").unwrap();
-        b.add_buffer(ModuleTreeBuilder::ROOT + 8, "w", meta(), true)
-            .unwrap();
-        b.add_module(0, "250", "Block").unwrap();
-        b.add_param(m, "w", meta()).unwrap();
-        let (node, e) = b.finish_indexing().unwrap_err();
-        assert_eq!(node, Some(Node::Tensor(300)));
-        assert!(e.to_string().contains("at 7.w: duplicate name"), "{e}");
-    }
-
-    #[test]
-    fn a_large_tree_indexed_beside_its_orders_is_the_tree_built_one_name_at_a_time() {
-        // Past `TWO_THREADS_FROM` nodes, the index and the orders are made
-        // on two threads.
-        let build = |bulk: bool| {
-            let mut b = ModuleTreeBuilder::new("Root");
-            if bulk {
-                b.index_later();
-            }
-            for i in 0..260 {
-                let m = b.add_module(0, &i.to_string(), "Block").unwrap();
-                let inner = b.add_module(m, "inner", "Linear").unwrap();
-                for p in 0..250 {
-                    b.add_param(inner, &format!("p{p}"), TensorMeta::new(DType::F32, [2]))
-                        .unwrap();
-                }
-                b.add_buffer(m, "buf", TensorMeta::new(DType::F32, [1]), i % 2 == 0)
-                    .unwrap();
-            }
-            b.tie(&["7.inner.p3", "9.inner.p3"]);
-            b.finish().unwrap()
-        };
-        let (bulk, one) = (build(true), build(false));
-        assert!(bulk.module_count() + bulk.tensor_count() >= TWO_THREADS_FROM);
-        assert_eq!(bulk.preorder(), one.preorder());
-        for m in 0..one.module_count() {
-            let (a, b) = (bulk.module(m), one.module(m));
-            assert_eq!(
-                (a.name, a.children, a.params, a.buffers),
-                (b.name, b.children, b.params, b.buffers)
-            );
-            assert_eq!(bulk.subtree(m), one.subtree(m));
-            assert_eq!(bulk.find(a.name), Some(Node::Module(m)));
+        b.add_param(wide, "scale", meta()).unwrap();
+        // Parts alike in their length and first 8 bytes.
+        b.add_param(wide, "projection_b", meta()).unwrap();
+        b.add_param(wide, "projection_a", meta()).unwrap();
+        b.add_buffer(wide, "ids", meta(), false).unwrap();
+        // A list, its children named by their place.
+        let list = b.add_module(0, "layers", "ModuleList").unwrap();
+        for i in 0..NARROW + 2 {
+            b.add_module(list, &i.to_string(), "Layer").unwrap();
         }
-        for t in 0..one.tensor_count() {
-            assert_eq!(bulk.find(one.tensor(t).name), Some(Node::Tensor(t)));
+        let narrow = b.add_module(0, "norm", "Norm").unwrap();
+        b.add_param(narrow, "weight", meta()).unwrap();
+        b.add_param(0, "bias", meta()).unwrap();
+        let tree = b.finish().unwrap();
+        for m in 0..tree.module_count() {
+            assert_eq!(tree.find(tree.module(m).name), Some(Node::Module(m)));
         }
-        assert_eq!(bulk.tied_names(), [["7.inner.p3", "9.inner.p3"]]);
-    }
-
-    #[test]
-    fn a_large_slice_mapped_in_halves_keeps_its_order() {
-        let items: Vec<u32> = (0..TWO_THREADS_FROM as u32 + 3).collect();
-        let mapped = map_halves(&items, |x| x.wrapping_mul(2_654_435_761));
-        let one_by_one: Vec<u32> = items
-            .iter()
-            .map(|x| x.wrapping_mul(2_654_435_761))
-            .collect();
-        assert_eq!(mapped, one_by_one);
-        assert_eq!(map_halves(&items[..5], |x| x + 1), [1, 2, 3, 4, 5]);
+        for t in 0..tree.tensor_count() {
+            let name = tree.tensor(t).name;
+            assert_eq!(tree.find(name), Some(Node::Tensor(t)), "{name}");
+        }
+        for missing in [
+            "experts.96",
+            "experts.1.w.x",
+            "experts.0x",
+            "experts.",
+            ".experts",
+            "experts..1",
+            "experts.scale.w",
+            "experts.projection_c",
+            "experts.projection",
+            "experts.+5",
+            "experts.05",
+            "layers.+5",
+            "layers.34",
+            "norm.weigh",
+            "bias.x",
+            "Root",
+            "expert",
+        ] {
+            assert_eq!(tree.find(missing), None, "{missing}");
+        }
+        assert_eq!(tree.find(""), Some(Node::Module(0)));
     }
 
     #[test]

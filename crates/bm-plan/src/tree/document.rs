@@ -24,7 +24,10 @@ use std::ops::Range;
 
 use bm_tensor::{DType, TensorMeta};
 
-use super::{FORMAT, ModuleId, ModuleTree, ModuleTreeBuilder, Node, TensorId, TensorKind, join};
+use super::{
+    DUPLICATE, FORMAT, ModuleId, ModuleTree, ModuleTreeBuilder, Node, PartKey, TensorId,
+    TensorKind, join,
+};
 use crate::Error;
 use bm_json::{Kind, Reader, line_column};
 
@@ -1110,14 +1113,15 @@ fn build(text: &str, mut doc: RawDocument<'_>) -> Result<ModuleTree, Error> {
         return Err(Error::tree("root", "missing"));
     };
     let mut builder = ModuleTreeBuilder::new(doc.str(doc.modules[root].class));
+    builder.siblings_checked_by_caller();
     // Names are mostly shorter than the text that holds them.
-    builder.index_later();
     builder.reserve(doc.modules.len(), doc.tensors.len(), text.len());
-    // Where each node is in the text, by id, for a duplicate name found
-    // when the names are indexed.
-    let mut module_pos = vec![doc.modules[root].pos];
-    module_pos.reserve_exact(doc.modules.len());
-    let mut tensor_pos = Vec::with_capacity(doc.tensors.len());
+    // The first name taken twice, found as a module's siblings are added:
+    // reported once every other check of the build has passed, as one
+    // index of all names made after the build found it (so the error is
+    // the same whatever the build meets after it).
+    let mut duplicate: Option<(Node, u32)> = None;
+    let mut siblings = Siblings::default();
     let lists = children_lists(&doc.modules);
     let name_budget = text.len().saturating_mul(NAME_BYTES_PER_BYTE);
     let mut name_bytes = 0usize;
@@ -1141,6 +1145,7 @@ fn build(text: &str, mut doc: RawDocument<'_>) -> Result<ModuleTree, Error> {
     let mut stack: Vec<(usize, ModuleId)> = vec![(root, 0)];
     while let Some((raw, id)) = stack.pop() {
         let module = &doc.modules[raw];
+        siblings.clear();
         for (list, param) in [(module.params, true), (module.buffers, false)] {
             for t in list.map_or(0..0, Span::range) {
                 let t = &doc.tensors[t];
@@ -1153,7 +1158,7 @@ fn build(text: &str, mut doc: RawDocument<'_>) -> Result<ModuleTree, Error> {
                 };
                 let tensor = added.map_err(|e| locate(text, e, t.pos as usize))?;
                 spend(builder.node_name(Node::Tensor(tensor)), t.pos)?;
-                tensor_pos.push(t.pos);
+                siblings.push(name, Node::Tensor(tensor), t.pos);
             }
         }
         let kids = lists.of(raw);
@@ -1164,8 +1169,11 @@ fn build(text: &str, mut doc: RawDocument<'_>) -> Result<ModuleTree, Error> {
                 .add_module(id, doc.str(child.name), doc.str(child.class))
                 .map_err(|e| locate(text, e, child.pos as usize))?;
             spend(builder.node_name(Node::Module(cid)), child.pos)?;
-            module_pos.push(child.pos);
+            siblings.push(doc.str(child.name), Node::Module(cid), child.pos);
             first_id.get_or_insert(cid);
+        }
+        if duplicate.is_none() {
+            duplicate = siblings.first_taken_twice();
         }
         // The children got consecutive ids; the first is read first.
         if let Some(first_id) = first_id {
@@ -1185,28 +1193,75 @@ fn build(text: &str, mut doc: RawDocument<'_>) -> Result<ModuleTree, Error> {
         let names: Vec<&str> = group.names.iter().map(|n| doc.str(*n)).collect();
         builder.tie(&names);
     }
-    builder.finish_indexing().map_err(|(node, e)| {
-        let pos = match node {
-            Some(Node::Module(m)) => module_pos[m],
-            Some(Node::Tensor(t)) => tensor_pos[t],
-            // The builder names a bad group `tied[g]`; point at it.
-            None => {
-                let group = match &e {
-                    Error::Tree { path, .. } => path
-                        .strip_prefix("tied[")
-                        .and_then(|rest| rest.strip_suffix(']'))
-                        .and_then(|g| g.parse::<usize>().ok())
-                        .and_then(|g| doc.tied.get(g)),
-                    _ => None,
-                };
-                match group {
-                    Some(group) => group.pos,
-                    None => return e,
-                }
-            }
+    if let Some((node, pos)) = duplicate {
+        let name = builder.node_name(node);
+        return Err(locate(text, Error::tree(name, DUPLICATE), pos as usize));
+    }
+    builder.finish().map_err(|e| {
+        // The builder names a bad group `tied[g]`; point at it.
+        let group = match &e {
+            Error::Tree { path, .. } => path
+                .strip_prefix("tied[")
+                .and_then(|rest| rest.strip_suffix(']'))
+                .and_then(|g| g.parse::<usize>().ok())
+                .and_then(|g| doc.tied.get(g)),
+            _ => None,
         };
-        locate(text, e, pos as usize)
+        match group {
+            Some(group) => locate(text, e, group.pos as usize),
+            None => e,
+        }
     })
+}
+
+/// The names of one module's params, buffers and children, in the order
+/// they were added.
+#[derive(Default)]
+struct Siblings<'d> {
+    /// (name, node, its place in the text)
+    added: Vec<(&'d str, Node, u32)>,
+    /// Places in `added`, for a module with many.
+    order: Vec<(PartKey, usize)>,
+}
+
+/// A module with this many siblings or fewer is checked pair by pair.
+const FEW_SIBLINGS: usize = 16;
+
+impl<'d> Siblings<'d> {
+    fn clear(&mut self) {
+        self.added.clear();
+    }
+
+    fn push(&mut self, name: &'d str, node: Node, pos: u32) {
+        self.added.push((name, node, pos));
+    }
+
+    /// The first added whose name an earlier one has, where adding the
+    /// names one at a time to an index would have stopped.
+    fn first_taken_twice(&mut self) -> Option<(Node, u32)> {
+        let added = &self.added;
+        let first = if added.len() <= FEW_SIBLINGS {
+            (1..added.len()).find(|&i| added[..i].iter().any(|a| a.0 == added[i].0))?
+        } else {
+            // Sorted by name, each name's places in the order added: the
+            // second of a run is the first repeat of that name.
+            self.order.clear();
+            let keyed = added.iter().enumerate().map(|(i, a)| (PartKey::of(a.0), i));
+            self.order.extend(keyed);
+            self.order.sort_unstable_by(|a, b| {
+                (a.0.cmp(&b.0))
+                    .then_with(|| added[a.1].0.cmp(added[b.1].0))
+                    .then(a.1.cmp(&b.1))
+            });
+            self.order
+                .windows(2)
+                .filter(|w| w[0].0 == w[1].0 && added[w[0].1].0 == added[w[1].1].0)
+                .map(|w| w[1].1)
+                .min()?
+        };
+        let (_, node, pos) = added[first];
+        Some((node, pos))
+    }
 }
 
 /// Each module's children in document order, as one list: module `m`'s
@@ -1858,6 +1913,100 @@ mod tests {
             splits > 3000 && spliced > splits / 5,
             "{spliced} of {splits}"
         );
+    }
+
+    /// A module whose children and tensors are named from a small pool, so
+    /// that siblings now and then share a name (a module's with a tensor's
+    /// too); some lists are longer than `FEW_SIBLINGS`.
+    fn crowded_module(rng: &mut Rng, depth: usize, name: Option<String>) -> serde_json::Value {
+        let long = rng.below(4) == 0;
+        let (prefix, pool) = if long { ("x", 60) } else { ("n", 6) };
+        let pick = |rng: &mut Rng| format!("{prefix}{}", rng.below(pool));
+        let count = |rng: &mut Rng| {
+            if long {
+                10 + rng.below(20)
+            } else {
+                rng.below(3)
+            }
+        };
+        let tensor = |name: String| serde_json::json!({"name": name, "shape": [1], "dtype": "F32"});
+        let params: Vec<_> = (0..count(rng)).map(|_| tensor(pick(rng))).collect();
+        let buffers: Vec<_> = (0..rng.below(2)).map(|_| tensor(pick(rng))).collect();
+        let mut module = serde_json::json!({"class": "C", "params": params, "buffers": buffers});
+        if depth > 0 {
+            let children: Vec<_> = (0..count(rng))
+                .map(|_| {
+                    let name = pick(rng);
+                    crowded_module(rng, depth - 1, Some(name))
+                })
+                .collect();
+            module["children"] = children.into();
+        }
+        if let Some(name) = name {
+            module["name"] = name.into();
+        }
+        module
+    }
+
+    /// What adding the names of `root` one at a time to a builder that
+    /// indexes them says, in the order the reader adds them.
+    fn one_name_at_a_time(root: &serde_json::Value) -> Result<(), String> {
+        let mut b = ModuleTreeBuilder::new("C");
+        let mut stack = vec![(root, 0)];
+        while let Some((module, id)) = stack.pop() {
+            for (key, param) in [("params", true), ("buffers", false)] {
+                for t in module[key].as_array().into_iter().flatten() {
+                    let (name, meta) = (
+                        t["name"].as_str().unwrap(),
+                        TensorMeta::new(DType::F32, [1]),
+                    );
+                    let added = if param {
+                        b.add_param(id, name, meta)
+                    } else {
+                        b.add_buffer(id, name, meta, true)
+                    };
+                    added.map_err(|e| e.to_string())?;
+                }
+            }
+            let mut children = Vec::new();
+            for c in module["children"].as_array().into_iter().flatten() {
+                let name = c["name"].as_str().unwrap();
+                children.push((c, b.add_module(id, name, "C").map_err(|e| e.to_string())?));
+            }
+            stack.extend(children.into_iter().rev());
+        }
+        b.finish().map(|_| ()).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn the_duplicate_found_among_siblings_is_the_one_an_index_of_all_names_finds() {
+        let mut rng = Rng(0x2545_f491_4f6c_dd1d);
+        // Duplicates, and those in a list longer than `FEW_SIBLINGS`.
+        let (mut duplicates, mut in_long_lists) = (0, 0);
+        for case in 0..300 {
+            let root = crowded_module(&mut rng, 1 + case % 3, None);
+            let text = serde_json::json!({"format": FORMAT, "root": root}).to_string();
+            let read = ModuleTree::from_json_str(&text)
+                .map(|_| ())
+                .map_err(|e| e.to_string());
+            match (read, one_name_at_a_time(&root)) {
+                (Ok(()), Ok(())) => {}
+                (Err(read), Err(indexed)) => {
+                    // The reader also says where in the text.
+                    assert!(
+                        read.starts_with(&indexed),
+                        "case {case}: {read} / {indexed}\n{text}"
+                    );
+                    assert!(read.contains(DUPLICATE), "{read}");
+                    duplicates += 1;
+                    let name = indexed.split(' ').nth(4).unwrap_or("");
+                    in_long_lists += usize::from(name.rsplit('.').next().unwrap().starts_with('x'));
+                }
+                (read, indexed) => panic!("case {case}: {read:?} / {indexed:?}\n{text}"),
+            }
+        }
+        assert!(duplicates > 100 && duplicates < 290, "{duplicates} of 300");
+        assert!(in_long_lists > 30, "{in_long_lists}");
     }
 
     #[test]
