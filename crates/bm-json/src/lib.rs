@@ -406,6 +406,80 @@ impl<'a> Reader<'a> {
         Err(self.error("expected `true`, `false` or `null`"))
     }
 
+    // Plain tokens. A caller that knows how a writer lays a value out reads
+    // it with these, each true or `Some` only when the text goes on as
+    // expected (white space skipped first) and consuming no more otherwise,
+    // and falls back to the general calls from a clone of the reader taken
+    // before: what they accept the general calls accept too, with the same
+    // result, and nothing else.
+
+    /// Consumes `token` (a punctuation mark, or a key with its quotes).
+    #[inline(always)]
+    pub fn take<const N: usize>(&mut self, token: &[u8; N]) -> bool {
+        self.skip_ws();
+        let found = self.bytes().get(self.pos..self.pos + N) == Some(token);
+        if found {
+            self.pos += N;
+        }
+        found
+    }
+
+    /// A string with no escape, borrowed.
+    #[inline(always)]
+    pub fn plain_string(&mut self) -> Option<&'a str> {
+        self.skip_ws();
+        let bytes = self.bytes();
+        if bytes.get(self.pos) != Some(&b'"') {
+            return None;
+        }
+        let start = self.pos + 1;
+        let end = start + find_special(&bytes[start..]);
+        if bytes.get(end) != Some(&b'"') {
+            return None;
+        }
+        self.pos = end + 1;
+        // SAFETY: `start` follows an ASCII quote and `end` is at one, in
+        // text that is UTF-8: both are character boundaries.
+        Some(unsafe { self.text.get_unchecked(start..end) })
+    }
+
+    /// A non-negative integer of at most 19 digits with no sign, fraction
+    /// or exponent: what [`Reader::number`] gives as `Some` without
+    /// parsing it as a float.
+    #[inline(always)]
+    pub fn plain_u64(&mut self) -> Option<u64> {
+        self.skip_ws();
+        let bytes = self.bytes();
+        let mut i = self.pos;
+        let mut value = 0u64;
+        while let Some(&b) = bytes.get(i).filter(|b| b.is_ascii_digit()) {
+            if i - self.pos == 19 {
+                return None;
+            }
+            value = value * 10 + u64::from(b - b'0');
+            i += 1;
+        }
+        let digits = i - self.pos;
+        let leading_zero = digits > 1 && bytes[self.pos] == b'0';
+        if digits == 0 || leading_zero || matches!(bytes.get(i), Some(b'.' | b'e' | b'E')) {
+            return None;
+        }
+        self.pos = i;
+        Some(value)
+    }
+
+    /// Notes a value `levels` deep read with the plain tokens, as
+    /// [`Reader::begin_object`] and [`Reader::begin_array`] would have:
+    /// false, and nothing noted, where they would refuse it as too deep.
+    #[inline(always)]
+    pub fn passed_nested(&mut self, levels: usize) -> bool {
+        if self.depth + levels >= self.limit {
+            return false;
+        }
+        self.deepest = self.deepest.max(self.depth + levels);
+        true
+    }
+
     /// Reads a list of non-negative integers; `None` when the value is
     /// anything else (it is consumed either way).
     pub fn u64_list(&mut self) -> Result<Option<Vec<u64>>, String> {
@@ -703,6 +777,69 @@ mod tests {
         assert!(!part.next_element(false).unwrap());
         assert!(!part.next_element(false).unwrap());
         assert!(!first.join(&part));
+    }
+
+    #[test]
+    fn plain_tokens_accept_only_what_the_general_calls_read_the_same() {
+        for text in [
+            "0",
+            "7",
+            "42 ",
+            " 1234567890123456789",
+            "12345678901234567890",
+            "99999999999999999999",
+            "00",
+            "01",
+            "-1",
+            "1.5",
+            "1e3",
+            "2E1",
+            "3,",
+            "9]",
+            "x",
+            "",
+            "\"a\"",
+            "\"\"",
+            " \"w\\u0041\"",
+            "\"tab\tx\"",
+            "\"unterminated",
+            "\"caf\u{e9}\" ",
+        ] {
+            let mut plain = Reader::new(text);
+            match plain.plain_u64() {
+                Some(v) => {
+                    let mut general = Reader::new(text);
+                    assert_eq!(general.number(), Ok(Some(v)), "{text:?}");
+                    assert_eq!(plain.offset(), general.offset(), "{text:?}");
+                }
+                None => {
+                    assert_eq!(plain.offset(), text.len() - text.trim_start().len());
+                }
+            }
+            let mut plain = Reader::new(text);
+            match plain.plain_string() {
+                Some(s) => {
+                    let mut general = Reader::new(text);
+                    assert_eq!(general.string().as_deref(), Ok(s), "{text:?}");
+                    assert_eq!(plain.offset(), general.offset(), "{text:?}");
+                }
+                None => {
+                    assert_eq!(plain.offset(), text.len() - text.trim_start().len());
+                }
+            }
+        }
+        assert_eq!(Reader::new(" 42,").plain_u64(), Some(42));
+        assert_eq!(
+            Reader::new("9999999999999999999").plain_u64(),
+            Some(9_999_999_999_999_999_999)
+        );
+        assert_eq!(Reader::new(" \"a b\"").plain_string(), Some("a b"));
+        let mut r = Reader::new(" {\"a\":[]}");
+        assert!(!r.take(b"{\"b\""));
+        assert_eq!(r.offset(), 1);
+        assert!(r.take(b"{\"a\"") && r.take(b":") && r.take(b"[") && r.take(b"]"));
+        assert!(r.passed_nested(2));
+        assert!(!r.passed_nested(MAX_DEPTH));
     }
 
     #[test]

@@ -876,6 +876,9 @@ fn read_tensors<'a>(
     let mut first = true;
     while r.next_element(first)? {
         first = false;
+        if read_plain_tensor(r, doc, key) {
+            continue;
+        }
         let pos = r.pos();
         let found = if r.peek()? == Kind::Object {
             read_tensor(r, doc, key)?
@@ -897,6 +900,92 @@ fn read_tensors<'a>(
             end: doc.tensors.len() as u32,
         }),
         Some(p) => Err(p),
+    })
+}
+
+/// Reads a tensor object laid out as bigmodel and `tools/export_module_tree.py`
+/// write one, `{"name": N, "shape": [D, ...], "dtype": T}` (then
+/// `"persistent": B` in a buffer), with no escape and nothing wrong in it,
+/// into `doc.tensors` with the reader's plain tokens: the general path
+/// dispatches on every key and checks every value's kind, a large part of
+/// reading a big tree, most of whose objects are tensors. False, with the
+/// reader and `doc` as they were, for anything else, which [`read_tensor`]
+/// then reads.
+#[inline(always)]
+fn read_plain_tensor<'a>(r: &mut Reader<'a>, doc: &mut RawDocument<'a>, key: &str) -> bool {
+    #[cfg(test)]
+    if !tests::PLAIN.with(std::cell::Cell::get) {
+        return false;
+    }
+    let saved = r.clone();
+    let dims = doc.dims.len();
+    match plain_tensor(r, doc, key) {
+        Some(tensor) => {
+            doc.tensors.push(tensor);
+            true
+        }
+        None => {
+            *r = saved;
+            doc.dims.truncate(dims);
+            false
+        }
+    }
+}
+
+#[inline(always)]
+fn plain_tensor<'a>(r: &mut Reader<'a>, doc: &mut RawDocument<'a>, key: &str) -> Option<RawTensor> {
+    let pos = r.pos();
+    // The object and its shape's list, two levels down.
+    if !(r.passed_nested(2) && r.take(b"{") && r.take(b"\"name\"") && r.take(b":")) {
+        return None;
+    }
+    let name = doc.keep(Cow::Borrowed(r.plain_string()?));
+    if !(r.take(b",") && r.take(b"\"shape\"") && r.take(b":") && r.take(b"[")) {
+        return None;
+    }
+    let start = doc.dims.len();
+    if !r.take(b"]") {
+        loop {
+            doc.dims.push(usize::try_from(r.plain_u64()?).ok()?);
+            if r.take(b"]") {
+                break;
+            }
+            if !r.take(b",") {
+                return None;
+            }
+        }
+    }
+    let shape = Span {
+        start: start as u32,
+        end: doc.dims.len() as u32,
+    };
+    if !(r.take(b",") && r.take(b"\"dtype\"") && r.take(b":")) {
+        return None;
+    }
+    let dtype = DType::from_safetensors_str(r.plain_string()?)?;
+    let persistent = if key == "buffers" && r.take(b",") {
+        if !(r.take(b"\"persistent\"") && r.take(b":")) {
+            return None;
+        }
+        match (r.take(b"true"), r.take(b"false")) {
+            (true, _) => Some(true),
+            (_, true) => Some(false),
+            _ => return None,
+        }
+    } else {
+        None
+    };
+    if !r.take(b"}") {
+        return None;
+    }
+    #[cfg(test)]
+    tests::PLAIN_READ.with(|n| n.set(n.get() + 1));
+    Some(RawTensor {
+        pos: pos as u32,
+        name,
+        dtype,
+        persistent,
+        shape,
     })
 }
 
@@ -1364,6 +1453,7 @@ impl ModuleTree {
 mod tests {
     use super::*;
     use crate::tree::Node;
+    use std::cell::Cell;
 
     const SPEC_EXAMPLE: &str = r#"{
       "format": "bigmodel-module-tree/1",
@@ -1780,6 +1870,10 @@ mod tests {
     thread_local! {
         /// Documents joined from two parts on this thread.
         pub(super) static SPLICED: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+        /// Whether tensors are read with plain tokens on this thread.
+        pub(super) static PLAIN: std::cell::Cell<bool> = const { std::cell::Cell::new(true) };
+        /// Tensors read with plain tokens on this thread.
+        pub(super) static PLAIN_READ: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
     }
 
     /// A small deterministic generator (xorshift) for the split tests.
@@ -2007,6 +2101,86 @@ mod tests {
         }
         assert!(duplicates > 100 && duplicates < 290, "{duplicates} of 300");
         assert!(in_long_lists > 30, "{in_long_lists}");
+    }
+
+    #[test]
+    fn tensors_read_with_plain_tokens_are_what_the_general_path_reads() {
+        let outcomes = |text: &str| {
+            let (plain_before, spliced_before) =
+                (PLAIN_READ.with(Cell::get), SPLICED.with(Cell::get));
+            let plain = outcome(text, read_from(text, None));
+            let plain_read = PLAIN_READ.with(Cell::get) - plain_before;
+            PLAIN.with(|p| p.set(false));
+            let general = outcome(text, read_from(text, None));
+            PLAIN.with(|p| p.set(true));
+            assert_eq!(SPLICED.with(Cell::get), spliced_before);
+            (plain, general, plain_read)
+        };
+        // Generated trees, valid and not.
+        let mut rng = Rng(0xd1b5_4a32_d192_ed03);
+        let mut plain_reads = 0;
+        for case in 0..60 {
+            let root = module_text(&mut rng, 2 + case % 2, None, case % 2 == 0);
+            let text = format!(r#"{{"format":"bigmodel-module-tree/1","root":{root}}}"#);
+            let (plain, general, read) = outcomes(&text);
+            assert_eq!(plain, general, "case {case}:\n{text}");
+            plain_reads += read;
+        }
+        assert!(plain_reads > 200, "{plain_reads}");
+        // Each of these tensors in a module's params and in its buffers.
+        let tensors = [
+            (r#"{"name":"w","shape":[2,3],"dtype":"F32"}"#, true),
+            (
+                r#"{ "name" : "w" , "shape" : [ ] , "dtype" : "BF16" }"#,
+                true,
+            ),
+            (
+                r#"{"name":"w","shape":[0,18446744073709551615],"dtype":"I8"}"#,
+                false,
+            ),
+            (
+                r#"{"name":"w","shape":[1234567890123456789],"dtype":"U8"}"#,
+                true,
+            ),
+            (
+                r#"{"name":"w","shape":[2],"dtype":"F32","persistent":false}"#,
+                true,
+            ),
+            (
+                r#"{"name":"w","shape":[2],"dtype":"F32","persistent":null}"#,
+                false,
+            ),
+            (
+                r#"{"name":"w","shape":[2],"dtype":"F32","persistent":true,"x":1}"#,
+                false,
+            ),
+            (r#"{"name":"w\u002e","shape":[2],"dtype":"F32"}"#, false),
+            (r#"{"name":"w","shape":[02],"dtype":"F32"}"#, false),
+            (r#"{"name":"w","shape":[2.0],"dtype":"F32"}"#, false),
+            (r#"{"name":"w","shape":[-2],"dtype":"F32"}"#, false),
+            (r#"{"name":"w","shape":[2,],"dtype":"F32"}"#, false),
+            (r#"{"name":"w","shape":[2]],"dtype":"F32"}"#, false),
+            (r#"{"name":"w","shape":[2],"dtype":"F17"}"#, false),
+            (r#"{"name":"w","dtype":"F32","shape":[2]}"#, false),
+            (
+                r#"{"name":"w","shape":[2],"dtype":"F32","name":"v"}"#,
+                false,
+            ),
+            (r#"{"name":"","shape":[2],"dtype":"F32"}"#, true),
+            (r#"{"name":"w","shape":[2],"dtype":"F32"#, false),
+        ];
+        for (tensor, plain_in_params) in tensors {
+            for key in ["params", "buffers"] {
+                let text = format!(
+                    r#"{{"format":"bigmodel-module-tree/1","root":{{"class":"M","{key}":[{tensor}]}}}}"#
+                );
+                let (plain, general, read) = outcomes(&text);
+                assert_eq!(plain, general, "{text}");
+                let persistent = tensor.contains("persistent\":false");
+                let expected = plain_in_params && (key == "buffers" || !persistent);
+                assert_eq!(read == 1, expected, "{text}");
+            }
+        }
     }
 
     #[test]
