@@ -460,6 +460,16 @@ impl ModuleTreeBuilder {
         }
     }
 
+    /// The number of tensors added.
+    pub(crate) fn tensor_count(&self) -> usize {
+        self.tables.tensors.len()
+    }
+
+    /// The bytes of all full names added.
+    pub(crate) fn name_bytes(&self) -> usize {
+        self.tables.names.len()
+    }
+
     /// The full name of a node added.
     pub(crate) fn node_name(&self, node: Node) -> &str {
         self.tables.node_name(node)
@@ -566,6 +576,12 @@ impl ModuleTreeBuilder {
     /// index is dropped: the tree finds names from the root down.
     pub fn finish(self) -> Result<ModuleTree, Error> {
         let structure = Structure::of(&self.tables);
+        self.finish_with(structure)
+    }
+
+    /// [`ModuleTreeBuilder::finish`] with the links and orders its caller
+    /// made as it added the nodes ([`Structure::of`] would make the same).
+    fn finish_with(self, structure: Structure) -> Result<ModuleTree, Error> {
         let mut tables = self.tables;
         for (record, start) in tables.modules.iter_mut().zip(structure.starts) {
             record.links = start;
@@ -585,6 +601,7 @@ impl ModuleTreeBuilder {
 }
 
 /// The links and orders of a tree, made from its tables.
+#[derive(Debug, Default)]
 struct Structure {
     /// Where each module's part of `links` starts ([`ModuleRecord::links`]).
     starts: Vec<u32>,
@@ -1014,6 +1031,25 @@ impl ModuleTree {
             .filter(|t| t.kind == TensorKind::Param && t.counted)
             .map(|t| t.meta.numel() as u64)
             .sum()
+    }
+}
+
+/// Checks that `tree`'s links and orders are what [`Structure::of`] makes
+/// of its tables (for a tree whose builder was given them).
+#[cfg(test)]
+pub(crate) fn assert_structure_of_tables(tree: &ModuleTree) {
+    let made = Structure::of(&tree.tables);
+    assert_eq!(tree.preorder, made.preorder);
+    assert_eq!(tree.preorder_pos, made.preorder_pos);
+    assert_eq!(tree.subtree_end, made.subtree_end);
+    for (m, record) in tree.tables.modules.iter().enumerate() {
+        let count = (record.children + record.params + record.buffers) as usize;
+        let own = &tree.links[record.links as usize..][..count];
+        assert_eq!(
+            own,
+            &made.links[made.starts[m] as usize..][..count],
+            "module {m}"
+        );
     }
 }
 

@@ -25,7 +25,7 @@ use std::ops::Range;
 use bm_tensor::{DType, TensorMeta};
 
 use super::{
-    DUPLICATE, FORMAT, ModuleId, ModuleTree, ModuleTreeBuilder, Node, PartKey, TensorId,
+    DUPLICATE, FORMAT, ModuleId, ModuleTree, ModuleTreeBuilder, Node, PartKey, Structure, TensorId,
     TensorKind, join,
 };
 use crate::Error;
@@ -1213,13 +1213,13 @@ fn build(text: &str, mut doc: RawDocument<'_>) -> Result<ModuleTree, Error> {
     let mut siblings = Siblings::default();
     let lists = children_lists(&doc.modules);
     let name_budget = text.len().saturating_mul(NAME_BYTES_PER_BYTE);
-    let mut name_bytes = 0usize;
-    let mut spend = |name: &str, pos: u32| {
-        name_bytes += name.len();
-        if name_bytes > name_budget {
+    // Checked after each node is added: its full name is the last in the
+    // builder's names, and all of them are one buffer.
+    let spend = |builder: &ModuleTreeBuilder, node: Node, pos: u32| {
+        if builder.name_bytes() > name_budget {
             return Err(error_at(
                 text,
-                name,
+                builder.node_name(node),
                 &format!(
                     "the full names of the modules and tensors pass {name_budget} bytes, \
                      {NAME_BYTES_PER_BYTE} times the size of the document: the tree nests too deep"
@@ -1230,9 +1230,30 @@ fn build(text: &str, mut doc: RawDocument<'_>) -> Result<ModuleTree, Error> {
         Ok(())
     };
 
-    // (raw module, its id in the builder)
+    // The links and orders of the tree, made as it is built, in the order
+    // `Structure::of` would find them: modules are added in pre-order, each
+    // one's children at once, and its params and buffers each in one run.
+    // Sized for every module read; only those reached get an id.
+    let most = doc.modules.len();
+    let mut structure = Structure {
+        starts: vec![0; most],
+        links: Vec::with_capacity(most + doc.tensors.len()),
+        preorder: Vec::with_capacity(most),
+        preorder_pos: vec![0; most],
+        subtree_end: vec![0; most],
+    };
+    // (raw module, its id in the builder), or (CLOSE, id) once the
+    // modules below it are all added.
+    const CLOSE: usize = usize::MAX;
     let mut stack: Vec<(usize, ModuleId)> = vec![(root, 0)];
     while let Some((raw, id)) = stack.pop() {
+        if raw == CLOSE {
+            structure.subtree_end[id] = structure.preorder.len();
+            continue;
+        }
+        structure.preorder_pos[id] = structure.preorder.len();
+        structure.preorder.push(id);
+        let first_tensor = builder.tensor_count();
         let module = &doc.modules[raw];
         siblings.clear();
         for (list, param) in [(module.params, true), (module.buffers, false)] {
@@ -1246,7 +1267,7 @@ fn build(text: &str, mut doc: RawDocument<'_>) -> Result<ModuleTree, Error> {
                     builder.add_buffer(id, name, meta, t.persistent.unwrap_or(true))
                 };
                 let tensor = added.map_err(|e| locate(text, e, t.pos as usize))?;
-                spend(builder.node_name(Node::Tensor(tensor)), t.pos)?;
+                spend(&builder, Node::Tensor(tensor), t.pos)?;
                 siblings.push(name, Node::Tensor(tensor), t.pos);
             }
         }
@@ -1257,13 +1278,19 @@ fn build(text: &str, mut doc: RawDocument<'_>) -> Result<ModuleTree, Error> {
             let cid = builder
                 .add_module(id, doc.str(child.name), doc.str(child.class))
                 .map_err(|e| locate(text, e, child.pos as usize))?;
-            spend(builder.node_name(Node::Module(cid)), child.pos)?;
+            spend(&builder, Node::Module(cid), child.pos)?;
             siblings.push(doc.str(child.name), Node::Module(cid), child.pos);
             first_id.get_or_insert(cid);
         }
         if duplicate.is_none() {
             duplicate = siblings.first_taken_twice();
         }
+        // Its children, then its params and buffers (added in that order).
+        structure.starts[id] = structure.links.len() as u32;
+        let children = first_id.map_or(0..0, |first| first..first + kids.len());
+        structure.links.extend(children);
+        structure.links.extend(first_tensor..builder.tensor_count());
+        stack.push((CLOSE, id));
         // The children got consecutive ids; the first is read first.
         if let Some(first_id) = first_id {
             for (k, &c) in kids.iter().enumerate().rev() {
@@ -1271,6 +1298,10 @@ fn build(text: &str, mut doc: RawDocument<'_>) -> Result<ModuleTree, Error> {
             }
         }
     }
+    let modules = structure.preorder.len();
+    structure.starts.truncate(modules);
+    structure.preorder_pos.truncate(modules);
+    structure.subtree_end.truncate(modules);
     // The first pass's tables are read; freed now, their memory holds the
     // index and the orders instead of fresh pages.
     drop(lists);
@@ -1286,7 +1317,7 @@ fn build(text: &str, mut doc: RawDocument<'_>) -> Result<ModuleTree, Error> {
         let name = builder.node_name(node);
         return Err(locate(text, Error::tree(name, DUPLICATE), pos as usize));
     }
-    builder.finish().map_err(|e| {
+    builder.finish_with(structure).map_err(|e| {
         // The builder names a bad group `tied[g]`; point at it.
         let group = match &e {
             Error::Tree { path, .. } => path
@@ -1964,6 +1995,7 @@ mod tests {
             },
         };
         tree.map(|t| {
+            crate::tree::assert_structure_of_tables(&t);
             let names = t
                 .modules()
                 .map(|m| m.name.to_string())
