@@ -117,6 +117,14 @@ impl Source {
 }
 
 /// The model a parsed config.json describes; errors name `file` and the key.
+impl Args {
+    /// Whether planning allocates on a device: `--verify` allocates the
+    /// ledger on every GPU, `--calibrate` times transfers.
+    pub fn uses_devices(&self) -> bool {
+        self.verify || self.calibrate
+    }
+}
+
 fn config_model(doc: serde_json::Value, file: &Path) -> Result<HfModel, bigmodel::plan::Error> {
     tree_from_config(&HfConfig::from_value(doc, file)?)
 }
