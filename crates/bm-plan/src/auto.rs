@@ -104,8 +104,9 @@ fn items_of(tree: &ModuleTree, sizes: &ModuleSizes, options: &PlanOptions) -> Ve
     // lists are not copied as they grow.
     let most = tree.modules().len() + tree.tensors().len();
     let mut units: Vec<Node> = Vec::with_capacity(most);
-    let mut owner_of_unit: Vec<Option<usize>> = Vec::with_capacity(most);
-    let mut stack: Vec<(Node, Option<usize>)> = vec![(Node::Module(0), None)];
+    // The no-split module a unit was split from (`NO_OWNER` for none).
+    let mut owner_of_unit: Vec<u32> = Vec::with_capacity(most);
+    let mut stack: Vec<(Node, u32)> = vec![(Node::Module(0), NO_OWNER)];
     while let Some((node, owner)) = stack.pop() {
         match node {
             Node::Module(m) => {
@@ -118,7 +119,11 @@ fn items_of(tree: &ModuleTree, sizes: &ModuleSizes, options: &PlanOptions) -> Ve
                     owner_of_unit.push(owner);
                     continue;
                 }
-                let owner = owner.or(no_split.then_some(m));
+                let owner = if owner == NO_OWNER && no_split {
+                    m as u32
+                } else {
+                    owner
+                };
                 for t in module.buffers.iter().rev() {
                     stack.push((Node::Tensor(*t), owner));
                 }
@@ -183,60 +188,32 @@ fn items_of(tree: &ModuleTree, sizes: &ModuleSizes, options: &PlanOptions) -> Ve
         }
     }
     // The rest of a no-split module split around its experts stays one
-    // item; the nearest non-expert unit before an expert is its home.
-    let mut first_of_owner: Vec<(usize, usize)> = Vec::new();
-    let mut home_unit = vec![None; units.len()];
-    let mut last_plain = None;
-    for u in 0..units.len() {
-        if unit_is_expert(u) {
-            home_unit[u] = last_plain;
+    // item.
+    let mut first_of_owner: Vec<(u32, usize)> = Vec::new();
+    for (u, &owner) in owner_of_unit.iter().enumerate() {
+        if owner == NO_OWNER || unit_is_expert(u) {
             continue;
         }
-        last_plain = Some(u);
-        if let Some(owner) = owner_of_unit[u] {
-            match first_of_owner.iter().rev().find(|(o, _)| *o == owner) {
-                Some(&(_, first)) => join(&mut parent, first, u),
-                None => first_of_owner.push((owner, u)),
-            }
-        }
-    }
-    // The unit a module's runtime bytes are charged to: its own, or the
-    // first of its units when it was split.
-    let unit_charged = |m: usize| -> Option<usize> {
-        match unit_of_module.get(m).copied() {
-            Some(u) if u != usize::MAX => Some(u),
-            _ => units.iter().position(|n| match *n {
-                Node::Module(x) => tree.is_within(x, m),
-                Node::Tensor(t) => tree.is_within(tree.tensor(t).module, m),
-            }),
-        }
-    };
-    let mut kv = vec![0u64; units.len()];
-    let mut logits = vec![0u64; units.len()];
-    let mut peak = vec![0u64; units.len()];
-    for &(m, bytes) in &options.runtime_bytes {
-        if let Some(u) = unit_charged(m) {
-            kv[u] = kv[u].saturating_add(bytes);
-        }
-    }
-    for &(m, bytes) in &options.logits_bytes {
-        if let Some(u) = unit_charged(m) {
-            logits[u] = logits[u].saturating_add(bytes);
-        }
-    }
-    for &(m, bytes) in &options.activation_peaks {
-        if let Some(u) = unit_charged(m) {
-            peak[u] = peak[u].max(bytes);
+        match first_of_owner.iter().rev().find(|(o, _)| *o == owner) {
+            Some(&(_, first)) => join(&mut parent, first, u),
+            None => first_of_owner.push((owner, u)),
         }
     }
     let mut item_of_root = vec![usize::MAX; units.len()];
     let mut items: Vec<Item> = Vec::with_capacity(units.len());
+    // The nearest non-expert unit before an expert is its home.
+    let mut last_plain = None;
     for (i, unit) in units.iter().enumerate() {
         let r = root(&mut parent, i);
+        let expert = unit_is_expert(i);
+        let home = if expert { last_plain } else { None };
+        if !expert {
+            last_plain = Some(i);
+        }
         if item_of_root[r] == usize::MAX {
             item_of_root[r] = items.len();
             // The home's item came first: the home unit is before this one.
-            let group = match home_unit[i] {
+            let group = match home {
                 Some(h) => item_of_root[root(&mut parent, h)],
                 None => items.len(),
             };
@@ -248,7 +225,7 @@ fn items_of(tree: &ModuleTree, sizes: &ModuleSizes, options: &PlanOptions) -> Ve
                 kv: 0,
                 logits: 0,
                 peak: 0,
-                expert: unit_is_expert(i),
+                expert,
                 group,
             });
         } else {
@@ -256,18 +233,47 @@ fn items_of(tree: &ModuleTree, sizes: &ModuleSizes, options: &PlanOptions) -> Ve
         }
         let item = &mut items[item_of_root[r]];
         // An expert tied to anything else is placed as that is.
-        if !unit_is_expert(i) && item.expert {
+        if !expert && item.expert {
             item.expert = false;
             item.group = item_of_root[r];
         }
         item.bytes = item.bytes.saturating_add(sizes.of(*unit));
-        item.kv = item.kv.saturating_add(kv[i]);
-        item.logits = item.logits.saturating_add(logits[i]);
+    }
+    // A module's runtime bytes are charged to its own unit's item, or to
+    // the item of the first of its units when it was split.
+    let mut item_charged = |m: usize| -> Option<usize> {
+        let unit = match unit_of_module.get(m).copied() {
+            Some(u) if u != usize::MAX => u,
+            _ => units.iter().position(|n| match *n {
+                Node::Module(x) => tree.is_within(x, m),
+                Node::Tensor(t) => tree.is_within(tree.tensor(t).module, m),
+            })?,
+        };
+        Some(item_of_root[root(&mut parent, unit)])
+    };
+    for &(m, bytes) in &options.runtime_bytes {
+        if let Some(i) = item_charged(m) {
+            items[i].kv = items[i].kv.saturating_add(bytes);
+        }
+    }
+    for &(m, bytes) in &options.logits_bytes {
+        if let Some(i) = item_charged(m) {
+            items[i].logits = items[i].logits.saturating_add(bytes);
+        }
+    }
+    for &(m, bytes) in &options.activation_peaks {
+        if let Some(i) = item_charged(m) {
+            items[i].peak = items[i].peak.max(bytes);
+        }
+    }
+    for item in &mut items {
         item.runtime = item.kv.saturating_add(item.logits);
-        item.peak = item.peak.max(peak[i]);
     }
     items
 }
+
+/// No owner: a unit not split from a no-split module.
+const NO_OWNER: u32 = u32::MAX;
 
 /// Speed tier: GPUs, then host RAM, then disk.
 fn tier(d: Device) -> u8 {
