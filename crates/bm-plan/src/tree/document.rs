@@ -509,8 +509,12 @@ fn read_step<'a>(
         return Ok(None);
     }
     let first_key = std::mem::replace(&mut top.first_key, false);
-    let Some(key) = r.next_key(first_key)? else {
-        return Ok(open.pop());
+    let key = match plain_module_key(r, first_key) {
+        Some(key) => Cow::Borrowed(key),
+        None => match r.next_key(first_key)? {
+            Some(key) => key,
+            None => return Ok(open.pop()),
+        },
     };
     match &*key {
         "name" => {
@@ -536,6 +540,35 @@ fn read_step<'a>(
         _ => r.skip_value()?,
     }
     Ok(None)
+}
+
+/// The next key of a module object when it is one the format knows,
+/// written plainly (no escape): the reader is then past its `:`. `None`,
+/// with the reader where it was, for anything else, which
+/// [`Reader::next_key`] then reads.
+#[inline(always)]
+fn plain_module_key(r: &mut Reader<'_>, first: bool) -> Option<&'static str> {
+    let saved = r.clone();
+    if first || r.take(b",") {
+        let key = if r.take(b"\"name\"") {
+            Some("name")
+        } else if r.take(b"\"class\"") {
+            Some("class")
+        } else if r.take(b"\"params\"") {
+            Some("params")
+        } else if r.take(b"\"children\"") {
+            Some("children")
+        } else if r.take(b"\"buffers\"") {
+            Some("buffers")
+        } else {
+            None
+        };
+        if key.is_some() && r.take(b":") {
+            return key;
+        }
+    }
+    *r = saved;
+    None
 }
 
 impl RawModule {
