@@ -33,7 +33,7 @@ use crate::Error;
 use crate::device::{Device, MaxMemory};
 use crate::experts::expert_lists;
 use crate::ledger::{Ledger, LedgerItem};
-use crate::plan::{DeviceMap, Mode, Plan, PlanOptions};
+use crate::plan::{DeviceMap, Mode, Plan, PlanOptions, ResolvedMap};
 use crate::size::human_bytes;
 use crate::sizes::{ModuleSizes, SizeRule};
 use crate::tree::{ModuleTree, Node};
@@ -141,25 +141,32 @@ fn items_of(tree: &ModuleTree, sizes: &ModuleSizes, options: &PlanOptions) -> Ve
         }
     }
     let unit_is_expert = |u: usize| matches!(units[u], Node::Module(m) if is_expert(m));
-    // The unit holding each module and tensor.
-    let mut unit_of_module = vec![usize::MAX; tree.modules().len()];
-    let mut unit_of_tensor = vec![usize::MAX; tree.tensors().len()];
-    for (i, unit) in units.iter().enumerate() {
-        match *unit {
-            Node::Module(m) => unit_of_module[m] = i,
-            Node::Tensor(t) => unit_of_tensor[t] = i,
+    // The unit holding each module and tensor, for ties and runtime
+    // charges (a large tree often has neither).
+    let charged = !(options.runtime_bytes.is_empty()
+        && options.logits_bytes.is_empty()
+        && options.activation_peaks.is_empty());
+    let (mut unit_of_module, mut unit_of_tensor) = (Vec::new(), Vec::new());
+    if charged || !tree.tied_groups().is_empty() {
+        unit_of_module = vec![usize::MAX; tree.modules().len()];
+        unit_of_tensor = vec![usize::MAX; tree.tensors().len()];
+        for (i, unit) in units.iter().enumerate() {
+            match *unit {
+                Node::Module(m) => unit_of_module[m] = i,
+                Node::Tensor(t) => unit_of_tensor[t] = i,
+            }
         }
-    }
-    for &m in tree.preorder() {
-        if unit_of_module[m] == usize::MAX
-            && let Some(p) = tree.module(m).parent
-        {
-            unit_of_module[m] = unit_of_module[p];
+        for &m in tree.preorder() {
+            if unit_of_module[m] == usize::MAX
+                && let Some(p) = tree.module(m).parent
+            {
+                unit_of_module[m] = unit_of_module[p];
+            }
         }
-    }
-    for (t, tensor) in tree.tensors().enumerate() {
-        if unit_of_tensor[t] == usize::MAX {
-            unit_of_tensor[t] = unit_of_module[tensor.module];
+        for (t, tensor) in tree.tensors().enumerate() {
+            if unit_of_tensor[t] == usize::MAX {
+                unit_of_tensor[t] = unit_of_module[tensor.module];
+            }
         }
     }
     // Tied units join the item of the first of them (union-find).
@@ -974,6 +981,16 @@ impl<'a> LedgerUnits<'a> {
 
     /// The ledger of `map`.
     pub fn ledger(&self, map: &DeviceMap) -> Result<Ledger, Error> {
+        self.ledger_resolved(map, &map.resolve(self.tree))
+    }
+
+    /// The ledger of `map`, given `map.resolve(tree)` (which a caller can
+    /// make while the units are being sized).
+    pub fn ledger_resolved(
+        &self,
+        map: &DeviceMap,
+        resolved: &ResolvedMap,
+    ) -> Result<Ledger, Error> {
         let (tree, options, items) = (self.tree, self.options, &self.items);
         let mut devices: Vec<Device> = map.iter().map(|(_, d)| d).collect();
         devices.extend(options.overheads.iter().map(|(d, _, _)| *d));
@@ -984,7 +1001,6 @@ impl<'a> LedgerUnits<'a> {
         let main = Device::execution(map.iter().map(|(_, d)| d));
         let index = |device: Device| devices.iter().position(|d| *d == device).unwrap_or(0);
         let exec = index(main);
-        let resolved = map.resolve(tree);
         let mut device_of_item = Vec::with_capacity(items.len());
         for item in items {
             // A unit the map splits (experts placed apart) runs where its

@@ -410,15 +410,20 @@ pub fn run(args: Args) -> CmdResult {
         let units =
             (compat == Compat::Accelerate).then(|| scope.spawn(|| LedgerUnits::of(tree, &loaded)));
         let plan = bigmodel::plan::plan_with(tree, &options, compat);
+        // The map resolved on the tree while the units are still sized.
+        let resolved = match (&plan, &units) {
+            (Ok(plan), Some(_)) => Some(plan.device_map.resolve(tree)),
+            _ => None,
+        };
         let units = units.map(|units| match units.join() {
             Ok(units) => units,
             Err(panic) => std::panic::resume_unwind(panic),
         });
-        (plan, units)
+        (plan, units.zip(resolved))
     });
     let mut plan = plan?;
-    if let Some(units) = units {
-        plan.ledger = units.ledger(&plan.device_map)?;
+    if let Some((units, resolved)) = units {
+        plan.ledger = units.ledger_resolved(&plan.device_map, &resolved)?;
     }
     let mut default_predicted: Option<Prediction> = None;
     let predicted = match &calibration {
