@@ -121,9 +121,17 @@ struct Tables {
 }
 
 impl Tables {
+    /// Unchecked: a view's name is then free when its caller reads other
+    /// fields (a checked slice reads the names' bytes at both ends, a cache
+    /// miss per `tree.module(m).parent` in a loop over a large tree).
     #[inline(always)]
     fn name(&self, at: NameAt) -> &str {
-        &self.names[at.start as usize..(at.start + at.len) as usize]
+        let range = at.start as usize..(at.start + at.len) as usize;
+        debug_assert!(self.names.get(range.clone()).is_some());
+        // SAFETY: every `NameAt` is a whole name `claim` appended to `names`
+        // (which only grows while it is used), or the part of one after a
+        // `.` (`WideLinks`): in bounds, on character boundaries.
+        unsafe { self.names.get_unchecked(range) }
     }
 
     fn node_name(&self, node: Node) -> &str {
