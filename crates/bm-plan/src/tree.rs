@@ -82,6 +82,14 @@ struct NameAt {
     len: u32,
 }
 
+impl NameAt {
+    /// Where the part of a child's name after this module's name and its
+    /// dot starts, from the start of the child's name (0 under the root).
+    fn parts_from(self) -> u32 {
+        if self.len == 0 { 0 } else { self.len + 1 }
+    }
+}
+
 /// `u32::MAX`: no parent, no tied group.
 const NONE: u32 = u32::MAX;
 
@@ -134,11 +142,15 @@ impl Tables {
         unsafe { self.names.get_unchecked(range) }
     }
 
-    fn node_name(&self, node: Node) -> &str {
+    fn name_at(&self, node: Node) -> NameAt {
         match node {
-            Node::Module(m) => self.name(self.modules[m].name),
-            Node::Tensor(t) => self.name(self.tensors[t].name),
+            Node::Module(m) => self.modules[m].name,
+            Node::Tensor(t) => self.tensors[t].name,
         }
+    }
+
+    fn node_name(&self, node: Node) -> &str {
+        self.name(self.name_at(node))
     }
 }
 
@@ -609,7 +621,6 @@ impl ModuleTreeBuilder {
 }
 
 /// The links and orders of a tree, made from its tables.
-#[derive(Debug, Default)]
 struct Structure {
     /// Where each module's part of `links` starts ([`ModuleRecord::links`]).
     starts: Vec<u32>,
@@ -713,20 +724,13 @@ impl WideLinks {
             }
             let from = wide.links.len();
             wide.start.insert(m, from);
-            let skip = if m == 0 {
-                0
-            } else {
-                module.name.len() as u32 + 1
-            };
+            let skip = tree.tables.modules[m].name.parts_from();
             let children = module.children.iter().map(|&c| Node::Module(c));
             let tensors = module.params.iter().chain(module.buffers);
             let nodes = children.chain(tensors.map(|&t| Node::Tensor(t)));
             let name = |at: NameAt| tree.tables.name(at);
             wide.links.extend(nodes.map(|node| {
-                let at = match node {
-                    Node::Module(c) => tree.tables.modules[c].name,
-                    Node::Tensor(t) => tree.tables.tensors[t].name,
-                };
+                let at = tree.tables.name_at(node);
                 let part = NameAt {
                     start: at.start + skip,
                     len: at.len - skip,
@@ -916,7 +920,7 @@ impl ModuleTree {
         let (children, tensors) = links.split_at(r.children as usize);
         // A link's name is its module's, a dot and its part: only one of
         // the right length is read.
-        let skip = if r.name.len == 0 { 0 } else { r.name.len + 1 };
+        let skip = r.name.parts_from();
         let is_part = |at: NameAt| {
             at.len as usize == skip as usize + part.len()
                 && self.tables.names.as_bytes()[(at.start + skip) as usize..][..part.len()]

@@ -1308,11 +1308,12 @@ fn build(text: &str, mut doc: RawDocument<'_>) -> Result<ModuleTree, Error> {
         let mut first_id = None;
         for &c in kids {
             let child = &doc.modules[c];
+            let name = doc.str(child.name);
             let cid = builder
-                .add_module(id, doc.str(child.name), doc.str(child.class))
+                .add_module(id, name, doc.str(child.class))
                 .map_err(|e| locate(text, e, child.pos as usize))?;
             spend(&builder, Node::Module(cid), child.pos)?;
-            siblings.push(doc.str(child.name), Node::Module(cid), child.pos);
+            siblings.push(name, Node::Module(cid), child.pos);
             first_id.get_or_insert(cid);
         }
         if duplicate.is_none() {
@@ -1373,7 +1374,7 @@ fn build(text: &str, mut doc: RawDocument<'_>) -> Result<ModuleTree, Error> {
 struct Siblings<'d> {
     /// (name, node, its place in the text)
     added: Vec<(&'d str, Node, u32)>,
-    /// Places in `added`, for a module with many.
+    /// For a module with many: each name's key and place in `added`.
     order: Vec<(PartKey, usize)>,
 }
 
