@@ -340,7 +340,7 @@ fn shard_errors_name_the_input_file_and_the_tensor() {
     let dir = tempfile::tempdir().unwrap();
     let input = dir.path().join("empty-name.safetensors");
     let mut json = r#"{"":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}"#.to_string();
-    while json.len() % 8 != 0 {
+    while !json.len().is_multiple_of(8) {
         json.push(' ');
     }
     let mut bytes = (json.len() as u64).to_le_bytes().to_vec();

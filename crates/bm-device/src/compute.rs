@@ -937,7 +937,11 @@ impl Gpu {
         theta: f32,
     ) -> Result<()> {
         const OP: &str = "rotary";
-        if head_dim == 0 || head_dim % 2 != 0 || width == 0 || width % head_dim != 0 {
+        if head_dim == 0
+            || !head_dim.is_multiple_of(2)
+            || width == 0
+            || !width.is_multiple_of(head_dim)
+        {
             return Err(bad(
                 OP,
                 format!("width {width} is not a whole number of heads of even size {head_dim}"),
@@ -979,7 +983,7 @@ impl Gpu {
         (head_dim, rotary_dim): (usize, usize),
     ) -> Result<()> {
         const OP: &str = "rotary";
-        if head_dim == 0 || width == 0 || width % head_dim != 0 {
+        if head_dim == 0 || width == 0 || !width.is_multiple_of(head_dim) {
             return Err(bad(
                 OP,
                 format!("width {width} is not a whole number of heads of size {head_dim}"),

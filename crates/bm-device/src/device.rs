@@ -51,10 +51,11 @@ impl FromStr for Device {
             return Ok(Device::Cpu);
         }
         let digits = t.strip_prefix("cuda:").unwrap_or(t);
-        if !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()) {
-            if let Ok(n) = digits.parse() {
-                return Ok(Device::Gpu(n));
-            }
+        if !digits.is_empty()
+            && digits.bytes().all(|b| b.is_ascii_digit())
+            && let Ok(n) = digits.parse()
+        {
+            return Ok(Device::Gpu(n));
         }
         Err(ParseDeviceError(s.to_string()))
     }

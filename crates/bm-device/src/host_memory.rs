@@ -69,13 +69,13 @@ pub(crate) fn host_memory_under(root: &Path) -> Result<HostMemory> {
                 source: HostMemorySource::CgroupV2,
             };
         }
-    } else if let Some(headroom) = cgroup_v1_headroom(&cgroup_root, &cgroups)? {
-        if headroom < best.available {
-            best = HostMemory {
-                available: headroom,
-                source: HostMemorySource::CgroupV1,
-            };
-        }
+    } else if let Some(headroom) = cgroup_v1_headroom(&cgroup_root, &cgroups)?
+        && headroom < best.available
+    {
+        best = HostMemory {
+            available: headroom,
+            source: HostMemorySource::CgroupV1,
+        };
     }
     Ok(best)
 }

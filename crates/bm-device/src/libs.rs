@@ -186,16 +186,15 @@ fn arch_dirs() -> (&'static str, &'static str) {
 /// installation), then the user site under `~/.local`.
 pub fn python_site_packages(env: &SearchEnv) -> Vec<PathBuf> {
     let mut prefixes = Vec::new();
-    if let Some(path) = &env.path {
-        if let Some(python) = std::env::split_paths(path)
+    if let Some(path) = &env.path
+        && let Some(python) = std::env::split_paths(path)
             .map(|dir| dir.join("python3"))
             .find(|p| p.is_file())
-        {
-            let prefix_of = |p: &Path| p.parent().and_then(Path::parent).map(Path::to_path_buf);
-            prefixes.extend(prefix_of(&python));
-            if let Ok(real) = std::fs::canonicalize(&python) {
-                prefixes.extend(prefix_of(&real));
-            }
+    {
+        let prefix_of = |p: &Path| p.parent().and_then(Path::parent).map(Path::to_path_buf);
+        prefixes.extend(prefix_of(&python));
+        if let Ok(real) = std::fs::canonicalize(&python) {
+            prefixes.extend(prefix_of(&real));
         }
     }
     if let Some(home) = &env.home {

@@ -177,11 +177,12 @@ impl DeviceSet {
         let mut enabled = Vec::new();
         for a in &self.gpus {
             for b in &self.gpus {
-                if let (Some(ca), Some(cb)) = (a.cuda(), b.cuda()) {
-                    if a.ordinal() != b.ordinal() && ca.can_access_peer(cb)? {
-                        ca.enable_peer_access(cb)?;
-                        enabled.push((a.ordinal(), b.ordinal()));
-                    }
+                if let (Some(ca), Some(cb)) = (a.cuda(), b.cuda())
+                    && a.ordinal() != b.ordinal()
+                    && ca.can_access_peer(cb)?
+                {
+                    ca.enable_peer_access(cb)?;
+                    enabled.push((a.ordinal(), b.ordinal()));
                 }
             }
         }

@@ -181,13 +181,13 @@ impl Forward {
             (Some(d), _) => d,
             (None, None) => Device::Cpu,
         };
-        if let Some(b) = &resident {
-            if b.device() == device {
-                return Ok(Weight {
-                    meta,
-                    bytes: Arc::clone(b),
-                });
-            }
+        if let Some(b) = &resident
+            && b.device() == device
+        {
+            return Ok(Weight {
+                meta,
+                bytes: Arc::clone(b),
+            });
         }
         if let Some(h) = self.held.iter().find(|h| h.0 == s && h.1 == device) {
             return Ok(Weight {

@@ -219,10 +219,10 @@ impl ModelHook for CpuOffload {
     }
 
     fn pre_forward(&self, fwd: &mut Forward, inputs: Activations) -> Result<Activations> {
-        if let Some(prev) = &self.prev_module_hook {
-            if prev.model.first_param_device() != Some(Device::Cpu) {
-                prev.offload()?;
-            }
+        if let Some(prev) = &self.prev_module_hook
+            && prev.model.first_param_device() != Some(Device::Cpu)
+        {
+            prev.offload()?;
         }
         fwd.set_execution_device(self.execution_device);
         if fwd.model().first_param_device() != Some(self.execution_device) {

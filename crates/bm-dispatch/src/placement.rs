@@ -170,13 +170,13 @@ fn validate(tree: &ModuleTree, map: &DeviceMap, devices: &DeviceSet) -> Result<(
                 "The device_map key {name:?} does not match any module or tensor of the model"
             )));
         }
-        if let bm_plan::Device::Gpu(i) = device {
-            if i as usize >= devices.gpu_count() {
-                return Err(Error::NoSuchDevice {
-                    what: format!("device_map entry {name:?}"),
-                    device: Device::Gpu(i as usize),
-                });
-            }
+        if let bm_plan::Device::Gpu(i) = device
+            && i as usize >= devices.gpu_count()
+        {
+            return Err(Error::NoSuchDevice {
+                what: format!("device_map entry {name:?}"),
+                device: Device::Gpu(i as usize),
+            });
         }
     }
     bm_plan::check_device_map(tree, map)?;

@@ -129,7 +129,7 @@ fn write_f32_checkpoint(path: &std::path::Path, tensors: &[(String, Vec<u8>)], s
         offset += bytes.len();
     }
     let mut text = serde_json::Value::Object(header).to_string();
-    while text.len() % 8 != 0 {
+    while !text.len().is_multiple_of(8) {
         text.push(' ');
     }
     use std::io::Write;

@@ -644,7 +644,7 @@ impl Decoder {
             return Err(Error::EmptyInput("token sequence"));
         }
         let batch = cache.batch();
-        if ids.len() % batch != 0 {
+        if !ids.len().is_multiple_of(batch) {
             return Err(Error::BadOperands {
                 op: "decoder forward",
                 message: format!("{} ids do not divide into a batch of {batch}", ids.len()),

@@ -336,10 +336,10 @@ impl WeightSource for DispatchedWeights {
         };
         // end_block cannot fail; an exit error is reported by the next
         // begin_block instead of being lost.
-        if let Some(open) = open {
-            if let Err(e) = open.guard.exit(Activations::default()) {
-                lock(&self.inner.exit_error).get_or_insert(e);
-            }
+        if let Some(open) = open
+            && let Err(e) = open.guard.exit(Activations::default())
+        {
+            lock(&self.inner.exit_error).get_or_insert(e);
         }
     }
 }

@@ -58,15 +58,15 @@ impl EncoderConfig {
                 .error(key, format!("{activation:?} is not supported (only gelu)"))
                 .into());
         }
-        if let Some(kind) = c.keys.opt_str("position_embedding_type")? {
-            if kind != "absolute" {
-                return Err(c
-                    .error(
-                        "position_embedding_type",
-                        format!("{kind:?} is not supported"),
-                    )
-                    .into());
-            }
+        if let Some(kind) = c.keys.opt_str("position_embedding_type")?
+            && kind != "absolute"
+        {
+            return Err(c
+                .error(
+                    "position_embedding_type",
+                    format!("{kind:?} is not supported"),
+                )
+                .into());
         }
         let missing = |key: &str| c.error(key, "missing");
         Ok(EncoderConfig {

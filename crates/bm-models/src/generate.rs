@@ -439,10 +439,11 @@ impl CausalLm {
             BatchSize::Auto => {
                 let mut tries = |size: usize| {
                     let result = run(size);
-                    if let Err(e) = &result {
-                        if bigmodel::OutOfMemory::is_out_of_memory(e) && size > 1 {
-                            on_retry(size / 2, e);
-                        }
+                    if let Err(e) = &result
+                        && bigmodel::OutOfMemory::is_out_of_memory(e)
+                        && size > 1
+                    {
+                        on_retry(size / 2, e);
                     }
                     result
                 };

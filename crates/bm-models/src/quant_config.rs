@@ -148,10 +148,10 @@ pub(crate) fn read_bnb_checkpoint(config: &ConfigKeys) -> Result<Option<BnbCheck
 /// a decoder's, or no folder, spares the head only.
 pub(crate) fn default_skip_modules(dir: Option<&Path>) -> Vec<String> {
     let mut skip = vec!["lm_head".to_string()];
-    if let Some(Ok(decoder)) = dir.map(crate::DecoderConfig::from_dir) {
-        if decoder.tie_word_embeddings {
-            skip.push(module_of(&decoder.embedding_weight()).to_string());
-        }
+    if let Some(Ok(decoder)) = dir.map(crate::DecoderConfig::from_dir)
+        && decoder.tie_word_embeddings
+    {
+        skip.push(module_of(&decoder.embedding_weight()).to_string());
     }
     skip
 }

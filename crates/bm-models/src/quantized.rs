@@ -145,16 +145,16 @@ pub(crate) fn read_prequantized(
     }
     // Parts whose weight has no quant state: a state entry went missing.
     for (name, _) in checkpoint.tensors() {
-        if let Some((weight, field)) = QuantizedTensor::state_owner(name) {
-            if !out.contains_key(&weight) {
-                return Err(state_error(
-                    &weight,
-                    field,
-                    format!(
-                        "entry {name} has no quant_state.bitsandbytes__nf4/__fp4 or SCB entry beside it"
-                    ),
-                ));
-            }
+        if let Some((weight, field)) = QuantizedTensor::state_owner(name)
+            && !out.contains_key(&weight)
+        {
+            return Err(state_error(
+                &weight,
+                field,
+                format!(
+                    "entry {name} has no quant_state.bitsandbytes__nf4/__fp4 or SCB entry beside it"
+                ),
+            ));
         }
     }
     if out.is_empty() {

@@ -728,7 +728,7 @@ fn partial_rotary_dim(keys: &ConfigKeys, head_dim: usize) -> Result<usize, Error
         _ => keys.opt_f64("partial_rotary_factor")?.unwrap_or(1.0),
     };
     let dim = (head_dim as f64 * factor) as usize;
-    if factor <= 0.0 || dim == 0 || dim > head_dim || dim % 2 != 0 {
+    if factor <= 0.0 || dim == 0 || dim > head_dim || !dim.is_multiple_of(2) {
         return Err(keys.error(
             "partial_rotary_factor",
             format!("{factor} of head_dim {head_dim} is not an even number of dimensions"),

@@ -274,7 +274,7 @@ impl NameIndex {
 
     fn node(code: u64) -> Node {
         let code = (code & u64::from(u32::MAX)) as usize - 1;
-        if code % 2 == 0 {
+        if code.is_multiple_of(2) {
             Node::Module(code / 2)
         } else {
             Node::Tensor(code / 2)

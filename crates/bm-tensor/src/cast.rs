@@ -74,7 +74,7 @@ pub fn cast_into(src: &[u8], from: DType, dst: &mut [u8], to: DType) -> Result<(
 
 fn element_count(src: &[u8], dtype: DType) -> Result<usize, Error> {
     let size = dtype.size_in_bytes();
-    if src.len() % size != 0 {
+    if !src.len().is_multiple_of(size) {
         return Err(Error::LengthMismatch {
             what: format!("buffer of {dtype} elements"),
             expected: src.len() / size * size,

@@ -94,7 +94,7 @@ impl std::fmt::Debug for HostBuffer {
 /// Fails when the length is not a multiple of `size_of::<T>()`.
 pub fn typed_slice<T: Pod>(bytes: &[u8]) -> Result<Cow<'_, [T]>, Error> {
     let size = std::mem::size_of::<T>();
-    if size == 0 || bytes.len() % size != 0 {
+    if size == 0 || !bytes.len().is_multiple_of(size) {
         return Err(Error::LengthMismatch {
             what: format!("slice of {}", std::any::type_name::<T>()),
             expected: bytes.len() / size.max(1) * size,

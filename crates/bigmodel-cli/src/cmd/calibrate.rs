@@ -552,7 +552,7 @@ fn dispatch_rates(folder: &Path) -> Result<(f64, f64), String> {
             }
         }
         let mut header = serde_json::Value::Object(entries).to_string();
-        while header.len() % 8 != 0 {
+        while !header.len().is_multiple_of(8) {
             header.push(' ');
         }
         let mut bytes = (header.len() as u64).to_le_bytes().to_vec();

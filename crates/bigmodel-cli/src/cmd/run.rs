@@ -520,7 +520,7 @@ fn write_logits(path: &Path, shape: &[usize], values: &[f32]) -> Result<(), Stri
         "logits": {"dtype": "F32", "shape": shape, "data_offsets": [0, data_len]}
     })
     .to_string();
-    while header.len() % 8 != 0 {
+    while !header.len().is_multiple_of(8) {
         header.push(' ');
     }
     let mut bytes = Vec::with_capacity(8 + header.len() + data_len);

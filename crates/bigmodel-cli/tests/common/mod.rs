@@ -212,7 +212,7 @@ pub fn max_abs_diff(a: &[u8], b: &[u8]) -> f32 {
 /// A safetensors file of the header `json` (padded to 8 bytes) and `data`.
 pub fn write_raw_safetensors(path: &Path, json: &str, data: &[u8]) {
     let mut json = json.to_string();
-    while json.len() % 8 != 0 {
+    while !json.len().is_multiple_of(8) {
         json.push(' ');
     }
     let mut bytes = (json.len() as u64).to_le_bytes().to_vec();

@@ -426,10 +426,10 @@ impl QuantizedTensor {
             (".quant_map", "quant_map"),
         ];
         for (part, field) in WEIGHT_PARTS {
-            if let Some((weight, rest)) = entry.split_once(part) {
-                if rest.is_empty() || part.ends_with("__") {
-                    return Some((weight.to_string(), field));
-                }
+            if let Some((weight, rest)) = entry.split_once(part)
+                && (rest.is_empty() || part.ends_with("__"))
+            {
+                return Some((weight.to_string(), field));
             }
         }
         for (suffix, field) in [(".SCB", "SCB"), (".weight_format", "weight_format")] {

@@ -68,7 +68,7 @@ pub fn write_safetensors(path: &Path, tensors: &[(String, Vec<usize>, Vec<f32>)]
         );
     }
     let mut text = serde_json::Value::Object(header).to_string();
-    while text.len() % 8 != 0 {
+    while !text.len().is_multiple_of(8) {
         text.push(' ');
     }
     let mut out = (text.len() as u64).to_le_bytes().to_vec();
