@@ -48,5 +48,6 @@ pub mod ops;
 pub mod quant;
 mod tensor;
 
+pub use cpu::Isa;
 pub use error::Error;
 pub use tensor::{Backend, HostBytes, SharedDeviceBuffer, Tensor, is_compute_dtype};

@@ -172,8 +172,9 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
         Backend::Cpu => {
             let xs = x.f32_values();
             let bs = bias.map(|b| b.f32_values());
+            let product = cpu::Widened { x: &xs, k, weight };
             Tensor::build(x.dtype(), &shape, |out| {
-                cpu::linear(&xs, (m, k, n), weight, bs.as_deref(), out)
+                cpu::linear((m, k), &product, n, bs.as_deref(), out)
             })
         }
     }
@@ -204,20 +205,29 @@ pub fn linear_many(
         .map(|(_, b)| b.map(|b| b.f32_values()))
         .collect();
     let (m, k) = rows_cols(x);
+    let xs = x.f32_values();
+    let products: Vec<_> = layers
+        .iter()
+        .map(|(weight, _)| cpu::Widened {
+            x: &xs,
+            k,
+            weight: *weight,
+        })
+        .collect();
     let mut outs: Vec<Vec<f32>> = checked.iter().map(|(_, _, n)| vec![0f32; m * n]).collect();
-    let mut parts: Vec<cpu::LinearPart<'_>> = layers
+    let mut parts: Vec<cpu::LinearPart<'_>> = products
         .iter()
         .zip(&checked)
         .zip(&biases)
         .zip(&mut outs)
-        .map(|((((w, _), (_, _, n)), b), out)| cpu::LinearPart {
-            weight: *w,
+        .map(|(((product, (_, _, n)), b), out)| cpu::LinearPart {
+            product,
             n: *n,
             bias: b.as_deref(),
             out,
         })
         .collect();
-    cpu::linear_many(&x.f32_values(), (m, k), &mut parts);
+    cpu::linear_many((m, k), &mut parts);
     outs.iter()
         .zip(&checked)
         .map(|(out, (_, _, n))| Tensor::from_f32(x.dtype(), &with_last(x, *n), out))
@@ -802,7 +812,7 @@ fn attend(
     bias: Option<&Tensor>,
 ) -> Result<Tensor, Error> {
     let (rows, width) = rows_cols(q);
-    if heads.kv_heads == 0 || heads.heads % heads.kv_heads != 0 {
+    if heads.kv_heads == 0 || !heads.heads.is_multiple_of(heads.kv_heads) {
         return Err(bad(
             "attention",
             format!(

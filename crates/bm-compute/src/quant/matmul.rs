@@ -93,8 +93,14 @@ fn four_bit(
         weight,
         dtype: compute,
     };
+    let (m, k, n) = mkn;
+    let product = cpu::Widened {
+        x: &xs,
+        k,
+        weight: &rows,
+    };
     Tensor::build(x.dtype(), shape, |out| {
-        cpu::linear(&xs, mkn, &rows, bs.as_deref(), out);
+        cpu::linear((m, k), &product, n, bs.as_deref(), out);
         // The product is in the compute dtype before it is cast back.
         if compute != DType::F32 && compute != x.dtype() {
             round_to(compute, out);
@@ -166,7 +172,12 @@ fn llm_int8(
     let bias = bias.map(|b| b.f32_values());
     Tensor::build(dtype, shape, |out| {
         let codes = Codes { int8, cols: k };
-        cpu::linear(&half, (m, k, n), &codes, None, out);
+        let product = cpu::Widened {
+            x: &half,
+            k,
+            weight: &codes,
+        };
+        cpu::linear((m, k), &product, n, None, out);
         for (row, &absmax) in out.chunks_exact_mut(n).zip(&row_absmax) {
             for (j, v) in row.iter_mut().enumerate() {
                 let scaled = *v * (absmax * scb[j]) * INV_127_SQUARED;

@@ -1,0 +1,192 @@
+//! CPU kernels. Every kernel reads f32 and writes f32: the callers widen
+//! F16/BF16 inputs and round outputs back, so half-precision models
+//! accumulate in f32 as PyTorch's CPU kernels do.
+
+mod attention;
+mod isa;
+mod linear;
+
+use rayon::prelude::*;
+
+use crate::ops::Activation;
+
+pub(crate) use attention::attention;
+pub use isa::Isa;
+pub(crate) use linear::{LinearPart, WeightRows, Widened, linear, linear_many, linear_t};
+
+/// Llama's RMSNorm over rows of `cols`: `w * round(x / rms(x))`, where
+/// `round` is the activation dtype's rounding (PyTorch normalises in f32,
+/// casts back, then multiplies by the weight).
+pub(crate) fn rms_norm(
+    x: &[f32],
+    cols: usize,
+    weight: &[f32],
+    eps: f32,
+    round: fn(f32) -> f32,
+    out: &mut [f32],
+) {
+    out.par_chunks_mut(cols)
+        .zip(x.par_chunks(cols))
+        .for_each(|(o, r)| {
+            let mean_sq = r.iter().map(|v| v * v).sum::<f32>() / cols as f32;
+            let inv = 1.0 / (mean_sq + eps).sqrt();
+            for ((o, v), w) in o.iter_mut().zip(r).zip(weight) {
+                *o = w * round(v * inv);
+            }
+        });
+}
+
+/// LayerNorm over rows of `cols` (biased variance, as PyTorch).
+pub(crate) fn layer_norm(
+    x: &[f32],
+    cols: usize,
+    weight: &[f32],
+    bias: &[f32],
+    eps: f32,
+    out: &mut [f32],
+) {
+    out.par_chunks_mut(cols)
+        .zip(x.par_chunks(cols))
+        .for_each(|(o, r)| {
+            let mean = r.iter().sum::<f32>() / cols as f32;
+            let var = r.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / cols as f32;
+            let inv = 1.0 / (var + eps).sqrt();
+            for (((o, v), w), b) in o.iter_mut().zip(r).zip(weight).zip(bias) {
+                *o = (v - mean) * inv * w + b;
+            }
+        });
+}
+
+/// Softmax of one row, in place, with the max subtracted first.
+pub(crate) fn softmax_row(row: &mut [f32]) {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0;
+    for v in row.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    for v in row.iter_mut() {
+        *v /= sum;
+    }
+}
+
+/// Llama's rotary embedding on `x` ([seq, heads * head_dim]), rows at
+/// positions `start_pos..`: the `rotate_half` convention over the first
+/// `rotary_dim` dimensions of each head, where dimension i pairs with
+/// i + rotary_dim / 2; the other dimensions pass through (partial rotary).
+/// `cos`/`sin` give row-major [seq, rotary_dim / 2].
+pub(crate) fn rotary(
+    x: &[f32],
+    head_dim: usize,
+    rotary_dim: usize,
+    cos: &[f32],
+    sin: &[f32],
+    out: &mut [f32],
+) {
+    let half = rotary_dim / 2;
+    let width = x.len() / (cos.len() / half);
+    out.par_chunks_mut(width)
+        .zip(x.par_chunks(width))
+        .enumerate()
+        .for_each(|(row, (o, r))| {
+            let (c, s) = (&cos[row * half..][..half], &sin[row * half..][..half]);
+            for (oh, xh) in o.chunks_exact_mut(head_dim).zip(r.chunks_exact(head_dim)) {
+                for i in 0..half {
+                    let (a, b) = (xh[i], xh[i + half]);
+                    oh[i] = a * c[i] - b * s[i];
+                    oh[i + half] = b * c[i] + a * s[i];
+                }
+                oh[rotary_dim..].copy_from_slice(&xh[rotary_dim..]);
+            }
+        });
+}
+
+/// `op` on one value.
+pub(crate) fn activation(op: Activation, x: f32) -> f32 {
+    match op {
+        Activation::Silu => silu(x),
+        Activation::Gelu => gelu(x),
+        Activation::GeluTanh => gelu_tanh(x),
+        // NaN is kept (`NaN < 0` is false).
+        Activation::Relu => {
+            if x < 0.0 {
+                0.0
+            } else {
+                x
+            }
+        }
+        Activation::SoftCap(cap) => soft_cap(x, cap),
+    }
+}
+
+/// `x * sigmoid(x)`.
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// `cap · tanh(x / cap)`: Gemma 2's soft-capping of attention scores and
+/// final logits, which squashes values into (-cap, cap).
+fn soft_cap(x: f32, cap: f32) -> f32 {
+    (x / cap).tanh() * cap
+}
+
+/// GELU's tanh approximation, `0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³)))`:
+/// GPT-2's `gelu_new` and PyTorch's `gelu(approximate="tanh")`, in f32 as
+/// PyTorch's CPU kernel computes it.
+fn gelu_tanh(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)).tanh())
+}
+
+/// BERT's exact GELU, `0.5 x (1 + erf(x / √2))`.
+fn gelu(x: f32) -> f32 {
+    let x = x as f64;
+    (0.5 * x * (1.0 + erf(x / std::f64::consts::SQRT_2))) as f32
+}
+
+/// erf from the Chebyshev fit of Numerical Recipes' `erfc` (fractional
+/// error below 1.2e-7, far under f32 rounding of GELU's output).
+fn erf(x: f64) -> f64 {
+    let z = x.abs();
+    let t = 1.0 / (1.0 + 0.5 * z);
+    let poly = -z * z - 1.26551223
+        + t * (1.00002368
+            + t * (0.37409196
+                + t * (0.09678418
+                    + t * (-0.18628806
+                        + t * (0.27886807
+                            + t * (-1.13520398
+                                + t * (1.48851587 + t * (-0.82215223 + t * 0.17087277))))))));
+    let erfc = t * poly.exp();
+    if x >= 0.0 { 1.0 - erfc } else { erfc - 1.0 }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn erf_matches_known_values() {
+        // Values from scipy.special.erf.
+        for (x, want) in [
+            (0.0, 0.0),
+            (0.5, 0.5204998778130465),
+            (1.0, 0.8427007929497149),
+            (-2.0, -0.9953222650189527),
+            (3.5, 0.9999992569016276),
+        ] {
+            assert!((erf(x) - want).abs() < 2e-7, "erf({x}) = {}", erf(x));
+        }
+    }
+
+    #[test]
+    fn softmax_is_shift_invariant_and_sums_to_one() {
+        let mut a = [1.0f32, 2.0, 3.0];
+        let mut b = [1001.0f32, 1002.0, 1003.0];
+        softmax_row(&mut a);
+        softmax_row(&mut b);
+        assert!((a.iter().sum::<f32>() - 1.0).abs() < 1e-6);
+        assert_eq!(a, b);
+        assert!((a[2] - 0.66524096).abs() < 1e-6);
+    }
+}
