@@ -466,6 +466,7 @@ mod tests {
             host: HostMemory {
                 available: 100 * GIB,
                 source: HostMemorySource::MemInfo,
+                limit: 128 * GIB,
             },
         }
     }

@@ -4,7 +4,9 @@
 //! take: the cgroup's limit is what the OOM killer enforces. So the answer is
 //! the smallest of `memory.max - memory.current` over the cgroup v2
 //! hierarchy (or `memory.limit_in_bytes - memory.usage_in_bytes` for cgroup
-//! v1) and `/proc/meminfo`'s `MemAvailable`.
+//! v1) and `/proc/meminfo`'s `MemAvailable`. The smallest limit itself
+//! (the cgroup's, else `MemTotal`) is kept too: the host's safety margin
+//! scales with it ([`crate::cpu_safety_margin`]).
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -39,6 +41,10 @@ pub struct HostMemory {
     pub available: u64,
     /// Which limit gave `available`.
     pub source: HostMemorySource,
+    /// The smallest memory limit the process is under: a cgroup's limit
+    /// (of its own cgroup or an ancestor) when one is set below the
+    /// machine's `MemTotal`, else `MemTotal`.
+    pub limit: u64,
 }
 
 /// Host RAM available to this process, respecting cgroup limits.
@@ -50,10 +56,11 @@ pub fn host_memory() -> Result<HostMemory> {
 /// instead of `/`, so tests can supply their own files.
 pub(crate) fn host_memory_under(root: &Path) -> Result<HostMemory> {
     let meminfo = root.join("proc/meminfo");
-    let mem_available = read_mem_available(&meminfo)?;
+    let (mem_available, mem_total) = read_meminfo(&meminfo)?;
     let mut best = HostMemory {
         available: mem_available,
         source: HostMemorySource::MemInfo,
+        limit: mem_total,
     };
     let cgroup_file = root.join("proc/self/cgroup");
     // A process outside any cgroup (or a system without /proc/self/cgroup)
@@ -62,25 +69,25 @@ pub(crate) fn host_memory_under(root: &Path) -> Result<HostMemory> {
         return Ok(best);
     };
     let cgroup_root = root.join("sys/fs/cgroup");
-    if let Some(headroom) = cgroup_v2_headroom(&cgroup_root, &cgroups)? {
-        if headroom < best.available {
-            best = HostMemory {
-                available: headroom,
-                source: HostMemorySource::CgroupV2,
-            };
+    let (cgroup, source) = match cgroup_v2_headroom(&cgroup_root, &cgroups)? {
+        Some(v2) => (Some(v2), HostMemorySource::CgroupV2),
+        None => (
+            cgroup_v1_headroom(&cgroup_root, &cgroups)?,
+            HostMemorySource::CgroupV1,
+        ),
+    };
+    if let Some(cgroup) = cgroup {
+        best.limit = best.limit.min(cgroup.limit);
+        if cgroup.headroom < best.available {
+            best.available = cgroup.headroom;
+            best.source = source;
         }
-    } else if let Some(headroom) = cgroup_v1_headroom(&cgroup_root, &cgroups)?
-        && headroom < best.available
-    {
-        best = HostMemory {
-            available: headroom,
-            source: HostMemorySource::CgroupV1,
-        };
     }
     Ok(best)
 }
 
-fn read_mem_available(path: &Path) -> Result<u64> {
+/// `MemAvailable` and `MemTotal` of a `/proc/meminfo` file, in bytes.
+fn read_meminfo(path: &Path) -> Result<(u64, u64)> {
     let text = fs::read_to_string(path).map_err(|e| Error::HostMemoryInfo {
         path: path.to_path_buf(),
         reason: e.to_string(),
@@ -89,19 +96,22 @@ fn read_mem_available(path: &Path) -> Result<u64> {
         path: path.to_path_buf(),
         reason: reason.to_string(),
     };
-    let line = text
-        .lines()
-        .find(|l| l.starts_with("MemAvailable:"))
-        .ok_or_else(|| bad("no MemAvailable line"))?;
-    let mut fields = line["MemAvailable:".len()..].split_whitespace();
-    let kib: u64 = fields
-        .next()
-        .and_then(|v| v.parse().ok())
-        .ok_or_else(|| bad("MemAvailable is not a number"))?;
-    match fields.next() {
-        Some("kB") | None => Ok(kib.saturating_mul(1024)),
-        Some(unit) => Err(bad(&format!("unexpected MemAvailable unit {unit:?}"))),
-    }
+    let field = |key: &str| {
+        let line = text
+            .lines()
+            .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))
+            .ok_or_else(|| bad(&format!("no {key} line")))?;
+        let mut fields = line.split_whitespace();
+        let kib: u64 = fields
+            .next()
+            .and_then(|v| v.parse().ok())
+            .ok_or_else(|| bad(&format!("{key} is not a number")))?;
+        match fields.next() {
+            Some("kB") | None => Ok(kib.saturating_mul(1024)),
+            Some(unit) => Err(bad(&format!("unexpected {key} unit {unit:?}"))),
+        }
+    };
+    Ok((field("MemAvailable")?, field("MemTotal")?))
 }
 
 /// Reads a cgroup value file: a byte count, or `None` for `max`/absent.
@@ -139,29 +149,47 @@ fn cgroup_dirs(mount: &Path, rel: &str) -> Vec<PathBuf> {
     dirs
 }
 
-/// Smallest `memory.max - memory.current` over the process's cgroup v2
-/// directory and its ancestors (a limit set on a parent binds the child
-/// too); `None` when the hierarchy is not v2 or nothing is limited.
-fn cgroup_v2_headroom(mount: &Path, cgroups: &str) -> Result<Option<u64>> {
+/// What a cgroup hierarchy allows the process.
+struct CgroupRoom {
+    /// The limit minus what is in use, the smallest over the hierarchy.
+    headroom: u64,
+    /// The smallest limit over the hierarchy.
+    limit: u64,
+}
+
+/// Smallest `memory.max - memory.current` (and smallest `memory.max`)
+/// over the process's cgroup v2 directory and its ancestors (a limit set
+/// on a parent binds the child too); `None` when the hierarchy is not v2
+/// or nothing is limited.
+fn cgroup_v2_headroom(mount: &Path, cgroups: &str) -> Result<Option<CgroupRoom>> {
     let Some(rel) = cgroups.lines().find_map(|l| l.strip_prefix("0::")) else {
         return Ok(None);
     };
-    let mut headroom: Option<u64> = None;
+    let mut room: Option<CgroupRoom> = None;
     for dir in cgroup_dirs(mount, rel) {
         let Some(max) = read_limit(&dir.join("memory.max"))? else {
             continue;
         };
         let current = read_limit(&dir.join("memory.current"))?.unwrap_or(0);
-        let room = max.saturating_sub(current);
-        headroom = Some(headroom.map_or(room, |h| h.min(room)));
+        let headroom = max.saturating_sub(current);
+        room = Some(match room {
+            None => CgroupRoom {
+                headroom,
+                limit: max,
+            },
+            Some(r) => CgroupRoom {
+                headroom: r.headroom.min(headroom),
+                limit: r.limit.min(max),
+            },
+        });
     }
-    Ok(headroom)
+    Ok(room)
 }
 
 /// cgroup v1: `memory.limit_in_bytes - memory.usage_in_bytes` of the
 /// process's memory cgroup; `None` when unlimited (v1 reports "no limit" as
 /// a huge page-rounded number) or not mounted.
-fn cgroup_v1_headroom(mount: &Path, cgroups: &str) -> Result<Option<u64>> {
+fn cgroup_v1_headroom(mount: &Path, cgroups: &str) -> Result<Option<CgroupRoom>> {
     let Some(rel) = cgroups.lines().find_map(|l| {
         let mut parts = l.splitn(3, ':');
         let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
@@ -180,7 +208,10 @@ fn cgroup_v1_headroom(mount: &Path, cgroups: &str) -> Result<Option<u64>> {
                 continue;
             }
             let usage = read_limit(&dir.join("memory.usage_in_bytes"))?.unwrap_or(0);
-            return Ok(Some(limit.saturating_sub(usage)));
+            return Ok(Some(CgroupRoom {
+                headroom: limit.saturating_sub(usage),
+                limit,
+            }));
         }
     }
     Ok(None)
@@ -206,6 +237,7 @@ mod tests {
         let m = host_memory_under(d.path()).unwrap();
         assert_eq!(m.available, 8_000_000 * 1024);
         assert_eq!(m.source, HostMemorySource::MemInfo);
+        assert_eq!(m.limit, 16_000_000 * 1024);
     }
 
     #[test]
@@ -220,6 +252,26 @@ mod tests {
         let m = host_memory_under(d.path()).unwrap();
         assert_eq!(m.available, 2_000_000_000);
         assert_eq!(m.source, HostMemorySource::CgroupV2);
+        assert_eq!(m.limit, 3_000_000_000);
+    }
+
+    #[test]
+    fn a_cgroup_limit_binds_the_limit_even_when_meminfo_is_tighter() {
+        // A 1 GiB container on a busy machine: MemAvailable gives the
+        // headroom, the cgroup the limit the margin scales with.
+        let d = tempfile::tempdir().unwrap();
+        write(
+            d.path(),
+            "proc/meminfo",
+            "MemTotal: 16000000 kB\nMemAvailable: 500000 kB\n",
+        );
+        write(d.path(), "proc/self/cgroup", "0::/c\n");
+        write(d.path(), "sys/fs/cgroup/c/memory.max", "1073741824\n");
+        write(d.path(), "sys/fs/cgroup/c/memory.current", "10000000\n");
+        let m = host_memory_under(d.path()).unwrap();
+        assert_eq!(m.source, HostMemorySource::MemInfo);
+        assert_eq!(m.available, 500_000 * 1024);
+        assert_eq!(m.limit, 1 << 30);
     }
 
     #[test]
@@ -232,6 +284,7 @@ mod tests {
         write(d.path(), "sys/fs/cgroup/memory.current", "0\n");
         let m = host_memory_under(d.path()).unwrap();
         assert_eq!(m.source, HostMemorySource::MemInfo);
+        assert_eq!(m.limit, 16_000_000 * 1024);
     }
 
     #[test]
@@ -256,6 +309,7 @@ mod tests {
         let m = host_memory_under(d.path()).unwrap();
         assert_eq!(m.available, 1_000_000_000);
         assert_eq!(m.source, HostMemorySource::CgroupV1);
+        assert_eq!(m.limit, 1 << 30);
 
         write(
             d.path(),
@@ -264,6 +318,7 @@ mod tests {
         );
         let m = host_memory_under(d.path()).unwrap();
         assert_eq!(m.source, HostMemorySource::MemInfo);
+        assert_eq!(m.limit, 16_000_000 * 1024);
     }
 
     #[test]
@@ -274,6 +329,9 @@ mod tests {
         write(d.path(), "proc/meminfo", "MemAvailable: lots kB\n");
         let err = host_memory_under(d.path()).unwrap_err().to_string();
         assert!(err.contains("not a number"), "{err}");
+        write(d.path(), "proc/meminfo", "MemAvailable: 1000 kB\n");
+        let err = host_memory_under(d.path()).unwrap_err().to_string();
+        assert!(err.contains("no MemTotal line"), "{err}");
         write(d.path(), "proc/meminfo", MEMINFO);
         write(d.path(), "proc/self/cgroup", "0::/\n");
         write(d.path(), "sys/fs/cgroup/memory.max", "12 apples\n");
@@ -287,6 +345,6 @@ mod tests {
     #[test]
     fn this_machine_reports_something() {
         let m = host_memory().unwrap();
-        assert!(m.available > 0);
+        assert!(m.available > 0 && m.limit > 0);
     }
 }

@@ -54,9 +54,12 @@
 //! cuBLAS workspaces, activations and the KV cache of a forward pass, and
 //! allocator fragmentation (mistral.rs keeps max(2 % of free, 512 MiB),
 //! llama.cpp 1 GiB; on an 80 GB card our margin is 4 GiB). **Host RAM keeps
-//! the larger of 1 GiB and 10 % of what is available** ([`cpu_safety_margin`])
-//! for the process itself and the page cache. Emulated GPUs keep no margin:
-//! their capacity is the caller's choice.
+//! the larger of 10 % of what is available and a floor that scales with the
+//! memory limit** ([`cpu_safety_margin`]) for the process itself and the
+//! page cache: a quarter of the limit (the cgroup's, else `MemTotal`),
+//! between 64 MiB and 1 GiB, so machines of 4 GiB and more keep 1 GiB and a
+//! 1 GiB container 256 MiB. Emulated GPUs keep no margin: their capacity is
+//! the caller's choice.
 //!
 //! Every allocation ([`Gpu::alloc`]) is first reserved against the GPU's
 //! budget, so a request beyond it fails with [`Error::BudgetExceeded`]
@@ -178,8 +181,9 @@ pub use host_memory::{HostMemory, HostMemorySource, host_memory};
 pub use libs::{CudaLibrary, LibraryReport, LoadedLibrary, Searched};
 pub use link::SimulatedLink;
 pub use memory::{
-    Budgets, CPU_MARGIN_MIN, CPU_MARGIN_PERCENT, GPU_MARGIN_MIN, GPU_MARGIN_PERCENT, GpuMemory,
-    MemoryInfo, cpu_safety_margin, default_budgets, gpu_safety_margin,
+    Budgets, CPU_MARGIN_LIMIT_PERCENT, CPU_MARGIN_MIN, CPU_MARGIN_PERCENT, CPU_MARGIN_SMALL_MIN,
+    GPU_MARGIN_MIN, GPU_MARGIN_PERCENT, GpuMemory, MemoryInfo, cpu_safety_margin, default_budgets,
+    gpu_safety_margin,
 };
 pub use pinned::{HostRegistration, PinnedBuffer, PinnedPool, PoolSlot, REGISTER_CHUNK};
 pub use reader::{ReadSource, ReaderOptions, ReaderPool, SharedBytes, SourceFile};

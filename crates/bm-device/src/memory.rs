@@ -42,8 +42,16 @@ pub struct Budgets {
 pub const GPU_MARGIN_MIN: u64 = 1 << 30;
 /// The share of a CUDA GPU's total memory kept back, in percent: 5 %.
 pub const GPU_MARGIN_PERCENT: u64 = 5;
-/// The least host RAM kept back: 1 GiB.
+/// The least host RAM kept back on a machine (or in a cgroup) of 4 GiB
+/// or more: 1 GiB. Smaller limits keep [`CPU_MARGIN_LIMIT_PERCENT`] of
+/// the limit back instead, at least [`CPU_MARGIN_SMALL_MIN`].
 pub const CPU_MARGIN_MIN: u64 = 1 << 30;
+/// The share of the host memory limit kept back at least, in percent, up
+/// to [`CPU_MARGIN_MIN`]: 25 %.
+pub const CPU_MARGIN_LIMIT_PERCENT: u64 = 25;
+/// The least host RAM kept back under any limit: 64 MiB (the process
+/// itself: its code, threads' stacks, allocator).
+pub const CPU_MARGIN_SMALL_MIN: u64 = 64 << 20;
 /// The share of available host RAM kept back, in percent: 10 %.
 pub const CPU_MARGIN_PERCENT: u64 = 10;
 
@@ -57,10 +65,16 @@ pub fn gpu_safety_margin(total: u64) -> u64 {
     GPU_MARGIN_MIN.max(percent_of(total, GPU_MARGIN_PERCENT))
 }
 
-/// Bytes kept back from `available` host RAM: the larger of
-/// [`CPU_MARGIN_MIN`] and [`CPU_MARGIN_PERCENT`] of it.
-pub fn cpu_safety_margin(available: u64) -> u64 {
-    CPU_MARGIN_MIN.max(percent_of(available, CPU_MARGIN_PERCENT))
+/// Bytes kept back from the host RAM `host` has available: the larger of
+/// a floor and [`CPU_MARGIN_PERCENT`] of what is available. The floor
+/// scales with the memory limit: [`CPU_MARGIN_LIMIT_PERCENT`] of it,
+/// between [`CPU_MARGIN_SMALL_MIN`] and [`CPU_MARGIN_MIN`], so a machine
+/// of 4 GiB or more keeps 1 GiB back, and a 1 GiB cgroup 256 MiB (a fixed
+/// 1 GiB would leave it no budget at all).
+pub fn cpu_safety_margin(host: &HostMemory) -> u64 {
+    let floor = percent_of(host.limit, CPU_MARGIN_LIMIT_PERCENT)
+        .clamp(CPU_MARGIN_SMALL_MIN, CPU_MARGIN_MIN);
+    floor.max(percent_of(host.available, CPU_MARGIN_PERCENT))
 }
 
 /// Budgets used when the user gives no `--max-memory`: free memory minus
@@ -80,7 +94,7 @@ pub fn default_budgets(info: &MemoryInfo) -> Budgets {
         cpu: info
             .host
             .available
-            .saturating_sub(cpu_safety_margin(info.host.available)),
+            .saturating_sub(cpu_safety_margin(&info.host)),
     }
 }
 
@@ -103,7 +117,16 @@ mod tests {
             host: HostMemory {
                 available: host,
                 source: HostMemorySource::MemInfo,
+                limit: host.max(16 * GIB),
             },
+        }
+    }
+
+    fn cgroup(available: u64, limit: u64) -> HostMemory {
+        HostMemory {
+            available,
+            source: HostMemorySource::CgroupV2,
+            limit,
         }
     }
 
@@ -120,6 +143,27 @@ mod tests {
         // Less free than the margin: nothing, not an underflow.
         let b = default_budgets(&info(GpuKind::Cuda, GIB / 2, 8 * GIB, GIB / 2));
         assert_eq!((b.gpus[0], b.cpu), (0, 0));
+    }
+
+    #[test]
+    fn the_host_margin_scales_with_small_limits() {
+        const MIB: u64 = 1 << 20;
+        // A 1 GiB cgroup with 20 MiB in use keeps a quarter of its limit
+        // back, so a small model still fits in RAM.
+        let host = cgroup(GIB - 20 * MIB, GIB);
+        assert_eq!(cpu_safety_margin(&host), 256 * MIB);
+        let mut small = info(GpuKind::Emulated, 0, 0, 0);
+        small.host = host;
+        assert_eq!(default_budgets(&small).cpu, GIB - 276 * MIB);
+        // 4 GiB and up: the 1 GiB floor, then 10 % of what is available.
+        assert_eq!(cpu_safety_margin(&cgroup(3 * GIB, 4 * GIB)), GIB);
+        assert_eq!(cpu_safety_margin(&cgroup(2 * GIB, 64 * GIB)), GIB);
+        assert_eq!(cpu_safety_margin(&cgroup(50 * GIB, 64 * GIB)), 5 * GIB);
+        // A tiny limit keeps the process's own 64 MiB back.
+        assert_eq!(cpu_safety_margin(&cgroup(100 * MIB, 128 * MIB)), 64 * MIB);
+        // Less available than the margin: nothing, not an underflow.
+        small.host = cgroup(200 * MIB, GIB);
+        assert_eq!(default_budgets(&small).cpu, 0);
     }
 
     #[test]
