@@ -81,15 +81,19 @@ pub use bm_shard as shard;
 pub use bm_tensor as tensor;
 
 mod batch_size;
+mod budgets;
 mod error;
 /// docs/guide.md, whose Rust examples run as doc tests.
 #[cfg(doctest)]
 mod guide;
 
 pub use batch_size::{OutOfMemory, find_executable_batch_size};
+pub use budgets::{
+    BudgetOrigin, check_offload_folder, default_max_memory, default_max_memory_with_origin,
+};
 pub use error::Error;
 
-use bm_device::{Budgets, DeviceSet, GpuKind, MemoryInfo};
+use bm_device::{DeviceSet, GpuKind};
 use bm_dispatch::{DispatchOptions, LoadOptions, Model};
 use bm_plan::{Compat, DeviceMap, LedgerItem, MaxMemory, Mode, ModuleTree, PlanOptions};
 use bm_tensor::DType;
@@ -204,13 +208,13 @@ pub fn load_checkpoint_and_dispatch(
         None => None,
         Some(DeviceMapSpec::Map(m)) => Some(m.clone()),
         Some(DeviceMapSpec::Strategy(mode)) => {
-            let (max_memory, from_user) = match &options.max_memory {
-                Some(m) => (m.clone(), true),
-                None => (default_max_memory(&devices, options.planner)?, false),
+            let (max_memory, budgets) = match &options.max_memory {
+                Some(m) => (m.clone(), BudgetOrigin::Given(m.clone())),
+                None => default_max_memory_with_origin(&devices, options.planner)?,
             };
             let plan_options = PlanOptions {
                 max_memory,
-                max_memory_from_user: from_user,
+                max_memory_from_user: budgets.is_given(),
                 no_split: options.no_split_module_classes.clone(),
                 dtype: options.dtype,
                 special_dtypes: kept_in_f32(&tree, options.dtype, &options.keep_in_fp32_modules),
@@ -220,7 +224,13 @@ pub fn load_checkpoint_and_dispatch(
                 experts_on: options.experts_on,
                 ..PlanOptions::default()
             };
-            let plan = bm_plan::plan_with(&tree, &plan_options, options.planner)?;
+            let plan = bm_plan::plan_with(&tree, &plan_options, options.planner)
+                .map_err(|e| budgets.explain(e.into()))?;
+            check_offload_folder(
+                &plan.device_map,
+                options.offload_folder.as_deref(),
+                &budgets,
+            )?;
             // Stream no more than the plan made room for.
             prefetch_depth = plan.prefetch_depth;
             Some(plan.device_map)
@@ -279,30 +289,6 @@ pub fn tree_from_checkpoint(path: impl AsRef<Path>) -> Result<ModuleTree, Error>
         checkpoint.tensors(),
         &checkpoint.ties(),
     )?)
-}
-
-/// The budgets a strategy plans with when the user gives no `max_memory`,
-/// for the facade and the CLI alike. With [`Compat::Accelerate`] they are
-/// Accelerate's `get_max_memory()`: 100 % of each CUDA GPU's free memory
-/// and the available host RAM. bigmodel's planner ([`Compat::Auto`]) keeps
-/// bm-device's safety margins back ([`bm_device::default_budgets`]).
-/// Emulated GPUs get the budget they were given in either mode: their
-/// capacity is the caller's choice.
-pub fn default_max_memory(devices: &DeviceSet, compat: Compat) -> Result<MaxMemory, Error> {
-    let info = devices.memory_info().map_err(Error::Memory)?;
-    let mut budgets = budgets_from(&info, compat);
-    for (budget, gpu) in budgets.gpus.iter_mut().zip(devices.gpus()) {
-        if gpu.kind() == GpuKind::Emulated {
-            *budget = gpu.budget();
-        }
-    }
-    let pairs = budgets
-        .gpus
-        .iter()
-        .enumerate()
-        .map(|(i, &b)| (bm_plan::Device::Gpu(i as u32), b))
-        .chain([(bm_plan::Device::Cpu, budgets.cpu)]);
-    Ok(MaxMemory::new(pairs)?)
 }
 
 /// The fixed per-device costs of running a plan with `max_memory`, for the
@@ -433,68 +419,4 @@ pub fn verify_ledger(
         }
     }
     Ok(short)
-}
-
-/// Default budgets from memory figures: Accelerate's (everything free) or
-/// bigmodel's (free minus the safety margins).
-fn budgets_from(info: &MemoryInfo, compat: Compat) -> Budgets {
-    match compat {
-        Compat::Accelerate => Budgets {
-            gpus: info.gpus.iter().map(|g| g.free).collect(),
-            cpu: info.host.available,
-        },
-        Compat::Auto => bm_device::default_budgets(info),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use bm_device::{Device, GpuMemory, HostMemory, HostMemorySource};
-
-    const GIB: u64 = 1 << 30;
-
-    fn machine() -> MemoryInfo {
-        MemoryInfo {
-            gpus: vec![GpuMemory {
-                device: Device::Gpu(0),
-                kind: GpuKind::Cuda,
-                name: "test GPU".into(),
-                free: 70 * GIB,
-                total: 80 * GIB,
-            }],
-            host: HostMemory {
-                available: 100 * GIB,
-                source: HostMemorySource::MemInfo,
-                limit: 128 * GIB,
-            },
-        }
-    }
-
-    #[test]
-    fn compat_defaults_are_accelerates_get_max_memory() {
-        let b = budgets_from(&machine(), Compat::Accelerate);
-        assert_eq!(b.gpus, [70 * GIB]);
-        assert_eq!(b.cpu, 100 * GIB);
-    }
-
-    #[test]
-    fn auto_defaults_keep_the_safety_margins() {
-        let b = budgets_from(&machine(), Compat::Auto);
-        // 5 % of 80 GiB = 4 GiB on the GPU, 10 % of 100 GiB on the host.
-        assert_eq!(b.gpus, [66 * GIB]);
-        assert_eq!(b.cpu, 90 * GIB);
-    }
-
-    #[test]
-    fn emulated_gpus_plan_with_their_budget_in_both_modes() {
-        let devices = DeviceSet::emulated(&[1000, 2000]);
-        devices.gpu(1).unwrap().set_budget(1500).unwrap();
-        for compat in [Compat::Accelerate, Compat::Auto] {
-            let m = default_max_memory(&devices, compat).unwrap();
-            assert_eq!(m.get(bm_plan::Device::Gpu(0)), Some(1000), "{compat:?}");
-            assert_eq!(m.get(bm_plan::Device::Gpu(1)), Some(1500), "{compat:?}");
-            assert!(m.get(bm_plan::Device::Cpu).is_some(), "{compat:?}");
-        }
-    }
 }

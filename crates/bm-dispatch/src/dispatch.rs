@@ -93,7 +93,10 @@ pub fn dispatch_model(
     }
     let disk = disk_modules(device_map);
     if !disk.is_empty() && options.offload_dir.is_none() {
-        return Err(Error::NoOffloadFolder { modules: disk });
+        return Err(Error::NoOffloadFolder {
+            modules: disk,
+            budgets: None,
+        });
     }
     place(model, &placement, device_map, options)?;
     for entry in &placement.entries {
@@ -177,6 +180,7 @@ fn place(
                     .as_deref()
                     .ok_or_else(|| Error::NoOffloadFolder {
                         modules: disk_modules(map),
+                        budgets: None,
                     })?;
                 let view = match &folder_index {
                     Some(folder) => matching_view(folder, dir, &name, &meta)?,

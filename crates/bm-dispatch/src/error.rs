@@ -65,10 +65,13 @@ pub enum Error {
         unexpected: Vec<String>,
     },
     /// The device map sends modules to disk but no offload folder was given
-    /// (Accelerate's message).
+    /// (Accelerate's message, naming the modules, or "the whole model").
     NoOffloadFolder {
-        /// The modules mapped to disk.
+        /// The modules mapped to disk (`""` is the whole model).
         modules: Vec<String>,
+        /// Where the budgets that sent them there came from, when a planner
+        /// made the map (the facade says; a map given as such has none).
+        budgets: Option<String>,
     },
     /// An existing offload folder does not hold the model's tensors.
     OffloadIndexMismatch {
@@ -212,11 +215,17 @@ impl fmt::Display for Error {
                 }
                 Ok(())
             }
-            Error::NoOffloadFolder { modules } => write!(
-                f,
-                "At least one of the model submodule will be offloaded to disk, please pass along an `offload_folder`. (modules on disk: {})",
-                modules.join(", ")
-            ),
+            Error::NoOffloadFolder { modules, budgets } => {
+                write!(
+                    f,
+                    "At least one of the model submodule will be offloaded to disk, please pass along an `offload_folder`. (modules on disk: {}",
+                    module_list(modules)
+                )?;
+                match budgets {
+                    Some(budgets) => write!(f, "; {budgets})"),
+                    None => f.write_str(")"),
+                }
+            }
             Error::OffloadIndexMismatch { folder, problem } => write!(
                 f,
                 "offload folder {} does not match the model: {problem}",
@@ -239,6 +248,25 @@ impl fmt::Display for Error {
             Error::Transform { name, source } => write!(f, "loading {name}: {source}"),
         }
     }
+}
+
+/// The modules of a refusal: "the whole model" for the root, else the
+/// first few names and how many more.
+fn module_list(modules: &[String]) -> String {
+    const SHOWN: usize = 8;
+    if modules.iter().any(String::is_empty) {
+        return "the whole model".into();
+    }
+    let mut list = modules
+        .iter()
+        .take(SHOWN)
+        .map(String::as_str)
+        .collect::<Vec<_>>()
+        .join(", ");
+    if modules.len() > SHOWN {
+        list += &format!(" and {} more", modules.len() - SHOWN);
+    }
+    list
 }
 
 impl std::error::Error for Error {
@@ -270,3 +298,37 @@ impl From<bm_plan::Error> for Error {
 
 /// Result with this crate's [`Error`].
 pub type Result<T> = std::result::Result<T, Error>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refusal(modules: &[&str], budgets: Option<&str>) -> String {
+        Error::NoOffloadFolder {
+            modules: modules.iter().map(|m| m.to_string()).collect(),
+            budgets: budgets.map(str::to_string),
+        }
+        .to_string()
+    }
+
+    #[test]
+    fn the_offload_folder_refusal_names_what_goes_to_disk() {
+        let whole = refusal(&[""], Some("budgets: cpu 0 B"));
+        assert!(
+            whole.ends_with("(modules on disk: the whole model; budgets: cpu 0 B)"),
+            "{whole}"
+        );
+        let few = refusal(&["model.layers.1", "lm_head"], None);
+        assert!(
+            few.ends_with("(modules on disk: model.layers.1, lm_head)"),
+            "{few}"
+        );
+        let names: Vec<String> = (0..10).map(|i| format!("layers.{i}")).collect();
+        let names: Vec<&str> = names.iter().map(String::as_str).collect();
+        let many = refusal(&names, None);
+        assert!(
+            many.ends_with("layers.6, layers.7 and 2 more)") && !many.contains("layers.8"),
+            "{many}"
+        );
+    }
+}

@@ -145,7 +145,10 @@ pub fn load_checkpoint_in_model(
     let placement = MapPlacement::new(model, map, main_device(map), options.offload_buffers)?;
     let disk = disk_modules(map);
     if !disk.is_empty() && options.offload_folder.is_none() {
-        return Err(Error::NoOffloadFolder { modules: disk });
+        return Err(Error::NoOffloadFolder {
+            modules: disk,
+            budgets: None,
+        });
     }
 
     let mut report = LoadReport::default();
@@ -313,6 +316,7 @@ pub fn load_checkpoint_in_model(
                         .as_deref()
                         .ok_or_else(|| Error::NoOffloadFolder {
                             modules: disk.clone(),
+                            budgets: None,
                         })?;
                 // Accelerate's offload index can point into a safetensors
                 // file; anything else is written to the folder.

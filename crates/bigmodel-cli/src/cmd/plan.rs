@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
+use bigmodel::BudgetOrigin;
 use bigmodel::device::DeviceSet;
 use bigmodel::plan::auto::LedgerUnits;
 use bigmodel::plan::config::{Family, HfConfig};
@@ -192,9 +193,10 @@ pub fn kept_in_f32(
 
 /// Default budgets when the user gives none, read from the machine (the
 /// planner itself never touches a device): the facade's
-/// [`bigmodel::default_max_memory`], Accelerate's with `--compat accelerate`.
-fn default_max_memory(compat: Compat) -> Result<MaxMemory, String> {
-    bigmodel::default_max_memory(&DeviceSet::probe(), compat).map_err(|e| e.to_string())
+/// [`bigmodel::default_max_memory`], Accelerate's with `--compat accelerate`,
+/// with the figures they came from.
+fn default_max_memory(compat: Compat) -> Result<(MaxMemory, BudgetOrigin), String> {
+    bigmodel::default_max_memory_with_origin(&DeviceSet::probe(), compat).map_err(|e| e.to_string())
 }
 
 fn parse_dtype(text: &str) -> Result<DType, String> {
@@ -313,13 +315,15 @@ pub fn run(args: Args) -> CmdResult {
         );
     }
 
-    let (max_memory, from_user) = match &args.max_memory {
-        Some(spec) => (
-            MaxMemory::parse(spec).map_err(|e| format!("--max-memory {spec:?}: {e}"))?,
-            true,
-        ),
-        None => (default_max_memory(compat)?, false),
+    let (max_memory, budgets) = match &args.max_memory {
+        Some(spec) => {
+            let given =
+                MaxMemory::parse(spec).map_err(|e| format!("--max-memory {spec:?}: {e}"))?;
+            (given.clone(), BudgetOrigin::Given(given))
+        }
+        None => default_max_memory(compat)?,
     };
+    let from_user = budgets.is_given();
     let no_split = if args.no_split.is_empty() {
         match &source {
             Source::Config(model) => model.no_split.clone(),
@@ -421,7 +425,7 @@ pub fn run(args: Args) -> CmdResult {
         });
         (plan, units.zip(resolved))
     });
-    let mut plan = plan?;
+    let mut plan = plan.map_err(|e| budgets.explain(e.into()))?;
     if let Some((units, resolved)) = units {
         plan.ledger = units.ledger_resolved(&plan.device_map, &resolved)?;
     }

@@ -571,13 +571,12 @@ fn verified_map(
         dtype.unwrap_or(model.dtype),
         &options.keep_in_fp32_modules,
     );
-    let (max_memory, from_user) = match &options.max_memory {
-        Some(m) => (m.clone(), true),
-        None => (
-            bigmodel::default_max_memory(devices, Compat::Auto).map_err(|e| in_dir(&e))?,
-            false,
-        ),
+    let (max_memory, budgets) = match &options.max_memory {
+        Some(m) => (m.clone(), bigmodel::BudgetOrigin::Given(m.clone())),
+        None => bigmodel::default_max_memory_with_origin(devices, Compat::Auto)
+            .map_err(|e| in_dir(&e))?,
     };
+    let from_user = budgets.is_given();
     let workload = Workload {
         max_seq_len: workload.prompt_len + new_tokens as u64,
         ..workload
@@ -612,7 +611,13 @@ fn verified_map(
         Some(DeviceMapSpec::Strategy(mode)) => {
             plan_options.mode = *mode;
             let plan = bigmodel::plan::plan_with(&tree, &plan_options, Compat::Auto)
-                .map_err(|e| in_dir(&e))?;
+                .map_err(|e| in_dir(&budgets.explain(e.into())))?;
+            bigmodel::check_offload_folder(
+                &plan.device_map,
+                options.offload_folder.as_deref(),
+                &budgets,
+            )
+            .map_err(|e| in_dir(&e))?;
             (plan.device_map, plan.ledger, plan.prefetch_depth)
         }
         None => return Err("--verify needs a device map or a strategy".into()),
