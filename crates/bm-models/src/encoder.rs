@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 
 use bm_tensor::DType;
 
-use bigmodel::plan::config::{Family, HfConfig, MAX_POSITIONS};
+use bigmodel::plan::config::{Family, Float, HfConfig, MAX_POSITIONS};
 
 use crate::config::{found, read_config, read_keys};
 use crate::decoder::{fetch, fetch_linear, in_block};
@@ -81,7 +81,10 @@ impl EncoderConfig {
             type_vocab_size: c
                 .type_vocab_size
                 .ok_or_else(|| missing("type_vocab_size"))?,
-            layer_norm_eps: c.keys.opt_f64("layer_norm_eps")?.unwrap_or(1e-12) as f32,
+            layer_norm_eps: c
+                .keys
+                .opt_f64("layer_norm_eps", Float::Epsilon)?
+                .unwrap_or(1e-12) as f32,
         })
     }
 }

@@ -6,7 +6,7 @@
 
 use std::path::{Path, PathBuf};
 
-use bigmodel::plan::config::{ConfigKeys, Family, HfConfig, MAX_LAYERS, MAX_POSITIONS};
+use bigmodel::plan::config::{ConfigKeys, Family, Float, HfConfig, MAX_LAYERS, MAX_POSITIONS};
 use bigmodel::plan::hf::DecoderNames;
 
 use crate::config::{found, read_config, unsupported};
@@ -341,7 +341,7 @@ fn rotary_decoder(c: &HfConfig, arch: Family) -> Result<DecoderConfig, Error> {
     use Family::*;
     let k = &c.keys;
     let heads = heads(c);
-    let eps = k.opt_f64("rms_norm_eps")?.unwrap_or(1e-6) as f32;
+    let eps = k.opt_f64("rms_norm_eps", Float::Epsilon)?.unwrap_or(1e-6) as f32;
     let gemma = arch == Gemma2;
     if gemma && k.bool_or("use_bidirectional_attention", false)? {
         return Err(k
@@ -354,9 +354,12 @@ fn rotary_decoder(c: &HfConfig, arch: Family) -> Result<DecoderConfig, Error> {
     let scores = match arch {
         Gemma2 => Scores {
             softcap: k
-                .nullable_f64("attn_logit_softcapping", Some(50.0))?
+                .nullable_f64("attn_logit_softcapping", Some(50.0), Float::Scale)?
                 .map(|v| v as f32),
-            ..Scores::scaled_by(k.opt_f64("query_pre_attn_scalar")?.unwrap_or(256.0) as f32)
+            ..Scores::scaled_by(
+                k.opt_f64("query_pre_attn_scalar", Float::Scale)?
+                    .unwrap_or(256.0) as f32,
+            )
         },
         _ => Scores::standard(heads.head_dim),
     };
@@ -403,7 +406,7 @@ fn rotary_decoder(c: &HfConfig, arch: Family) -> Result<DecoderConfig, Error> {
         activation: Activation::of(c)?,
         embed_scale: gemma.then(|| (c.hidden_size as f64).sqrt() as f32),
         final_softcap: if gemma {
-            k.nullable_f64("final_logit_softcapping", Some(30.0))?
+            k.nullable_f64("final_logit_softcapping", Some(30.0), Float::Scale)?
                 .map(|v| v as f32)
         } else {
             None
@@ -443,7 +446,9 @@ fn gpt2(c: &HfConfig) -> Result<DecoderConfig, Error> {
         num_layers: c.num_layers,
         heads: heads(c),
         norm: Norm::Layer {
-            eps: k.opt_f64("layer_norm_epsilon")?.unwrap_or(1e-5) as f32,
+            eps: k
+                .opt_f64("layer_norm_epsilon", Float::Epsilon)?
+                .unwrap_or(1e-5) as f32,
         },
         positions: Positions::Learned { max_positions },
         projections: Projections::Conv1D,
@@ -490,10 +495,12 @@ fn rope(c: &HfConfig, arch: Family) -> Result<RopeConfig, Error> {
     }
     .unwrap_or("default");
     let theta = match &params {
-        Some(p) => p.opt_f64("rope_theta")?,
+        Some(p) => p.opt_f64("rope_theta", Float::Base)?,
         None => None,
     };
-    let theta = theta.or(k.opt_f64("rope_theta")?).unwrap_or(10000.0) as f32;
+    let theta = theta
+        .or(k.opt_f64("rope_theta", Float::Base)?)
+        .unwrap_or(10000.0) as f32;
     let phi3 = arch == Family::Phi3;
     let rotary_dim = c.rotary_dim.unwrap_or(c.head_dim);
     let long_rope = match (rope_type, &params) {
@@ -517,6 +524,12 @@ fn rope(c: &HfConfig, arch: Family) -> Result<RopeConfig, Error> {
                 .into());
         }
     };
+    // Scaling factors are checked even where the rope type leaves them
+    // unused.
+    if let Some(p) = &params {
+        p.opt_f64("factor", Float::Scale)?;
+        p.opt_f64("attention_factor", Float::Scale)?;
+    }
     Ok(RopeConfig {
         theta,
         rotary_dim,
@@ -530,7 +543,7 @@ fn rope(c: &HfConfig, arch: Family) -> Result<RopeConfig, Error> {
 fn long_rope(k: &ConfigKeys, params: &ConfigKeys, rotary_dim: usize) -> Result<LongRope, Error> {
     let factors = |key: &str| -> Result<Vec<f32>, Error> {
         let values = params
-            .opt_f64s(key)?
+            .opt_f64s(key, Float::Scale)?
             .ok_or_else(|| params.error(key, "missing (LongRoPE needs it)"))?;
         if values.len() != rotary_dim / 2 {
             return Err(params
@@ -554,11 +567,11 @@ fn long_rope(k: &ConfigKeys, params: &ConfigKeys, rotary_dim: usize) -> Result<L
             None => k.count("max_position_embeddings", MAX_POSITIONS)?,
         },
     };
-    let factor = match params.opt_f64("factor")? {
+    let factor = match params.opt_f64("factor", Float::Scale)? {
         Some(f) => f,
         None => k.count("max_position_embeddings", MAX_POSITIONS)? as f64 / original as f64,
     };
-    let attention_factor = match params.opt_f64("attention_factor")? {
+    let attention_factor = match params.opt_f64("attention_factor", Float::Scale)? {
         Some(a) => a,
         None if factor <= 1.0 => 1.0,
         None => (1.0 + factor.ln() / (original as f64).ln()).sqrt(),
@@ -733,6 +746,96 @@ mod tests {
         assert_eq!(g.embed_scale, Some(4.0));
         assert!(g.tie_word_embeddings);
         assert_eq!(g.activation, Activation::GeluTanh);
+    }
+
+    #[test]
+    fn every_float_key_is_range_checked_and_named() {
+        let gemma2 = |extra: serde_json::Value| {
+            let mut c = json!({
+                "model_type": "gemma2", "vocab_size": 8, "hidden_size": 16,
+                "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
+                "head_dim": 8,
+            });
+            for (k, v) in extra.as_object().unwrap() {
+                c[k] = v.clone();
+            }
+            parse(c)
+        };
+        let phi3 = |rope: serde_json::Value| {
+            parse(json!({
+                "model_type": "phi3", "vocab_size": 8, "hidden_size": 16, "intermediate_size": 8,
+                "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 64,
+                "rope_scaling": rope,
+            }))
+        };
+        let longrope = |extra: serde_json::Value| {
+            let mut rope = json!({"type": "longrope", "short_factor": vec![1.0; 4],
+                                  "long_factor": vec![2.0; 4]});
+            for (k, v) in extra.as_object().unwrap() {
+                rope[k] = v.clone();
+            }
+            phi3(rope)
+        };
+        let gpt2 = |eps: serde_json::Value| {
+            parse(json!({
+                "model_type": "gpt2", "vocab_size": 8, "n_embd": 8, "n_layer": 1, "n_head": 2,
+                "n_positions": 8, "layer_norm_epsilon": eps,
+            }))
+        };
+        for (config, key) in [
+            (parse(qwen(json!({"rms_norm_eps": -1e-6}))), "rms_norm_eps"),
+            (parse(qwen(json!({"rms_norm_eps": 1e30}))), "rms_norm_eps"),
+            (parse(qwen(json!({"rope_theta": 0}))), "rope_theta"),
+            (parse(qwen(json!({"rope_theta": 1e39}))), "rope_theta"),
+            (
+                parse(qwen(json!({"rope_parameters": {"rope_theta": -5.0}}))),
+                "rope_parameters.rope_theta",
+            ),
+            (
+                parse(qwen(
+                    json!({"rope_parameters": {"rope_type": "default", "factor": 1e30}}),
+                )),
+                "rope_parameters.factor",
+            ),
+            (
+                gemma2(json!({"attn_logit_softcapping": 0.0})),
+                "attn_logit_softcapping",
+            ),
+            (
+                gemma2(json!({"final_logit_softcapping": 1e30})),
+                "final_logit_softcapping",
+            ),
+            (
+                gemma2(json!({"query_pre_attn_scalar": 0})),
+                "query_pre_attn_scalar",
+            ),
+            (gpt2(json!(-0.5)), "layer_norm_epsilon"),
+            (
+                longrope(json!({"short_factor": [1.0, 0.0, 1.0, 1.0]})),
+                "rope_scaling.short_factor",
+            ),
+            (
+                longrope(json!({"long_factor": [1.0, 1e30, 1.0, 1.0]})),
+                "rope_scaling.long_factor",
+            ),
+            (longrope(json!({"factor": -2.0})), "rope_scaling.factor"),
+            (
+                longrope(json!({"attention_factor": 1e30})),
+                "rope_scaling.attention_factor",
+            ),
+        ] {
+            let err = config.unwrap_err().to_string();
+            assert!(
+                err.contains(&format!("config.json: key \"{key}\": "))
+                    && err.contains("out of range"),
+                "{key}: {err}"
+            );
+        }
+        // In range: accepted as before.
+        assert!(
+            gemma2(json!({"query_pre_attn_scalar": 144, "attn_logit_softcapping": null})).is_ok()
+        );
+        assert!(longrope(json!({"factor": 16.0, "attention_factor": 1.2})).is_ok());
     }
 
     #[test]

@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use bigmodel::plan::config::ConfigKeys;
+use bigmodel::plan::config::{ConfigKeys, Float};
 
 use crate::config::read_keys;
 use crate::{Error, Sampling};
@@ -106,7 +106,9 @@ impl GenerationConfig {
     ) -> Result<GenerationConfig, Error> {
         let d = &defaults.sampling;
         let float = |key: &str, default: f32| -> Result<f32, Error> {
-            Ok(keys.opt_f64(key)?.map_or(default, |v| v as f32))
+            Ok(keys
+                .opt_f64(key, Float::Finite)?
+                .map_or(default, |v| v as f32))
         };
         // 0 is allowed: no top-k filtering.
         let top_k = match keys.get("top_k") {

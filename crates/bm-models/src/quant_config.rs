@@ -5,7 +5,7 @@
 
 use std::path::Path;
 
-use bigmodel::plan::config::ConfigKeys;
+use bigmodel::plan::config::{ConfigKeys, Float};
 use bm_compute::quant::{FourBitType, QuantFormat};
 use bm_tensor::DType;
 
@@ -126,15 +126,9 @@ pub(crate) fn read_bnb_checkpoint(config: &ConfigKeys) -> Result<Option<BnbCheck
             }
         },
     };
-    let threshold = match q.opt_f64("llm_int8_threshold")? {
-        None => 6.0,
-        Some(t) if t >= 0.0 => t as f32,
-        Some(t) => {
-            return Err(q
-                .error("llm_int8_threshold", format!("{t} is negative"))
-                .into());
-        }
-    };
+    let threshold = q
+        .opt_f64("llm_int8_threshold", Float::NonNegative)?
+        .map_or(6.0, |t| t as f32);
     Ok(Some(BnbCheckpoint {
         int8: eight,
         compute_dtype,

@@ -16,7 +16,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use bigmodel::plan::config::{Family, HfConfig};
+use bigmodel::plan::config::{Family, Float, HfConfig};
 use bm_tensor::DType;
 
 use crate::config::{found, read_config};
@@ -145,7 +145,9 @@ impl T5Config {
             relative_max_distance: s2s.relative_max_distance,
             gated: s2s.gated,
             activation: Activation::of(c)?,
-            eps: k.opt_f64("layer_norm_epsilon")?.unwrap_or(1e-6) as f32,
+            eps: k
+                .opt_f64("layer_norm_epsilon", Float::Epsilon)?
+                .unwrap_or(1e-6) as f32,
             scale_decoder_outputs: s2s.scale_decoder_outputs,
             tie_word_embeddings: true,
             decoder_start_token_id: start,

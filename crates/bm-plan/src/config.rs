@@ -29,6 +29,60 @@ pub const MAX_VOCAB: usize = 1 << 24;
 /// Longest context (positions, windows) a config may declare.
 pub const MAX_POSITIONS: usize = 1 << 27;
 
+/// f32's largest finite value, the bound of the numbers that become f32.
+const F32_MAX: f64 = f32::MAX as f64;
+
+/// The range a float key of a config may hold. Every float getter of
+/// [`ConfigKeys`] takes one, so no scale, factor or epsilon reaches a
+/// shape, a loop or a kernel unchecked: each range lies inside f32's and
+/// leaves out what would divide by zero, overflow or take the root of a
+/// negative number.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Float {
+    /// A norm's epsilon (`rms_norm_eps`, `layer_norm_eps`): 0 to 1.
+    Epsilon,
+    /// A share of a size (`partial_rotary_factor`): above 0, at most 1.
+    Fraction,
+    /// A multiplier or divisor of activations or frequencies (soft caps,
+    /// a query scalar, rope scaling and attention factors): 10^-6 to 10^6.
+    Scale,
+    /// The base of the rotary frequencies (`rope_theta`): 1 to f32's
+    /// largest (below 1 the frequencies grow with the dimension and
+    /// overflow).
+    Base,
+    /// A threshold compared with activations (`llm_int8_threshold`): 0 to
+    /// f32's largest.
+    NonNegative,
+    /// A setting its consumer checks further (sampling settings): any f32.
+    Finite,
+}
+
+impl Float {
+    /// Whether `v` is in the range.
+    pub fn admits(self, v: f64) -> bool {
+        match self {
+            Float::Epsilon => (0.0..=1.0).contains(&v),
+            Float::Fraction => v > 0.0 && v <= 1.0,
+            Float::Scale => (1e-6..=1e6).contains(&v),
+            Float::Base => (1.0..=F32_MAX).contains(&v),
+            Float::NonNegative => (0.0..=F32_MAX).contains(&v),
+            Float::Finite => v.abs() <= F32_MAX,
+        }
+    }
+
+    /// The range in words, for errors.
+    fn describe(self) -> &'static str {
+        match self {
+            Float::Epsilon => "from 0 to 1",
+            Float::Fraction => "above 0 and at most 1",
+            Float::Scale => "from 1e-6 to 1e6",
+            Float::Base => "from 1 to 3.4e38 (f32's largest)",
+            Float::NonNegative => "from 0 to 3.4e38 (f32's largest)",
+            Float::Finite => "within f32's range (±3.4e38)",
+        }
+    }
+}
+
 /// The model families understood.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Family {
@@ -228,33 +282,70 @@ impl ConfigKeys {
         }
     }
 
-    /// A number, `None` when absent.
-    pub fn opt_f64(&self, key: &str) -> Result<Option<f64>, Error> {
+    /// A number in `range`, `None` when absent.
+    pub fn opt_f64(&self, key: &str, range: Float) -> Result<Option<f64>, Error> {
         match self.get(key) {
             None => Ok(None),
-            Some(v) => v
-                .as_f64()
-                .map(Some)
-                .ok_or_else(|| self.error(key, format!("expected a number, found {v}"))),
+            Some(v) => {
+                let n = v
+                    .as_f64()
+                    .ok_or_else(|| self.error(key, format!("expected a number, found {v}")))?;
+                self.in_range(key, n, range).map(Some)
+            }
         }
     }
 
-    /// A number whose absence means `default` and whose `null` means none
-    /// (transformers' `float | None = default` fields).
-    pub fn nullable_f64(&self, key: &str, default: Option<f64>) -> Result<Option<f64>, Error> {
+    /// A number in `range` whose absence means `default` and whose `null`
+    /// means none (transformers' `float | None = default` fields).
+    pub fn nullable_f64(
+        &self,
+        key: &str,
+        default: Option<f64>,
+        range: Float,
+    ) -> Result<Option<f64>, Error> {
         match self.object.get(key) {
             None => Ok(default),
             Some(Value::Null) => Ok(None),
-            Some(v) => v
-                .as_f64()
-                .map(Some)
-                .ok_or_else(|| self.error(key, format!("expected a number or null, found {v}"))),
+            Some(v) => {
+                let n = v.as_f64().ok_or_else(|| {
+                    self.error(key, format!("expected a number or null, found {v}"))
+                })?;
+                self.in_range(key, n, range).map(Some)
+            }
         }
     }
 
-    /// A list of numbers, `None` when absent.
-    pub fn opt_f64s(&self, key: &str) -> Result<Option<Vec<f64>>, Error> {
-        self.opt_list(key, "numbers", Value::as_f64)
+    /// A list of numbers, each in `range`, `None` when absent.
+    pub fn opt_f64s(&self, key: &str, range: Float) -> Result<Option<Vec<f64>>, Error> {
+        let Some(values) = self.opt_list(key, "numbers", Value::as_f64)? else {
+            return Ok(None);
+        };
+        for (i, &v) in values.iter().enumerate() {
+            if !range.admits(v) {
+                return Err(self.error(
+                    key,
+                    format!(
+                        "item {i}: {v} is out of range (expected a number {})",
+                        range.describe()
+                    ),
+                ));
+            }
+        }
+        Ok(Some(values))
+    }
+
+    /// `n` of `key` if `range` admits it, else an error naming the range.
+    fn in_range(&self, key: &str, n: f64, range: Float) -> Result<f64, Error> {
+        match range.admits(n) {
+            true => Ok(n),
+            false => Err(self.error(
+                key,
+                format!(
+                    "{n} is out of range (expected a number {})",
+                    range.describe()
+                ),
+            )),
+        }
     }
 
     /// A list whose every item `item` reads (a list of `what`), `None` when
@@ -519,11 +610,17 @@ impl HfConfig {
             _ => None,
         };
         let rotary_dim = match family {
-            // Only Phi-3's rotary embedding reads the partial factor
-            // (transformers' Llama, Qwen and Gemma rotate the whole head).
-            Phi3 => Some(partial_rotary_dim(&keys, head_dim)?),
             Gpt2 | Bert | T5 => None,
-            _ => Some(head_dim),
+            // Only Phi-3's rotary embedding reads the partial factor
+            // (transformers' Llama, Qwen and Gemma rotate the whole head);
+            // the others' is checked all the same.
+            _ => {
+                let factor = partial_rotary_factor(&keys)?;
+                match family {
+                    Phi3 => Some(partial_rotary_dim(&keys, head_dim, factor)?),
+                    _ => Some(head_dim),
+                }
+            }
         };
         let attention_bias = keys.bool_or("attention_bias", false)?;
         let (qkv_bias, o_bias) = match family {
@@ -717,20 +814,38 @@ fn t5_activation(keys: &ConfigKeys, proj: &str) -> Result<String, Error> {
     }
 }
 
-/// Phi-3's rotated dimensions: `partial_rotary_factor` (in
-/// `rope_parameters`, else at the top level; default 1) of the head, an
-/// even number of at least two.
-fn partial_rotary_dim(keys: &ConfigKeys, head_dim: usize) -> Result<usize, Error> {
-    let nested = keys.nested("rope_parameters")?;
-    let factor = match nested.as_ref().map(|p| p.opt_f64("partial_rotary_factor")) {
-        Some(Ok(Some(f))) => f,
-        Some(Err(e)) => return Err(e),
-        _ => keys.opt_f64("partial_rotary_factor")?.unwrap_or(1.0),
+/// `partial_rotary_factor` and the key that gave it: in `rope_parameters`,
+/// else at the top level; both checked in (0, 1] where present, so a
+/// shadowed top-level value is no less checked than the one in effect.
+fn partial_rotary_factor(keys: &ConfigKeys) -> Result<Option<(f64, String)>, Error> {
+    const KEY: &str = "partial_rotary_factor";
+    let top = keys.opt_f64(KEY, Float::Fraction)?;
+    let nested = match keys.nested("rope_parameters")? {
+        Some(p) => p.opt_f64(KEY, Float::Fraction)?,
+        None => None,
     };
+    Ok(match (nested, top) {
+        (Some(f), _) => Some((f, format!("rope_parameters.{KEY}"))),
+        (None, Some(f)) => Some((f, KEY.to_string())),
+        (None, None) => None,
+    })
+}
+
+/// Phi-3's rotated dimensions: `factor` (default 1) of the head, an even
+/// number of at least two.
+fn partial_rotary_dim(
+    keys: &ConfigKeys,
+    head_dim: usize,
+    factor: Option<(f64, String)>,
+) -> Result<usize, Error> {
+    let Some((factor, key)) = factor else {
+        return Ok(head_dim);
+    };
+    // At most head_dim, since the factor is at most 1.
     let dim = (head_dim as f64 * factor) as usize;
-    if factor <= 0.0 || dim == 0 || dim > head_dim || !dim.is_multiple_of(2) {
+    if dim == 0 || !dim.is_multiple_of(2) {
         return Err(keys.error(
-            "partial_rotary_factor",
+            &key,
             format!("{factor} of head_dim {head_dim} is not an even number of dimensions"),
         ));
     }
@@ -841,6 +956,115 @@ mod tests {
         assert_eq!(
             (bert.max_positions, bert.type_vocab_size),
             (Some(512), Some(2))
+        );
+    }
+
+    #[test]
+    fn partial_rotary_factors_are_checked_wherever_they_are() {
+        let phi3 = |extra: Value| {
+            let mut c = llama(extra);
+            c["model_type"] = json!("phi3");
+            parse(c)
+        };
+        // In effect, shadowed by rope_parameters, or unused (Llama): each
+        // value is checked, and the error names the key that holds it.
+        for (config, key) in [
+            (
+                phi3(json!({"partial_rotary_factor": 1e30})),
+                "\"partial_rotary_factor\"",
+            ),
+            (
+                phi3(json!({"partial_rotary_factor": 1e30,
+                            "rope_parameters": {"partial_rotary_factor": 0.5}})),
+                "\"partial_rotary_factor\"",
+            ),
+            (
+                phi3(json!({"rope_parameters": {"partial_rotary_factor": -0.5}})),
+                "\"rope_parameters.partial_rotary_factor\"",
+            ),
+            (
+                parse(llama(json!({"partial_rotary_factor": 1e30}))),
+                "\"partial_rotary_factor\"",
+            ),
+            (
+                parse(llama(json!({"partial_rotary_factor": 0}))),
+                "\"partial_rotary_factor\"",
+            ),
+        ] {
+            let err = config.unwrap_err().to_string();
+            assert!(
+                err.contains(&format!("key {key}: "))
+                    && err.contains("out of range (expected a number above 0 and at most 1)"),
+                "{err}"
+            );
+        }
+        let c = phi3(json!({"partial_rotary_factor": 1.0,
+                            "rope_parameters": {"partial_rotary_factor": 0.5}}))
+        .unwrap();
+        assert_eq!(c.rotary_dim, Some(2));
+        let err = phi3(json!({"rope_parameters": {"partial_rotary_factor": 0.75}})).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("key \"rope_parameters.partial_rotary_factor\": 0.75 of head_dim 4"),
+            "{err}"
+        );
+        // GPT-2 has no rotary embedding: the key is not its.
+        let gpt2 = parse(json!({
+            "model_type": "gpt2", "vocab_size": 8, "n_embd": 8, "n_layer": 1, "n_head": 2,
+            "n_positions": 16, "partial_rotary_factor": 1e30,
+        }));
+        assert!(gpt2.is_ok());
+    }
+
+    #[test]
+    fn float_ranges_stay_inside_f32_and_away_from_zero_divisors() {
+        let keys = ConfigKeys::from_value(
+            json!({"eps": 0.0, "big": 1e39, "neg": -1.0, "tiny": 1e-7, "one": 1.0,
+                   "list": [1.0, 0.0], "cap": null}),
+            "c.json",
+        )
+        .unwrap();
+        assert_eq!(keys.opt_f64("eps", Float::Epsilon).unwrap(), Some(0.0));
+        assert_eq!(keys.opt_f64("one", Float::Base).unwrap(), Some(1.0));
+        assert_eq!(keys.opt_f64("absent", Float::Scale).unwrap(), None);
+        for (key, range) in [
+            ("big", Float::Finite),
+            ("big", Float::Base),
+            ("big", Float::NonNegative),
+            ("neg", Float::Epsilon),
+            ("neg", Float::NonNegative),
+            ("eps", Float::Fraction),
+            ("eps", Float::Scale),
+            ("tiny", Float::Scale),
+            ("tiny", Float::Base),
+        ] {
+            let err = keys.opt_f64(key, range).unwrap_err().to_string();
+            assert!(
+                err.starts_with(&format!("c.json: key \"{key}\": "))
+                    && err.contains("out of range"),
+                "{key} {range:?}: {err}"
+            );
+        }
+        let err = keys.opt_f64s("list", Float::Scale).unwrap_err().to_string();
+        assert!(
+            err.contains("key \"list\": item 1: 0 is out of range"),
+            "{err}"
+        );
+        assert_eq!(
+            keys.nullable_f64("cap", Some(3.0), Float::Scale).unwrap(),
+            None
+        );
+        assert_eq!(
+            keys.nullable_f64("absent", Some(3.0), Float::Scale)
+                .unwrap(),
+            Some(3.0)
+        );
+        let err = keys
+            .nullable_f64("eps", Some(3.0), Float::Scale)
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("key \"eps\": 0 is out of range"),
+            "{err}"
         );
     }
 
@@ -982,7 +1206,7 @@ mod tests {
             .nested("rope")
             .unwrap()
             .unwrap()
-            .opt_f64("factor")
+            .opt_f64("factor", Float::Scale)
             .unwrap_err();
         assert!(err.to_string().contains("key \"rope.factor\""), "{err}");
         assert_eq!(keys.token_ids("eos").unwrap(), [1, 2]);
