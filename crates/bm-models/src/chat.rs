@@ -53,7 +53,7 @@ impl ChatTemplate {
     pub fn open_in(dir: impl AsRef<Path>) -> Result<ChatTemplate, Error> {
         let dir = dir.as_ref();
         let config_path = dir.join("tokenizer_config.json");
-        let config = if config_path.is_file() {
+        let config = if bm_shard::exists(&config_path)? {
             Some(read_keys(&config_path)?)
         } else {
             None
@@ -72,7 +72,7 @@ impl ChatTemplate {
             }
         }
         let jinja = dir.join("chat_template.jinja");
-        if jinja.is_file() {
+        if bm_shard::exists(&jinja)? {
             let text = std::fs::read_to_string(&jinja).map_err(|source| Error::Io {
                 source,
                 path: jinja.clone(),

@@ -14,7 +14,7 @@ pub(crate) fn read_config(dir: &Path, supported: &'static str) -> Result<HfConfi
     let path = dir.join("config.json");
     // A config.json that is there but not a file (a FIFO) is refused by
     // the reader, naming what it is.
-    if !path.exists() {
+    if !bm_shard::exists(&path)? {
         return Err(Error::Io {
             source: std::io::Error::new(
                 std::io::ErrorKind::NotFound,

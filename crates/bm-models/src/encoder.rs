@@ -299,7 +299,7 @@ impl SentenceEmbedder {
 /// `sentence_bert_config.json`'s `max_seq_length`, if the folder has one.
 fn max_seq_length(dir: &Path) -> Result<Option<usize>, Error> {
     let path = dir.join("sentence_bert_config.json");
-    if !path.is_file() {
+    if !bm_shard::exists(&path)? {
         return Ok(None);
     }
     Ok(read_keys(&path)?.opt_count("max_seq_length", MAX_POSITIONS)?)
@@ -308,7 +308,7 @@ fn max_seq_length(dir: &Path) -> Result<Option<usize>, Error> {
 /// Refuses a sentence-transformers folder whose pooling is not mean pooling.
 fn check_mean_pooling(dir: &Path) -> Result<(), Error> {
     let path: PathBuf = dir.join("1_Pooling").join("config.json");
-    if !path.is_file() {
+    if !bm_shard::exists(&path)? {
         return Ok(());
     }
     let keys = read_keys(&path)?;

@@ -91,7 +91,7 @@ impl GenerationConfig {
     ) -> Result<GenerationConfig, Error> {
         let path = dir.as_ref().join("generation_config.json");
         let defaults = GenerationConfig::defaults(eos_token_ids);
-        if !path.is_file() {
+        if !bm_shard::exists(&path)? {
             return Ok(defaults);
         }
         GenerationConfig::from_keys(&read_keys(&path)?, defaults)

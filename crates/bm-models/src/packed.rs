@@ -275,7 +275,7 @@ pub fn load_tree(
         };
     };
     let config = dir.join("config.json");
-    let prequantized = config.is_file()
+    let prequantized = bm_shard::exists(&config)?
         && quant_config::read_bnb_checkpoint(&crate::config::read_keys(&config)?)?.is_some();
     let folder = match prequantized {
         true => Some(FolderWeights::open(dir, None).map_err(|e| match e {

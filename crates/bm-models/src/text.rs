@@ -34,7 +34,7 @@ impl TextTokenizer {
     /// `dir/tokenizer.json` if it exists.
     pub fn open_in(dir: &Path, max_len: Option<usize>) -> Result<Option<TextTokenizer>, Error> {
         let path = dir.join("tokenizer.json");
-        if path.is_file() {
+        if bm_shard::exists(&path)? {
             TextTokenizer::open(path, max_len).map(Some)
         } else {
             Ok(None)

@@ -176,9 +176,9 @@ impl FolderWeights {
         if let Some(d) = dtype {
             crate::ops::check_compute_dtype("requested dtype", d)?;
         }
-        if !dir.join("model.safetensors").is_file()
-            && !dir.join("pytorch_model.bin").is_file()
-            && !has_index(dir)
+        if !bm_shard::exists(&dir.join("model.safetensors"))?
+            && !bm_shard::exists(&dir.join("pytorch_model.bin"))?
+            && !may_hold_an_index(dir)
         {
             return Err(Error::MissingWeights {
                 dir: dir.to_path_buf(),
@@ -186,7 +186,7 @@ impl FolderWeights {
         }
         let checkpoint = Checkpoint::open(dir)?;
         let path = dir.join("config.json");
-        let config = match path.is_file() {
+        let config = match bm_shard::exists(&path)? {
             true => Some(config::read_keys(&path)?),
             false => None,
         };
@@ -358,13 +358,16 @@ pub(crate) fn transpose(t: &Tensor) -> Result<Tensor, Error> {
     Ok(Tensor::from_f32(t.dtype(), &[cols, rows], &transposed)?)
 }
 
-/// True when `dir` holds a `*.index.json` (which bm-shard will read).
-fn has_index(dir: &Path) -> bool {
-    std::fs::read_dir(dir).is_ok_and(|entries| {
-        entries
+/// True when `dir` holds a `*.index.json` (which bm-shard will read), or
+/// may hold one: a folder that may not be listed is left to bm-shard,
+/// which looks its index up by name or says why it cannot.
+fn may_hold_an_index(dir: &Path) -> bool {
+    match std::fs::read_dir(dir) {
+        Ok(entries) => entries
             .filter_map(Result::ok)
-            .any(|e| e.file_name().to_string_lossy().ends_with(".index.json"))
-    })
+            .any(|e| e.file_name().to_string_lossy().ends_with(".index.json")),
+        Err(e) => e.kind() == std::io::ErrorKind::PermissionDenied,
+    }
 }
 
 impl WeightSource for FolderWeights {

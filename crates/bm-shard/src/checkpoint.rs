@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::io::{Read, Seek, SeekFrom};
+use std::io::{ErrorKind, Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
 use bm_tensor::{DType, HostBuffer, MmapView, TensorMeta};
@@ -17,10 +17,12 @@ use crate::header::Header;
 use crate::index::Index;
 use crate::paths::{Folder, Resolved, open_regular, resolve_in_folder};
 use crate::torch;
-use crate::write::SINGLE_FILE;
+use crate::write::{INDEX_FILE, SINGLE_FILE};
 
 /// transformers' name for an unsharded PyTorch checkpoint.
 const TORCH_SINGLE_FILE: &str = "pytorch_model.bin";
+/// transformers' name for the index of a sharded PyTorch checkpoint.
+const TORCH_INDEX_FILE: &str = "pytorch_model.bin.index.json";
 
 /// The format of one file of a checkpoint.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -136,27 +138,61 @@ impl Checkpoint {
             resolve_in_folder(folder, name)
                 .map_err(|problem| Error::checkpoint(folder, format!("{name} {problem}")))
         };
-        let present = |name: &str| std::fs::symlink_metadata(folder.join(name)).is_ok();
+        // Absent is not the same as out of reach: a name that cannot be
+        // looked at (a folder that may not be entered) is an error.
+        let present = |name: &str| {
+            let path = folder.join(name);
+            match std::fs::symlink_metadata(&path) {
+                Ok(_) => Ok(true),
+                Err(e) if matches!(e.kind(), ErrorKind::NotFound | ErrorKind::NotADirectory) => {
+                    Ok(false)
+                }
+                Err(e) => Err(Error::io(path, "looking for", e)),
+            }
+        };
         let open_single = |name: &str| {
             let single = in_folder(name)?;
             Self::from_files(folder, None, vec![(single.named.clone(), single.open()?)])
         };
-        if present(SINGLE_FILE) {
+        if present(SINGLE_FILE)? {
             return open_single(SINGLE_FILE);
         }
-        let listing = std::fs::read_dir(folder).map_err(|e| Error::io(folder, "listing", e))?;
-        let (mut indexes, mut torch_indexes) = (Vec::new(), Vec::new());
-        for entry in listing {
-            let entry = entry.map_err(|e| Error::io(folder, "listing", e))?;
-            let Some(name) = entry.file_name().to_str().map(str::to_string) else {
-                continue; // not UTF-8: no name this crate looks for
-            };
-            if name.ends_with(".bin.index.json") {
-                torch_indexes.push(name);
-            } else if name.ends_with(".index.json") {
-                indexes.push(name);
+        let names: Vec<String> = match std::fs::read_dir(folder) {
+            Ok(listing) => listing
+                .map(|entry| {
+                    let entry = entry.map_err(|e| Error::io(folder, "listing", e))?;
+                    // Not UTF-8: no name this crate looks for.
+                    Ok(entry.file_name().to_str().map(str::to_string))
+                })
+                .filter_map(Result::transpose)
+                .collect::<Result<_, Error>>()?,
+            // A folder that may be entered but not listed: the index names
+            // transformers looks up, looked up by name.
+            Err(e) if e.kind() == ErrorKind::PermissionDenied => {
+                let mut found = Vec::new();
+                for name in [INDEX_FILE, TORCH_INDEX_FILE] {
+                    if present(name)? {
+                        found.push(name.to_string());
+                    }
+                }
+                if found.is_empty() && !present(TORCH_SINGLE_FILE)? {
+                    return Err(Error::checkpoint(
+                        folder,
+                        format!(
+                            "permission denied listing the folder (it may be entered but not \
+                             listed), and none of {SINGLE_FILE}, {INDEX_FILE}, \
+                             {TORCH_SINGLE_FILE} and {TORCH_INDEX_FILE} is there by name"
+                        ),
+                    ));
+                }
+                found
             }
-        }
+            Err(e) => return Err(Error::io(folder, "listing", e)),
+        };
+        let (torch_indexes, indexes): (Vec<String>, Vec<String>) = names
+            .into_iter()
+            .filter(|name| name.ends_with(".index.json"))
+            .partition(|name| name.ends_with(".bin.index.json"));
         let open_index = |name: String| {
             let index = in_folder(&name)?;
             Self::open_index(folder, &index.named, index.open()?)
@@ -164,7 +200,7 @@ impl Checkpoint {
         if let Some(index) = only_index(folder, indexes)? {
             return open_index(index);
         }
-        if present(TORCH_SINGLE_FILE) {
+        if present(TORCH_SINGLE_FILE)? {
             return open_single(TORCH_SINGLE_FILE);
         }
         match only_index(folder, torch_indexes)? {

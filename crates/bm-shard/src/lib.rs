@@ -61,7 +61,7 @@ pub use checkpoint::{Checkpoint, Format, ShardFile, TensorBytes, cast_target};
 pub use error::Error;
 pub use header::{Header, HeaderTensor, MAX_HEADER_LEN};
 pub use index::{Index, check_shard_name};
-pub use paths::{Resolved, open_regular, read_regular, resolve_in_folder};
+pub use paths::{Resolved, exists, open_regular, read_regular, resolve_in_folder};
 pub use size::parse_size;
 pub use write::{
     INDEX_FILE, SINGLE_FILE, SaveTensor, SavedCheckpoint, SavedShard, ShardItem, ShardOptions,

@@ -189,6 +189,19 @@ fn hub_repository(folder: &Path) -> Option<&Path> {
     None
 }
 
+/// Whether `path` is there (links followed): `false` only when it, or a
+/// folder on the way, does not exist. Any other failure to look (a folder
+/// that may not be entered) is an error naming the path, so a file that
+/// cannot be read is never taken for one that is absent.
+pub fn exists(path: &Path) -> Result<bool, Error> {
+    use std::io::ErrorKind;
+    match std::fs::metadata(path) {
+        Ok(_) => Ok(true),
+        Err(e) if matches!(e.kind(), ErrorKind::NotFound | ErrorKind::NotADirectory) => Ok(false),
+        Err(e) => Err(Error::io(path, "looking for", e)),
+    }
+}
+
 /// Opens `path` for reading if it is a regular file (links followed). A
 /// FIFO, socket or device is refused before it is opened, a folder too
 /// (say where one is expected by checking first). On Unix the file opened
@@ -264,6 +277,20 @@ fn kind(meta: &Metadata) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn exists_tells_absent_from_present() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("f");
+        std::fs::write(&file, b"x").unwrap();
+        assert!(exists(&file).unwrap());
+        assert!(exists(dir.path()).unwrap());
+        assert!(!exists(&dir.path().join("nothing")).unwrap());
+        // Under a file: not there, not an error.
+        assert!(!exists(&file.join("below")).unwrap());
+        // (A folder that may not be entered is an error naming the path;
+        // the CLI's hostile_limits test checks it as a user it binds.)
+    }
 
     #[test]
     fn names_that_leave_the_folder_are_refused_as_text() {

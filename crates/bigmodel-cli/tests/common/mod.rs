@@ -5,6 +5,8 @@
 // Every test binary compiles this module and uses a part of it.
 #![allow(dead_code)]
 
+pub mod hostile;
+
 use std::collections::BTreeMap;
 use std::ffi::OsStr;
 use std::io::Write;
