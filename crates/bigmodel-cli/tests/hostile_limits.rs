@@ -312,3 +312,71 @@ fn folders_that_may_not_be_listed_or_entered_say_permission_denied() {
         mode(folder, 0o755);
     }
 }
+
+/// A `chat` session on a copy of the tiny Llama (with a chat template)
+/// whose checkpoint `change` alters after the first reply, while the model
+/// is loaded: (success, stderr).
+fn chat_session(change: impl FnOnce(&Path)) -> (bool, String) {
+    use std::io::{BufRead, BufReader, Write};
+    use std::process::Stdio;
+    let dir = tempfile::tempdir().unwrap();
+    copy_folder(&tiny_llama(), dir.path());
+    common::edit_json(&dir.path().join("config.json"), |c| {
+        c["max_position_embeddings"] = json!(1024)
+    });
+    std::fs::copy(
+        fixture("chat/qwen2/tokenizer_config.json"),
+        dir.path().join("tokenizer_config.json"),
+    )
+    .unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_bigmodel"))
+        .args(os(&[&"chat", &dir.path(), &"--max-new-tokens", &"1"]))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    writeln!(stdin, "Hi").unwrap();
+    // The first reply: the model is loaded and its checkpoint mapped.
+    let mut reply = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut reply)
+        .unwrap();
+    change(&dir.path().join("model.safetensors"));
+    writeln!(stdin, "/exit").unwrap();
+    drop(stdin);
+    let out = child.wait_with_output().unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn a_checkpoint_written_in_place_while_in_use_is_a_warning() {
+    use std::io::Write;
+    let (ok, stderr) = chat_session(|checkpoint| {
+        let mut file = std::fs::OpenOptions::new()
+            .append(true)
+            .open(checkpoint)
+            .unwrap();
+        file.write_all(&[0; 8]).unwrap();
+    });
+    assert!(
+        ok && stderr.contains("warning: ")
+            && stderr.contains("model.safetensors was changed in place while in use")
+            && stderr.contains("578312 bytes when mapped, 578320 now"),
+        "{stderr}"
+    );
+    // Replaced by a new file (a rename), the mapping keeps its bytes: no
+    // warning; untouched, none either.
+    let (ok, stderr) = chat_session(|checkpoint| {
+        let new = checkpoint.with_extension("new");
+        std::fs::copy(checkpoint, &new).unwrap();
+        std::fs::rename(&new, checkpoint).unwrap();
+    });
+    assert!(ok && !stderr.contains("warning"), "{stderr}");
+    let (ok, stderr) = chat_session(|_| {});
+    assert!(ok && !stderr.contains("warning"), "{stderr}");
+}

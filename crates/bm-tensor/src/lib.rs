@@ -35,7 +35,7 @@ pub use cast::{cast, cast_into};
 pub use dtype::DType;
 pub use error::Error;
 pub use host::{HostBuffer, typed_slice};
-pub use mmap::MmapView;
+pub use mmap::{ChangedFile, MmapView, changed_mapped_files};
 
 /// A tensor's dtype and shape: everything but its bytes.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]

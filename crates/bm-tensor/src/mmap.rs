@@ -1,10 +1,17 @@
 //! Read-only memory maps of checkpoint and offload files, shared by
 //! reference counting so a tensor's bytes stay valid as long as a view of
 //! them lives.
+//!
+//! Every mapping is also listed (weakly: the list keeps nothing alive) with
+//! the size and modification time its file had when it was mapped, so that
+//! [`changed_mapped_files`] can say, once a job is done, which files were
+//! written in place while it read them: their pages changed under the map,
+//! and what was computed may mix old and new bytes.
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::SystemTime;
 
 use crate::Error;
 
@@ -17,6 +24,81 @@ struct MappedFile {
     /// Device and inode of the file mapped (Unix), to tell it from another
     /// file put at the same path later.
     id: Option<(u64, u64)>,
+    /// Its size when mapped.
+    len: u64,
+    /// Its modification time when mapped, where the system keeps one.
+    modified: Option<SystemTime>,
+}
+
+/// Every live mapping, for [`changed_mapped_files`].
+static MAPPED: Mutex<Vec<Weak<MappedFile>>> = Mutex::new(Vec::new());
+
+/// Lists `file` among the live mappings, dropping the dead ones now and
+/// then (when the list doubles) so it stays as long as what is mapped.
+fn register(file: &Arc<MappedFile>) {
+    let mut mapped = MAPPED.lock().unwrap_or_else(|e| e.into_inner());
+    if mapped.len().is_power_of_two() {
+        mapped.retain(|m| m.strong_count() > 0);
+    }
+    mapped.push(Arc::downgrade(file));
+}
+
+/// A mapped file written in place since it was mapped.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChangedFile {
+    /// The file.
+    pub path: PathBuf,
+    /// Its size when mapped and now.
+    pub len: (u64, u64),
+}
+
+impl std::fmt::Display for ChangedFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} was changed in place while in use (",
+            self.path.display()
+        )?;
+        match self.len {
+            (then, now) if then != now => write!(f, "{then} bytes when mapped, {now} now")?,
+            _ => f.write_str("modified since it was mapped")?,
+        }
+        f.write_str(
+            "): what was computed may mix its old and new bytes; do not change checkpoint or \
+             offload files while they are in use (write a new file and rename it over the old one)",
+        )
+    }
+}
+
+/// The files mapped now whose size or modification time changed since they
+/// were mapped, the same file still at the path (written in place). A file
+/// removed, or replaced by a rename, is not listed: the mapping keeps the
+/// bytes it had.
+pub fn changed_mapped_files() -> Vec<ChangedFile> {
+    let live: Vec<Arc<MappedFile>> = MAPPED
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .filter_map(Weak::upgrade)
+        .collect();
+    let mut changed: Vec<ChangedFile> = live.iter().filter_map(|f| f.changed()).collect();
+    changed.sort_by(|a, b| a.path.cmp(&b.path));
+    changed.dedup();
+    changed
+}
+
+impl MappedFile {
+    /// How the file at the path differs from what was mapped, if it is the
+    /// same file and was written since.
+    fn changed(&self) -> Option<ChangedFile> {
+        let meta = std::fs::metadata(&self.path).ok()?;
+        let same = self.id.is_some() && file_id(&meta) == self.id;
+        let len = meta.len();
+        (same && (len != self.len || meta.modified().ok() != self.modified)).then(|| ChangedFile {
+            path: self.path.clone(),
+            len: (self.len, len),
+        })
+    }
 }
 
 /// A zero-copy window into a memory-mapped file. Cloning is cheap; the
@@ -82,12 +164,16 @@ impl MmapView {
             // before reads, and the CLI's SIGBUS handler names the file.
             Some(unsafe { memmap2::Mmap::map(file) }.map_err(io)?)
         };
+        let file = Arc::new(MappedFile {
+            path: path.to_path_buf(),
+            map,
+            id: file_id(&meta),
+            len: meta.len(),
+            modified: meta.modified().ok(),
+        });
+        register(&file);
         Ok(MmapView {
-            file: Arc::new(MappedFile {
-                path: path.to_path_buf(),
-                map,
-                id: file_id(&meta),
-            }),
+            file,
             start: 0,
             end: len,
         })
@@ -110,6 +196,13 @@ impl MmapView {
             });
         }
         Ok(())
+    }
+
+    /// The file behind this view written in place since it was mapped
+    /// (another size or modification time, same file), if it was: see
+    /// [`changed_mapped_files`].
+    pub fn check_unchanged(&self) -> Option<ChangedFile> {
+        self.file.changed()
     }
 
     /// Whether `meta` describes the file this view maps (same device and
@@ -217,6 +310,76 @@ mod tests {
                 && err.contains("needs 40"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn files_written_in_place_while_mapped_are_listed() {
+        let dir = tempfile::tempdir().unwrap();
+        let (grown, touched, renamed) = (
+            dir.path().join("grown"),
+            dir.path().join("touched"),
+            dir.path().join("renamed"),
+        );
+        for p in [&grown, &touched, &renamed] {
+            std::fs::write(p, [1u8; 32]).unwrap();
+        }
+        let views: Vec<MmapView> = [&grown, &touched, &renamed]
+            .iter()
+            .map(|p| MmapView::open(p).unwrap())
+            .collect();
+        assert!(views.iter().all(|v| v.check_unchanged().is_none()));
+        let mine = |changed: Vec<ChangedFile>| -> Vec<ChangedFile> {
+            changed
+                .into_iter()
+                .filter(|c| c.path.starts_with(dir.path()))
+                .collect()
+        };
+        assert_eq!(mine(changed_mapped_files()), []);
+        // Written in place: longer, and the same size with a later mtime.
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(&grown)
+            .unwrap()
+            .write_all(&[2; 8])
+            .unwrap();
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&touched)
+            .unwrap();
+        file.set_modified(SystemTime::now() + std::time::Duration::from_secs(5))
+            .unwrap();
+        // Replaced by a rename: the mapping keeps the old bytes.
+        let new = dir.path().join("new");
+        std::fs::write(&new, [3u8; 16]).unwrap();
+        std::fs::rename(&new, &renamed).unwrap();
+        let changed = mine(changed_mapped_files());
+        assert_eq!(
+            changed,
+            [
+                ChangedFile {
+                    path: grown.clone(),
+                    len: (32, 40)
+                },
+                ChangedFile {
+                    path: touched.clone(),
+                    len: (32, 32)
+                },
+            ]
+        );
+        assert!(
+            changed[0]
+                .to_string()
+                .contains("32 bytes when mapped, 40 now")
+                && changed[1]
+                    .to_string()
+                    .contains("modified since it was mapped"),
+            "{}",
+            changed[1]
+        );
+        assert!(views[2].check_unchanged().is_none());
+        // Unmapped files are no longer watched.
+        drop(views);
+        assert_eq!(mine(changed_mapped_files()), []);
     }
 
     #[cfg(unix)]

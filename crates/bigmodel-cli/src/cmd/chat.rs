@@ -133,5 +133,6 @@ pub fn run(args: Args) -> CmdResult {
         }
         println!("{}", serde_json::to_string_pretty(&doc)?);
     }
+    super::warn_changed_files();
     Ok(())
 }

@@ -57,5 +57,14 @@ pub(crate) fn read_json(path: &Path) -> Result<serde_json::Value, String> {
     parse_json(path, &read_text(path)?)
 }
 
+/// Warns on stderr about each checkpoint or offload file written in place
+/// while this process had it mapped: what was computed from it may mix its
+/// old and new bytes. Called once, at the end of a command that computed.
+pub(crate) fn warn_changed_files() {
+    for changed in bigmodel::tensor::changed_mapped_files() {
+        eprintln!("warning: {changed}");
+    }
+}
+
 /// The error every command returns: printed as one paragraph on stderr.
 pub type CmdResult = Result<(), Box<dyn std::error::Error>>;

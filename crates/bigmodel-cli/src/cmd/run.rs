@@ -977,5 +977,6 @@ fn report(
             peak.map(human_bytes).unwrap_or_else(|| "unknown".into())
         );
     }
+    super::warn_changed_files();
     Ok(())
 }
