@@ -784,16 +784,32 @@ fn seq2seq(keys: &ConfigKeys, encoder_layers: usize) -> Result<Seq2SeqConfig, Er
         Some(_) => keys.bool_or("scale_decoder_outputs", true)?,
         None => keys.bool_or("tie_word_embeddings", true)?,
     };
+    let relative_buckets = keys
+        .opt_count("relative_attention_num_buckets", MAX_POSITIONS)?
+        .unwrap_or(32);
+    let relative_max_distance = keys
+        .opt_count("relative_attention_max_distance", MAX_POSITIONS)?
+        .unwrap_or(128);
+    // Offsets below half the buckets (the decoder's exact ones) map one to
+    // one; the rest spread logarithmically up to the maximum distance,
+    // which must lie beyond them (else the logarithm's range is empty or
+    // negative, and the buckets computed from it out of the table).
+    if relative_max_distance <= relative_buckets / 2 {
+        return Err(keys.error(
+            "relative_attention_max_distance",
+            format!(
+                "{relative_max_distance} is not beyond the {} exact offsets of \
+                 relative_attention_num_buckets {relative_buckets} (it must be more than half of it)",
+                relative_buckets / 2
+            ),
+        ));
+    }
     Ok(Seq2SeqConfig {
         decoder_layers: keys
             .opt_count("num_decoder_layers", MAX_LAYERS)?
             .unwrap_or(encoder_layers),
-        relative_buckets: keys
-            .opt_count("relative_attention_num_buckets", MAX_POSITIONS)?
-            .unwrap_or(32),
-        relative_max_distance: keys
-            .opt_count("relative_attention_max_distance", MAX_POSITIONS)?
-            .unwrap_or(128),
+        relative_buckets,
+        relative_max_distance,
         gated: proj.starts_with("gated-"),
         scale_decoder_outputs,
     })
@@ -1169,6 +1185,17 @@ mod tests {
         );
         let err = t5(json!({"d_kv": 0})).unwrap_err();
         assert!(err.to_string().contains("key \"d_kv\""), "{err}");
+        // The logarithmic buckets need a range beyond the exact ones.
+        for distance in [1, 16] {
+            let err = t5(json!({"relative_attention_max_distance": distance})).unwrap_err();
+            assert!(
+                err.to_string().contains(&format!(
+                    "key \"relative_attention_max_distance\": {distance} is not beyond the 16 exact offsets"
+                )),
+                "{err}"
+            );
+        }
+        assert!(t5(json!({"relative_attention_max_distance": 17})).is_ok());
     }
 
     #[test]
