@@ -560,12 +560,11 @@ fn long_rope(k: &ConfigKeys, params: &ConfigKeys, rotary_dim: usize) -> Result<L
         Ok(values.into_iter().map(|v| v as f32).collect())
     };
     let original_key = "original_max_position_embeddings";
-    let original = match k.opt_count(original_key, MAX_POSITIONS)? {
+    // Both places are checked, though the top level's wins.
+    let nested = params.opt_count(original_key, MAX_POSITIONS)?;
+    let original = match k.opt_count(original_key, MAX_POSITIONS)?.or(nested) {
         Some(n) => n,
-        None => match params.opt_count(original_key, MAX_POSITIONS)? {
-            Some(n) => n,
-            None => k.count("max_position_embeddings", MAX_POSITIONS)?,
-        },
+        None => k.count("max_position_embeddings", MAX_POSITIONS)?,
     };
     let factor = match params.opt_f64("factor", Float::Scale)? {
         Some(f) => f,
@@ -831,6 +830,24 @@ mod tests {
                 "{key}: {err}"
             );
         }
+        // Shadowed by the top level's, still checked.
+        let mut shadowed = json!({
+            "model_type": "phi3", "vocab_size": 8, "hidden_size": 16, "intermediate_size": 8,
+            "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 64,
+            "original_max_position_embeddings": 8,
+            "rope_scaling": {"type": "longrope", "short_factor": vec![1.0; 4],
+                             "long_factor": vec![2.0; 4], "original_max_position_embeddings": -1},
+        });
+        let err = parse(shadowed.clone()).unwrap_err().to_string();
+        assert!(
+            err.contains("key \"rope_scaling.original_max_position_embeddings\": expected a positive integer, found -1"),
+            "{err}"
+        );
+        shadowed["rope_scaling"]["original_max_position_embeddings"] = json!(4);
+        let Positions::Rotary(rope) = parse(shadowed).unwrap().positions else {
+            panic!("phi3 is rotary")
+        };
+        assert_eq!(rope.long_rope.unwrap().original_max_positions, 8);
         // In range: accepted as before.
         assert!(
             gemma2(json!({"query_pre_attn_scalar": 144, "attn_logit_softcapping": null})).is_ok()
