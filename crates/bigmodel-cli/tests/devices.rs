@@ -58,6 +58,8 @@ fn json_reports_cuda_gpus_and_host_memory() {
     }
     assert!(v["cpu_available_bytes"].as_u64().unwrap() > 0);
     assert!(v["default_budgets"]["cpu"].as_u64().is_some());
+    // The limit the host's margin scales with holds what is available.
+    assert!(v["cpu_limit_bytes"].as_u64().unwrap() >= v["cpu_available_bytes"].as_u64().unwrap());
 }
 
 #[test]

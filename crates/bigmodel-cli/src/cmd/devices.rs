@@ -111,6 +111,7 @@ impl Report<'_> {
             "gpus": gpus,
             "cpu_available_bytes": self.host.available,
             "cpu_available_source": self.host.source.to_string(),
+            "cpu_limit_bytes": self.host.limit,
             "default_budgets": budgets,
         })
     }
@@ -163,9 +164,10 @@ impl Report<'_> {
             }
         }
         out.push_str(&format!(
-            "CPU RAM available: {} ({}; default budget {})\n",
+            "CPU RAM available: {} ({}; limit {}; default budget {})\n",
             human_bytes(self.host.available),
             self.host.source,
+            human_bytes(self.host.limit),
             human_bytes(self.budgets.cpu)
         ));
         out
