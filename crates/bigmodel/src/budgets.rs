@@ -223,6 +223,43 @@ mod tests {
         }
     }
 
+    #[test]
+    fn a_one_gib_container_plans_a_small_model_in_ram() {
+        // 1000 MiB left under a 1 GiB cgroup limit, no GPU. A fixed 1 GiB
+        // margin left a CPU budget of 0 B: the whole model went to disk.
+        let info = MemoryInfo {
+            gpus: Vec::new(),
+            host: HostMemory {
+                available: 1000 * MIB,
+                source: HostMemorySource::CgroupV2,
+                limit: GIB,
+            },
+        };
+        let budgets = budgets_from(&info, Compat::Auto);
+        assert_eq!(budgets.cpu, 1000 * MIB - 256 * MIB);
+        let mut b = bm_plan::ModuleTreeBuilder::new("Model");
+        let m = b.add_module(0, "linear", "Linear").unwrap();
+        b.add_param(
+            m,
+            "weight",
+            bm_tensor::TensorMeta::new(bm_tensor::DType::F32, [512, 512]),
+        )
+        .unwrap();
+        let tree = b.finish().unwrap();
+        let options = bm_plan::PlanOptions {
+            max_memory: MaxMemory::new([(bm_plan::Device::Cpu, budgets.cpu)]).unwrap(),
+            ..bm_plan::PlanOptions::default()
+        };
+        let plan = bm_plan::plan_with(&tree, &options, Compat::Auto).unwrap();
+        assert!(
+            plan.device_map
+                .iter()
+                .all(|(_, d)| d == bm_plan::Device::Cpu),
+            "{:?}",
+            plan.device_map
+        );
+    }
+
     /// A 1 GiB container whose default CPU budget is `cpu`.
     fn container(cpu: u64) -> BudgetOrigin {
         BudgetOrigin::Measured {
