@@ -287,13 +287,16 @@ fn folders_that_may_not_be_listed_or_entered_say_permission_denied() {
         ]);
         assert!(ok, "run {}: {stderr}", folder.display());
     }
-    // Nothing there by name: permission denied, not "no weights".
+    // Nothing there by name: no weights, and why only names were tried;
+    // a plan from the config alone, as for a folder that may be listed.
     let (ok, stderr) = run(&[&"run", &config_only, &"--prompt-ids", &"1"]);
     assert!(
-        !ok && stderr.contains("config-only: permission denied listing the folder")
-            && !stderr.contains("no weights"),
+        !ok && stderr.contains("config-only: no weights")
+            && stderr.contains("permission denied listing the folder"),
         "{stderr}"
     );
+    let (ok, stderr) = run(&[&"plan", &config_only]);
+    assert!(ok, "{stderr}");
     // A folder that may not be entered: its config.json is named, not
     // reported missing.
     let (ok, stderr) = run(&[&"run", &closed, &"--prompt-ids", &"1"]);

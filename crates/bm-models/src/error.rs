@@ -33,10 +33,13 @@ pub enum Error {
         /// The ones that are supported.
         supported: &'static str,
     },
-    /// A model folder without safetensors weights.
+    /// A model folder without weights.
     MissingWeights {
         /// The folder.
         dir: PathBuf,
+        /// The folder may not be listed (permission denied): only
+        /// transformers' file names were looked up.
+        unlisted: bool,
     },
     /// A tensor a block needs that the weight source does not have.
     MissingTensor {
@@ -143,11 +146,21 @@ impl fmt::Display for Error {
                     "unsupported architecture {found:?}: supported are {supported}"
                 )
             }
-            Error::MissingWeights { dir } => write!(
-                f,
-                "{}: no weights (expected model.safetensors, a *.index.json or pytorch_model.bin)",
-                dir.display()
-            ),
+            Error::MissingWeights { dir, unlisted } => {
+                write!(
+                    f,
+                    "{}: no weights (expected model.safetensors, a *.index.json or pytorch_model.bin)",
+                    dir.display()
+                )?;
+                if *unlisted {
+                    f.write_str(
+                        "; permission denied listing the folder, so only model.safetensors, \
+                         model.safetensors.index.json, pytorch_model.bin and \
+                         pytorch_model.bin.index.json were looked up by name",
+                    )?;
+                }
+                Ok(())
+            }
             Error::MissingTensor { name } => write!(f, "tensor {name} not found in the weights"),
             Error::QuantizedNotLinear { name } => write!(
                 f,

@@ -178,11 +178,14 @@ impl FolderWeights {
         }
         if !bm_shard::exists(&dir.join("model.safetensors"))?
             && !bm_shard::exists(&dir.join("pytorch_model.bin"))?
-            && !may_hold_an_index(dir)
         {
-            return Err(Error::MissingWeights {
-                dir: dir.to_path_buf(),
-            });
+            let (found, unlisted) = find_index(dir)?;
+            if !found {
+                return Err(Error::MissingWeights {
+                    dir: dir.to_path_buf(),
+                    unlisted,
+                });
+            }
         }
         let checkpoint = Checkpoint::open(dir)?;
         let path = dir.join("config.json");
@@ -358,15 +361,28 @@ pub(crate) fn transpose(t: &Tensor) -> Result<Tensor, Error> {
     Ok(Tensor::from_f32(t.dtype(), &[cols, rows], &transposed)?)
 }
 
-/// True when `dir` holds a `*.index.json` (which bm-shard will read), or
-/// may hold one: a folder that may not be listed is left to bm-shard,
-/// which looks its index up by name or says why it cannot.
-fn may_hold_an_index(dir: &Path) -> bool {
+/// Whether `dir` holds a `*.index.json` (which bm-shard will read), and
+/// whether the folder may not be listed (permission denied), so that only
+/// transformers' two index names could be looked up, as bm-shard does then.
+fn find_index(dir: &Path) -> Result<(bool, bool), Error> {
     match std::fs::read_dir(dir) {
-        Ok(entries) => entries
-            .filter_map(Result::ok)
-            .any(|e| e.file_name().to_string_lossy().ends_with(".index.json")),
-        Err(e) => e.kind() == std::io::ErrorKind::PermissionDenied,
+        Ok(entries) => Ok((
+            entries
+                .filter_map(Result::ok)
+                .any(|e| e.file_name().to_string_lossy().ends_with(".index.json")),
+            false,
+        )),
+        Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+            let mut found = false;
+            for name in [
+                "model.safetensors.index.json",
+                "pytorch_model.bin.index.json",
+            ] {
+                found |= bm_shard::exists(&dir.join(name))?;
+            }
+            Ok((found, true))
+        }
+        Err(_) => Ok((false, false)),
     }
 }
 
