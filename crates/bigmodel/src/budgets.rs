@@ -7,7 +7,7 @@
 use std::fmt;
 use std::path::Path;
 
-use bm_device::{Budgets, DeviceSet, GpuKind, HostMemory, MemoryInfo};
+use bm_device::{Budgets, DeviceSet, GpuKind, GpuMemory, HostMemory, MemoryInfo};
 use bm_plan::{Compat, DeviceMap, MaxMemory, human_bytes};
 
 use crate::Error;
@@ -21,6 +21,8 @@ pub enum BudgetOrigin {
     Measured {
         /// The budgets.
         max_memory: MaxMemory,
+        /// Each GPU as measured: free and total memory.
+        gpus: Vec<GpuMemory>,
         /// Host RAM as measured: what is available, from which limit.
         host: HostMemory,
         /// Bytes of `host.available` kept back (none in Accelerate's mode).
@@ -78,13 +80,26 @@ impl fmt::Display for BudgetOrigin {
             }
             BudgetOrigin::Measured {
                 max_memory,
+                gpus,
                 host,
                 cpu_margin,
             } => {
+                write!(f, "budgets measured on this machine: {}", list(max_memory))?;
+                for g in gpus {
+                    match g.kind {
+                        GpuKind::Cuda => write!(
+                            f,
+                            "; GPU {}: {} free of {}",
+                            g.device,
+                            human_bytes(g.free),
+                            human_bytes(g.total)
+                        )?,
+                        GpuKind::Emulated => write!(f, "; GPU {}: emulated", g.device)?,
+                    }
+                }
                 write!(
                     f,
-                    "budgets measured on this machine: {}; host RAM: {} available ({}; limit {})",
-                    list(max_memory),
+                    "; host RAM: {} available ({}; limit {})",
                     human_bytes(host.available),
                     host.source,
                     human_bytes(host.limit)
@@ -131,6 +146,7 @@ pub fn default_max_memory_with_origin(
     let max_memory = MaxMemory::new(pairs)?;
     let origin = BudgetOrigin::Measured {
         max_memory: max_memory.clone(),
+        gpus: info.gpus,
         host: info.host,
         cpu_margin: info.host.available.saturating_sub(budgets.cpu),
     };
@@ -264,6 +280,7 @@ mod tests {
     fn container(cpu: u64) -> BudgetOrigin {
         BudgetOrigin::Measured {
             max_memory: MaxMemory::new([(bm_plan::Device::Cpu, cpu)]).unwrap(),
+            gpus: Vec::new(),
             host: HostMemory {
                 available: 1000 * MIB,
                 source: HostMemorySource::CgroupV2,
@@ -322,6 +339,19 @@ mod tests {
                 "the model does not fit\nbudgets measured on this machine: cpu 740.00 MiB"
             ),
             "{err}"
+        );
+        // GPUs say what they had free.
+        let gpu = BudgetOrigin::Measured {
+            max_memory: MaxMemory::parse("0=66GiB,cpu=90GiB").unwrap(),
+            gpus: machine().gpus,
+            host: machine().host,
+            cpu_margin: 10 * GIB,
+        };
+        assert_eq!(
+            gpu.to_string(),
+            "budgets measured on this machine: 0 66.00 GiB, cpu 90.00 GiB; GPU 0: 70.00 GiB free \
+             of 80.00 GiB; host RAM: 100.00 GiB available (/proc/meminfo MemAvailable; limit \
+             128.00 GiB) less a 10.00 GiB safety margin; max_memory (--max-memory) sets them"
         );
         // Other errors pass unchanged.
         let other = container(0).explain(Error::ExpertsWithoutMap).to_string();
