@@ -48,6 +48,7 @@ mod error;
 mod header;
 mod index;
 mod json;
+mod lock;
 pub mod offload;
 mod paths;
 mod size;
@@ -55,12 +56,14 @@ pub mod torch;
 mod write;
 
 pub use atomic::{
-    AtomicFile, FinishedFile, create_temp_folder, remove_stale_temps, sync_folder, write_atomic,
+    AtomicFile, FinishedFile, STALE_AGE, TempFolder, create_temp_folder, remove_in_flight,
+    remove_stale_temps, sync_folder, write_atomic,
 };
 pub use checkpoint::{Checkpoint, Format, ShardFile, TensorBytes, cast_target};
 pub use error::Error;
 pub use header::{Header, HeaderTensor, MAX_HEADER_LEN};
 pub use index::{Index, check_shard_name};
+pub use lock::{FolderLock, LOCK_FILE, Notice, Sharing, writer_of};
 pub use paths::{Resolved, open_regular, read_regular, resolve_in_folder};
 pub use size::parse_size;
 pub use write::{
