@@ -218,11 +218,13 @@ fn try_take(path: &Path) -> Result<Attempt, Error> {
     if !is_same_file(&file, path) {
         return Ok(Attempt::Again);
     }
+    // Best effort (a full disk has no room for it): others then report
+    // "another process".
     let me = format!("pid {} on {}", std::process::id(), host_name());
-    file.set_len(0)
+    let _ = file
+        .set_len(0)
         .and_then(|()| file.rewind())
-        .and_then(|()| file.write_all(me.as_bytes()))
-        .map_err(io)?;
+        .and_then(|()| file.write_all(me.as_bytes()));
     Ok(Attempt::Taken(file))
 }
 

@@ -317,6 +317,7 @@ pub fn run(args: Args) -> CmdResult {
         dtype: Some(DType::F32),
         offload_folder: Some(offload),
         load_progress: Some(progress),
+        offload_sharing: super::run::sharing(None),
         ..Options::default()
     };
     let started = Instant::now();
