@@ -442,6 +442,54 @@ fn a_sigkill_at_several_points_then_a_run_with_another_budget() {
     }
 }
 
+#[test]
+fn shard_quantize_writes_its_config_once_and_last() {
+    let dir = tempfile::tempdir().unwrap();
+    // The quantized model's folder, with side files to copy before the
+    // config.
+    let source = dir.path().join("source");
+    std::fs::create_dir(&source).unwrap();
+    let base = fixture("tiny-llama-bnb/base");
+    for name in ["config.json", "model.safetensors"] {
+        std::fs::copy(base.join(name), source.join(name)).unwrap();
+    }
+    for k in 0..8 {
+        std::fs::write(source.join(format!("side-{k}.txt")), vec![b'x'; 1 << 16]).unwrap();
+    }
+    for round in 0..3 {
+        let out = dir.path().join(format!("out-{round}"));
+        let mut child = spawn(&[
+            "shard",
+            source.to_str().unwrap(),
+            out.to_str().unwrap(),
+            "--max-shard-size",
+            "1GB",
+            "--quantize",
+            "nf4",
+        ]);
+        // The first config.json anyone could read (a process killed
+        // then would leave it) is the final one.
+        let config = out.join("config.json");
+        let first = loop {
+            if let Ok(text) = std::fs::read_to_string(&config) {
+                break text;
+            }
+            if child.try_wait().unwrap().is_some() {
+                break std::fs::read_to_string(&config).unwrap_or_default();
+            }
+        };
+        let (status, stderr) = wait(child);
+        assert!(status.success(), "{stderr}");
+        assert!(
+            first.contains("quantization_config"),
+            "round {round}: config.json appeared without quantization_config"
+        );
+        for k in 0..8 {
+            assert!(out.join(format!("side-{k}.txt")).is_file());
+        }
+    }
+}
+
 /// Starts `args`, stops it as soon as `folder` holds a temporary, sends
 /// `sig` and lets it go on. Returns its exit status and whether the
 /// temporary was caught in flight (else the signal came when it was seen
