@@ -86,7 +86,7 @@ impl Drop for TempPath {
         if !self.renamed {
             // Best effort: the caller is already reporting the error that
             // stopped the write.
-            let _ = release(&self.folder, &self.path, |path| remove_any(path));
+            let _ = release(&self.folder, &self.path, remove_any);
         }
     }
 }
