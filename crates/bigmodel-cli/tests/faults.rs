@@ -247,8 +247,25 @@ fn a_second_writer_waits_for_the_lock_or_fails_naming_the_holder() {
     };
     fails(&bigmodel(&strs(&shard(&["--wait-lock", "0"]))), &me);
     fails(&bigmodel(&strs(&shard(&["--wait-lock", "1"]))), &me);
-    // A reader of the folder being written hears the same, not "no weights".
+    // A reader of the folder being written hears the same, not "no
+    // weights" or "no config.json".
     fails(&bigmodel(&["inspect", out.to_str().unwrap()]), &me);
+    fails(
+        &bigmodel(&["run", out.to_str().unwrap(), "--prompt", "Hi"]),
+        &me,
+    );
+    let config_first = dir.path().join("config-first");
+    let other = FolderLock::acquire(&config_first, &Sharing::default()).unwrap();
+    std::fs::copy(
+        tiny_llama().join("config.json"),
+        config_first.join("config.json"),
+    )
+    .unwrap();
+    fails(
+        &bigmodel(&["run", config_first.to_str().unwrap(), "--prompt", "Hi"]),
+        &me,
+    );
+    drop(other);
     let mut waiting = spawn(&strs(&shard(&[])));
     let lines = stderr_lines(&mut waiting);
     let told = wait_for_line(&lines, "waiting for it to finish");

@@ -168,13 +168,6 @@ pub fn load_checkpoint_in_model(
     }
 
     let mut report = LoadReport::default();
-    let on_disk = |s: usize| placement.slots[s] == Target::Offloaded(Tier::Disk);
-    let folder_lock = match options.offload_folder.as_deref() {
-        Some(folder) if (0..placement.slots.len()).any(on_disk) => {
-            Some((folder, FolderLock::acquire(folder, &options.sharing)?))
-        }
-        _ => None,
-    };
     let transform = options.transform.as_deref();
     for (name, _) in checkpoint.tensors() {
         if !matches!(tree.find(name), Some(Node::Tensor(_)))
@@ -221,6 +214,13 @@ pub fn load_checkpoint_in_model(
         }
     }
 
+    let on_disk = |s: usize| placement.slots[s] == Target::Offloaded(Tier::Disk);
+    let folder_lock = match options.offload_folder.as_deref() {
+        Some(folder) if (0..placement.slots.len()).any(on_disk) => {
+            Some((folder, FolderLock::acquire(folder, &options.sharing)?))
+        }
+        _ => None,
+    };
     if let Some((folder, _)) = &folder_lock {
         let rewriting: HashSet<&str> = rep
             .iter()
