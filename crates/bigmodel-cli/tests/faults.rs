@@ -11,6 +11,7 @@
 //! the output it gives alone, or fails with a message naming the folder;
 //! no temporary, lock file or index describing bytes that are not there
 //! outlives it.
+#![cfg(unix)]
 
 mod common;
 
@@ -601,6 +602,14 @@ fn unshare_works(args: &[&str]) -> bool {
 fn a_writer_in_another_pid_namespace_keeps_its_files() {
     if !unshare_works(&["--pid", "--fork", "--kill-child", "--mount-proc"]) {
         eprintln!("skipped: `unshare --pid --fork --mount-proc` is not allowed here");
+        return;
+    }
+    let has_flock = Command::new("flock")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !has_flock {
+        eprintln!("skipped: no `flock` command to hold a lock in the other namespace");
         return;
     }
     let dir = tempfile::tempdir().unwrap();

@@ -15,6 +15,10 @@
 //! the file just before it was removed notices, after locking it, that the
 //! name no longer leads to its file, and starts again.
 //!
+//! A folder this process cannot create a file in (read-only, or not its
+//! own) is not locked: the process cannot write there either, and reading
+//! it (an existing offload folder) goes on as without locks.
+//!
 //! Within one process the lock is re-entrant: a writer that holds it can
 //! call library functions that take it themselves (locking the same file
 //! again from one process would wait for itself). Threads of one process
@@ -127,6 +131,12 @@ impl FolderLock {
                     return Ok(FolderLock { key });
                 }
                 Attempt::Again => continue,
+                // Nothing to exclude: this process cannot write there.
+                Attempt::ReadOnly => {
+                    return Ok(FolderLock {
+                        key: PathBuf::new(),
+                    });
+                }
                 Attempt::Busy(holder) => {
                     let waited = started.elapsed();
                     if let Some(limit) = sharing.wait
@@ -184,6 +194,8 @@ enum Attempt {
     Busy(String),
     /// The file was removed or replaced under us: try again at once.
     Again,
+    /// No file can be created in the folder (read-only, no permission).
+    ReadOnly,
 }
 
 fn try_take(path: &Path) -> Result<Attempt, Error> {
@@ -197,15 +209,23 @@ fn try_take(path: &Path) -> Result<Attempt, Error> {
         }
         _ => {}
     }
+    let read_only = |e: &io::Error| {
+        matches!(
+            e.kind(),
+            io::ErrorKind::PermissionDenied | io::ErrorKind::ReadOnlyFilesystem
+        )
+    };
     let mut file = match open_exclusive(path) {
         Ok(file) => file,
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
             match File::options().read(true).write(true).open(path) {
                 Ok(file) => file,
                 Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Attempt::Again),
+                Err(e) if read_only(&e) => return Ok(Attempt::ReadOnly),
                 Err(e) => return Err(io(e)),
             }
         }
+        Err(e) if read_only(&e) => return Ok(Attempt::ReadOnly),
         Err(e) => return Err(io(e)),
     };
     match file.try_lock() {
