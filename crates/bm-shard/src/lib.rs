@@ -37,7 +37,11 @@
 //! checkpoint (temporary files, renamed into place, index last) and removes
 //! stale shards of an earlier save. [`offload`] reads and writes
 //! Accelerate's disk-offload folder. Every file is written through
-//! [`AtomicFile`], which never opens an existing name or follows a link.
+//! [`AtomicFile`], which never opens an existing name or follows a link;
+//! a writer of a folder other processes may write too (a shard output, an
+//! offload folder) holds its [`FolderLock`] for the whole write and commit,
+//! and a temporary is taken for stale only when no process holds its
+//! writer's lock, never by its pid ([`remove_stale_temps`]).
 //!
 //! This crate never allocates device memory and never decides where a tensor
 //! goes; it depends only on `bm-tensor`, `serde_json` and `memmap2`.
