@@ -7,6 +7,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 mod cmd;
+mod interrupt;
 mod sigbus;
 
 /// mimalloc rather than glibc's malloc: a command's many small allocations
@@ -48,6 +49,7 @@ enum Command {
 
 fn main() -> ExitCode {
     sigbus::install();
+    interrupt::install();
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) if !e.use_stderr() => e.exit(),

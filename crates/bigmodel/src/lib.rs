@@ -162,6 +162,10 @@ pub struct Options {
     /// with a map (or Accelerate's planner) every experts list moves here
     /// ([`bm_plan::place_experts`]). Needs a `device_map`.
     pub experts_on: Option<bm_plan::Device>,
+    /// How long writing `offload_folder` waits for another process writing
+    /// it (the folder's [`bm_shard::FolderLock`]), and where it says so;
+    /// the default waits as long as that takes, silently.
+    pub offload_sharing: bm_shard::Sharing,
 }
 
 impl Options {
@@ -262,6 +266,7 @@ pub fn load_checkpoint_and_dispatch(
         strict: options.strict,
         progress: options.load_progress.clone(),
         transform: options.load_transform.clone(),
+        sharing: options.offload_sharing.clone(),
     };
     bm_dispatch::load_checkpoint_in_model(&model, &checkpoint, map.as_ref(), &load)?;
     if let Some(map) = map {
@@ -272,6 +277,7 @@ pub fn load_checkpoint_and_dispatch(
             preload_module_classes: options.preload_module_classes.clone(),
             force_hooks: options.force_hooks,
             prefetch_depth,
+            sharing: options.offload_sharing.clone(),
             ..DispatchOptions::default()
         };
         bm_dispatch::dispatch_model(&model, &map, &dispatch)?;

@@ -153,6 +153,15 @@ impl SourceFile {
         &self.path
     }
 
+    /// True when `check` accepts the metadata of each descriptor held:
+    /// both were opened by path, so a file renamed over the path between
+    /// a caller's check and the opens shows here.
+    pub fn every_descriptor(&self, check: impl Fn(&std::fs::Metadata) -> bool) -> bool {
+        std::iter::once(&self.buffered)
+            .chain(self.direct.as_ref())
+            .all(|f| f.metadata().is_ok_and(|m| check(&m)))
+    }
+
     /// Its size when opened.
     pub fn len(&self) -> u64 {
         self.len

@@ -1,12 +1,14 @@
 //! `dispatch_model`, `cpu_offload`, `disk_offload`: placing a loaded model
 //! over its devices and attaching the hooks that run it there.
 
+use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use bm_device::Device;
 use bm_plan::DeviceMap;
 use bm_shard::offload::{OffloadEntry, OffloadFolder, save_index};
+use bm_shard::{FolderLock, Sharing};
 use bm_tensor::MmapView;
 
 use crate::bytes::Bytes;
@@ -42,6 +44,9 @@ pub struct DispatchOptions {
     pub resident_budget: u64,
     /// How disk-offloaded weights are read on their way to a GPU.
     pub disk_reads: DiskReads,
+    /// How long placing weights in the offload folder waits for another
+    /// process writing it, and where it says so.
+    pub sharing: Sharing,
 }
 
 impl Default for DispatchOptions {
@@ -56,6 +61,7 @@ impl Default for DispatchOptions {
             prefetch_depth: 1,
             resident_budget: 0,
             disk_reads: DiskReads::Auto,
+            sharing: Sharing::default(),
         }
     }
 }
@@ -139,11 +145,42 @@ fn place(
     let tree = model.tree();
     let table = model.slots();
     let devices = Arc::clone(model.devices());
-    let folder_index = match &options.offload_dir {
-        Some(dir) if dir.join(bm_shard::offload::INDEX_FILE).is_file() => {
-            Some(OffloadFolder::open(dir)?)
+    // The slots this puts on disk that are not there yet (a load straight
+    // to disk already put its own there).
+    let to_disk: HashSet<String> = placement
+        .slots
+        .iter()
+        .enumerate()
+        .filter(|&(s, &target)| {
+            target == Target::Offloaded(Tier::Disk)
+                && table.with(s, |_, state| {
+                    !matches!(
+                        state,
+                        SlotState::Meta
+                            | SlotState::Offloaded {
+                                tier: Tier::Disk,
+                                ..
+                            }
+                    )
+                })
+        })
+        .map(|(s, _)| table.name(tree, s))
+        .collect();
+    // The folder is read or written under its lock; only the entries used
+    // are opened and checked.
+    let (_lock, folder_index) = match &options.offload_dir {
+        Some(dir) if !to_disk.is_empty() => {
+            let lock = FolderLock::acquire(dir, &options.sharing)?;
+            let index = if dir.join(bm_shard::offload::INDEX_FILE).is_file() {
+                Some(OffloadFolder::open_some(dir, &|name| {
+                    to_disk.contains(name)
+                })?)
+            } else {
+                None
+            };
+            (Some(lock), index)
         }
-        _ => None,
+        _ => (None, None),
     };
     let mut written: Vec<(String, OffloadEntry)> = Vec::new();
     for (s, &target) in placement.slots.iter().enumerate() {
@@ -186,10 +223,10 @@ fn place(
                     Some(folder) => matching_view(folder, dir, &name, &meta)?,
                     None => {
                         let host = bytes.to_host()?;
-                        let entry = bm_shard::offload::offload_weight(dir, &name, &meta, &host)?;
+                        let (entry, view) =
+                            bm_shard::offload::offload_weight_mapped(dir, &name, &meta, &host)?;
                         written.push((name.clone(), entry));
-                        MmapView::open(bm_shard::offload::dat_path(dir, &name)?)
-                            .map_err(|e| Error::tensor(&name, e))?
+                        view
                     }
                 };
                 SlotState::Offloaded {
@@ -299,13 +336,16 @@ pub fn disk_offload(
     attach_offload_hooks(model, execution_device, &options)
 }
 
-/// Re-exported for the facade: writes a tensor to an offload folder, cast.
+/// Re-exported for the facade: writes a tensor to an offload folder, cast,
+/// and maps it through the descriptor it was written with. A caller
+/// writing a folder other processes may use holds its
+/// [`bm_shard::FolderLock`] and updates the index under it.
 pub fn offload_tensor(
     folder: &Path,
     name: &str,
     src: &MmapView,
     from: bm_tensor::DType,
     to: bm_tensor::DType,
-) -> Result<PathBuf> {
+) -> Result<MmapView> {
     write_dat(folder, name, src.as_bytes(), from, to)
 }

@@ -228,7 +228,7 @@ impl fmt::Display for Error {
             }
             Error::OffloadIndexMismatch { folder, problem } => write!(
                 f,
-                "offload folder {} does not match the model: {problem}",
+                "offload folder {} does not match the model: {problem}; delete it to have it written again (it only holds copies of weights), or give another folder",
                 folder.display()
             ),
             Error::UnknownName(name) => {

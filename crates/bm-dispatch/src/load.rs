@@ -1,14 +1,15 @@
 //! `load_checkpoint_in_model`: every tensor read once, cast before it
 //! moves, and written straight to its place.
 
+use std::collections::HashSet;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use bm_device::{Device, DeviceSet};
 use bm_plan::{DeviceMap, Node, TensorKind};
-use bm_shard::offload::{OffloadEntry, dat_path, save_index};
-use bm_shard::{Checkpoint, Format, TensorBytes, cast_target};
+use bm_shard::offload::{OffloadEntry, dat_path, prepare_index, save_index};
+use bm_shard::{Checkpoint, FolderLock, Format, Sharing, TensorBytes, cast_target};
 use bm_tensor::{DType, HostBuffer, MmapView, TensorMeta};
 
 use crate::bytes::Bytes;
@@ -42,6 +43,10 @@ pub struct LoadOptions {
     /// Produces the bytes of the tensors it claims instead of the
     /// checkpoint's (quantize-on-load).
     pub transform: Option<Arc<dyn LoadTransform>>,
+    /// How long a load that writes the offload folder waits for another
+    /// process writing it, and where it says so (and which stale index
+    /// entries it removed).
+    pub sharing: Sharing,
 }
 
 /// Turns what a checkpoint stores for some tensors into the bytes the
@@ -94,6 +99,9 @@ pub struct LoadReport {
     pub written_to_folder: Vec<String>,
     /// Disk-mapped tensors served from the checkpoint file itself.
     pub mapped_in_place: Vec<String>,
+    /// Entries of the offload index that disagreed with their files and
+    /// were removed (what killed runs or deleted checkpoints leave).
+    pub stale_in_folder: Vec<String>,
 }
 
 /// The dtype tensor `name` (declared `declared`, stored `stored`) is loaded in.
@@ -132,6 +140,17 @@ pub fn in_modules(name: &str, modules: &[String]) -> bool {
 /// Buffers of disk-mapped modules get their checkpoint values. On any error
 /// nothing is committed: device memory taken so far is released and no
 /// offload index is written.
+///
+/// A load that maps tensors to disk holds the offload folder's
+/// [`FolderLock`] from before its first write until its index is written.
+/// Under it, the index entries of the tensors it maps to disk are removed
+/// before any `.dat` is rewritten and entries that disagree with their
+/// files are pruned ([`prepare_index`], reported in
+/// [`LoadReport::stale_in_folder`] and told to [`LoadOptions::sharing`]),
+/// so a process killed mid-write never leaves an index describing bytes it
+/// no longer holds; each `.dat` written is mapped through the descriptor it
+/// was written with, so this process computes with its own bytes whatever
+/// another one writes there later.
 pub fn load_checkpoint_in_model(
     model: &Model,
     checkpoint: &Checkpoint,
@@ -198,6 +217,31 @@ pub fn load_checkpoint_in_model(
         }
     }
 
+    let on_disk = |s: usize| placement.slots[s] == Target::Offloaded(Tier::Disk);
+    let folder_lock = match options.offload_folder.as_deref() {
+        Some(folder) if (0..placement.slots.len()).any(on_disk) => {
+            Some((folder, FolderLock::acquire(folder, &options.sharing)?))
+        }
+        _ => None,
+    };
+    if let Some((folder, _)) = &folder_lock {
+        let rewriting: HashSet<&str> = rep
+            .iter()
+            .enumerate()
+            .filter(|&(s, _)| on_disk(s))
+            .filter_map(|(_, r)| r.map(|t| tree.tensor(t).name))
+            .collect();
+        report.stale_in_folder = prepare_index(folder, &|name| rewriting.contains(name))?;
+        if !report.stale_in_folder.is_empty() {
+            options.sharing.notify(&format!(
+                "warning: offload folder {}: removed {} index entr{} that disagreed with their files ({}); a run writing it was interrupted, or a checkpoint it pointed into was removed",
+                folder.display(),
+                report.stale_in_folder.len(),
+                if report.stale_in_folder.len() == 1 { "y" } else { "ies" },
+                shortened_list(&report.stale_in_folder),
+            ));
+        }
+    }
     let stored_bytes = |t: usize| {
         checkpoint
             .meta(tree.tensor(t).name)
@@ -345,11 +389,11 @@ pub fn load_checkpoint_in_model(
                     report.mapped_in_place.push(tensor.name.to_string());
                     Bytes::Mmap(view)
                 } else {
-                    let path =
+                    let view =
                         write_dat(folder, tensor.name, data.as_bytes(), stored.dtype, dtype)?;
                     index.push((tensor.name.to_string(), OffloadEntry::Dat(meta.clone())));
                     report.written_to_folder.push(tensor.name.to_string());
-                    Bytes::Mmap(MmapView::open(&path).map_err(|e| Error::tensor(tensor.name, e))?)
+                    Bytes::Mmap(view)
                 };
                 SlotState::Offloaded {
                     bytes: Arc::new(bytes),
@@ -360,8 +404,9 @@ pub fn load_checkpoint_in_model(
         staged.push((s, meta, state));
     }
     gpu_load.finish()?;
-    if let Some(folder) = &options.offload_folder {
+    if let Some((folder, lock)) = folder_lock {
         save_index(folder, &index)?;
+        drop(lock);
     }
     if let Some(LoadProgress(report)) = &options.progress {
         report(to_load, to_load);
@@ -398,15 +443,26 @@ fn zeroed(name: &str, meta: &TensorMeta, target: Target, devices: &DeviceSet) ->
     })
 }
 
+/// The first names of `names`, for a message.
+fn shortened_list(names: &[String]) -> String {
+    const SHOWN: usize = 5;
+    let mut text = names[..names.len().min(SHOWN)].join(", ");
+    if names.len() > SHOWN {
+        text += &format!(" and {} more", names.len() - SHOWN);
+    }
+    text
+}
+
 /// Writes `name` converted to `to` as `<folder>/<name>.dat` with
-/// bm-shard's atomic writer, [`crate::STAGING_BYTES`] at a time.
+/// bm-shard's atomic writer, [`crate::STAGING_BYTES`] at a time, and maps
+/// it through the descriptor it was written with.
 pub(crate) fn write_dat(
     folder: &Path,
     name: &str,
     src: &[u8],
     from: DType,
     to: DType,
-) -> Result<PathBuf> {
+) -> Result<MmapView> {
     let path = dat_path(folder, name)?;
     std::fs::create_dir_all(folder).map_err(|e| Error::Io {
         path: folder.to_path_buf(),
@@ -419,6 +475,5 @@ pub(crate) fn write_dat(
             source: e,
         })
     })?;
-    file.commit()?;
-    Ok(path)
+    Ok(file.commit_and_map()?)
 }

@@ -151,9 +151,11 @@ impl Uploader {
     /// mapped file itself when reads are direct, else the memory.
     fn source(&self, what: &str, bytes: &Arc<Bytes>) -> Result<(ReadSource, Range<u64>)> {
         let len = bytes.len() as u64;
-        if let (Bytes::Mmap(view), true) = (bytes.as_ref(), self.direct.load(Ordering::Relaxed)) {
+        if let (Bytes::Mmap(view), true) = (bytes.as_ref(), self.direct.load(Ordering::Relaxed))
+            && let Some(file) = self.file(what, view)?
+        {
             let start = view.file_offset() as u64;
-            return Ok((ReadSource::File(self.file(what, view)?), start..start + len));
+            return Ok((ReadSource::File(file), start..start + len));
         }
         Ok((
             ReadSource::Bytes(Arc::new(HostSource(Arc::clone(bytes)))),
@@ -161,29 +163,30 @@ impl Uploader {
         ))
     }
 
-    /// The file behind `view`, opened once for direct reads. It must still
-    /// be the file mapped: a regular file with the same device and inode
-    /// (anything else at the path is refused before it is opened).
-    fn file(&self, what: &str, view: &bm_tensor::MmapView) -> Result<Arc<SourceFile>> {
+    /// The file behind `view`, opened once for direct reads; `None` when
+    /// the path no longer leads to the file mapped (a regular file with the
+    /// same device and inode; anything else is not opened): another process
+    /// renamed its own file over it (a run sharing the offload folder), so
+    /// the bytes are read through the mapping, which holds this process's.
+    fn file(&self, what: &str, view: &bm_tensor::MmapView) -> Result<Option<Arc<SourceFile>>> {
         let path = view.path();
         if let Some(f) = self.files.lock().get(path) {
-            return Ok(Arc::clone(f));
+            return Ok(Some(Arc::clone(f)).filter(|f| f.every_descriptor(|m| view.is_backed_by(m))));
         }
-        let changed = || Error::Io {
-            path: path.to_path_buf(),
-            source: std::io::Error::other(format!(
-                "reading {what}: the file is no longer the one mapped when it was loaded"
-            )),
+        let Ok(meta) = std::fs::metadata(path) else {
+            return Ok(None);
         };
-        let meta = std::fs::metadata(path).map_err(|_| changed())?;
         if !meta.is_file() || !view.is_backed_by(&meta) {
-            return Err(changed());
+            return Ok(None);
         }
         let file = SourceFile::open(path, true).map_err(|e| Error::device(what, e))?;
+        if !file.every_descriptor(|m| view.is_backed_by(m)) {
+            return Ok(None);
+        }
         self.files
             .lock()
             .insert(path.to_path_buf(), Arc::clone(&file));
-        Ok(file)
+        Ok(Some(file))
     }
 
     /// Copies host or mapped `src` into `dst` at `offset` on the copy

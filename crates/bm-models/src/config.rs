@@ -15,6 +15,14 @@ pub(crate) fn read_config(dir: &Path, supported: &'static str) -> Result<HfConfi
     // A config.json that is there but not a file (a FIFO) is refused by
     // the reader, naming what it is.
     if !bm_shard::exists(&path)? {
+        // A `shard` writing this folder writes config.json last.
+        if let Some(holder) = bm_shard::writer_of(dir) {
+            return Err(Error::Shard(bm_shard::Error::Locked {
+                folder: dir.to_path_buf(),
+                holder,
+                waited: None,
+            }));
+        }
         return Err(Error::Io {
             source: std::io::Error::new(
                 std::io::ErrorKind::NotFound,

@@ -181,6 +181,14 @@ impl FolderWeights {
         {
             let (found, unlisted) = find_index(dir)?;
             if !found {
+                // A `shard` into this folder between its old index and its new.
+                if let Some(holder) = bm_shard::writer_of(dir) {
+                    return Err(Error::Shard(bm_shard::Error::Locked {
+                        folder: dir.to_path_buf(),
+                        holder,
+                        waited: None,
+                    }));
+                }
                 return Err(Error::MissingWeights {
                     dir: dir.to_path_buf(),
                     unlisted,

@@ -1,4 +1,5 @@
-//! Atomic file writes, the one way this workspace puts a file on disk.
+//! Atomic file writes, the one way this workspace puts a file on disk, and
+//! the temporaries they leave when a process dies or is interrupted.
 //!
 //! A file is written to a fresh temporary name in its destination folder,
 //! created exclusively (`O_CREAT | O_EXCL`: a name that already exists, a
@@ -8,23 +9,44 @@
 //! Readers see the old file or the new one, never a partial one. Callers
 //! that write several files commit their index last.
 //!
-//! Temporary names are `.bigmodel-tmp-<pid>-<16 hex digits>`. A process
-//! killed mid-write leaves one behind; the first write of a later process
-//! into that folder removes such leftovers (see [`remove_stale_temps`]).
+//! Liveness is told by locks, never by process ids. A process's temporaries
+//! in a folder are named `.bigmodel-tmp-<writer>-<n>`, `<writer>` being 16
+//! random hex digits for which the process holds an exclusive advisory lock
+//! (`flock`) on `.bigmodel-tmp-<writer>.lock` in the same folder for as
+//! long as one of those temporaries exists (the file is removed with the
+//! last). A lock dies with its process, whatever pid namespace, container
+//! or host of a shared volume the process runs in, so a temporary is stale
+//! exactly when nobody holds its writer's lock: the first write of a
+//! process into a folder removes such leftovers ([`remove_stale_temps`]).
+//! Names that carry no lock (those of earlier versions, or any name on a
+//! file system without locks) are stale only after [`STALE_AGE`].
+//!
+//! Every temporary that exists is also listed in this process's in-flight
+//! registry, so that an interrupted command can remove them before it exits
+//! ([`remove_in_flight`]). Creating and renaming a temporary happen under
+//! the registry's lock, which [`remove_in_flight`] never gives back: once it
+//! ran, no temporary can appear or be committed.
 
-use std::collections::HashSet;
-use std::fs::File;
+use std::collections::{HashMap, HashSet};
+use std::fs::{File, Metadata, TryLockError};
 use std::hash::{BuildHasher, Hasher};
 use std::io::{self, BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, OnceLock};
-use std::time::SystemTime;
+use std::sync::{LazyLock, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, SystemTime};
+
+use bm_tensor::MmapView;
 
 use crate::Error;
 
 /// Prefix of every temporary file or folder this crate creates.
-const TEMP_PREFIX: &str = ".bigmodel-tmp-";
+pub(crate) const TEMP_PREFIX: &str = ".bigmodel-tmp-";
+/// Suffix of a writer's lock file (after [`TEMP_PREFIX`] and its id).
+const LOCK_SUFFIX: &str = ".lock";
+/// Age after which a temporary whose writer cannot be asked (no lock: a name
+/// of an earlier version, or a file system without locks) counts as stale.
+pub const STALE_AGE: Duration = Duration::from_secs(6 * 3600);
 
 /// A file being written under a temporary name; see the module docs.
 /// Dropping it before [`AtomicFile::commit`] removes the temporary file.
@@ -42,11 +64,20 @@ pub struct FinishedFile {
     temp: TempPath,
 }
 
-/// A temporary name, removed on drop unless it was renamed away.
+/// A fresh folder under a temporary name (see [`create_temp_folder`]),
+/// removed with its contents on drop unless it was renamed away.
+#[derive(Debug)]
+pub struct TempFolder {
+    temp: TempPath,
+}
+
+/// A registered temporary name, removed on drop unless it was renamed away.
 #[derive(Debug)]
 struct TempPath {
     path: PathBuf,
     dest: PathBuf,
+    /// The folder as given, the key of its writer in the registry.
+    folder: PathBuf,
     renamed: bool,
 }
 
@@ -55,7 +86,7 @@ impl Drop for TempPath {
         if !self.renamed {
             // Best effort: the caller is already reporting the error that
             // stopped the write.
-            let _ = std::fs::remove_file(&self.path);
+            let _ = release(&self.folder, &self.path, remove_any);
         }
     }
 }
@@ -73,29 +104,17 @@ impl AtomicFile {
     /// (tests substitute a failing device).
     pub(crate) fn create_with(dest: &Path, open: Opener<'_>) -> Result<AtomicFile, Error> {
         let folder = parent_folder(dest);
-        remove_stale_temps_once(folder);
-        // A clash with an existing name (a leftover or a planted link) only
-        // costs another random name.
-        let mut attempts = 0;
-        loop {
-            let path = folder.join(temp_name());
-            match open(&path) {
-                Ok(file) => {
-                    return Ok(AtomicFile {
-                        out: BufWriter::with_capacity(1 << 20, file),
-                        temp: TempPath {
-                            path,
-                            dest: dest.to_path_buf(),
-                            renamed: false,
-                        },
-                    });
-                }
-                Err(e) if e.kind() == io::ErrorKind::AlreadyExists && attempts < 16 => {
-                    attempts += 1;
-                }
-                Err(e) => return Err(Error::io(dest, "creating a temporary file for", e)),
-            }
-        }
+        let (path, file) = create_temp(folder, &|path| open(path))
+            .map_err(|e| Error::io(dest, "creating a temporary file for", e))?;
+        Ok(AtomicFile {
+            out: BufWriter::with_capacity(1 << 20, file),
+            temp: TempPath {
+                path,
+                dest: dest.to_path_buf(),
+                folder: folder.to_path_buf(),
+                renamed: false,
+            },
+        })
     }
 
     /// The file this will become.
@@ -106,13 +125,18 @@ impl AtomicFile {
     /// Flushes the bytes to disk and closes the file; the result still has
     /// to be renamed into place.
     pub fn finish(self) -> Result<FinishedFile, Error> {
+        let (_, temp) = self.flush_to_disk()?;
+        Ok(FinishedFile { temp })
+    }
+
+    fn flush_to_disk(self) -> Result<(File, TempPath), Error> {
         let AtomicFile { out, temp } = self;
         let file = out
             .into_inner()
             .map_err(|e| Error::io(&temp.dest, "writing", e.into_error()))?;
         file.sync_all()
             .map_err(|e| Error::io(&temp.dest, "flushing", e))?;
-        Ok(FinishedFile { temp })
+        Ok((file, temp))
     }
 
     /// Finishes the file and renames it into place. The rename is durable
@@ -121,6 +145,20 @@ impl AtomicFile {
     /// so an index reaches the disk after the files it names.
     pub fn commit(self) -> Result<(), Error> {
         self.finish()?.rename_into_place()
+    }
+
+    /// [`AtomicFile::commit`], then maps the file read-only through the
+    /// descriptor it was written with: the bytes mapped are the ones this
+    /// process wrote, whatever another process renames over the name
+    /// afterwards (mapping the name again could pick up its file).
+    pub fn commit_and_map(self) -> Result<MmapView, Error> {
+        let (file, temp) = self.flush_to_disk()?;
+        let dest = temp.dest.clone();
+        FinishedFile { temp }.rename_into_place()?;
+        MmapView::map_file(&file, &dest).map_err(|e| match e {
+            bm_tensor::Error::Io { source, .. } => Error::io(&dest, "mapping", source),
+            other => Error::io(&dest, "mapping", io::Error::other(other.to_string())),
+        })
     }
 }
 
@@ -147,17 +185,46 @@ impl FinishedFile {
     /// Renames the temporary file over its destination (the folder is not
     /// flushed, see [`AtomicFile::commit`]).
     pub fn rename_into_place(mut self) -> Result<(), Error> {
-        std::fs::rename(&self.temp.path, &self.temp.dest)
-            .map_err(|e| Error::io(&self.temp.dest, "renaming a finished file to", e))?;
-        self.temp.renamed = true;
+        self.temp.rename_to_dest()
+    }
+}
+
+impl TempPath {
+    fn rename_to_dest(&mut self) -> Result<(), Error> {
+        let dest = self.dest.clone();
+        release(&self.folder, &self.path, |path| {
+            std::fs::rename(path, &dest)
+        })
+        .map_err(|e| Error::io(&self.dest, "renaming a finished file to", e))?;
+        self.renamed = true;
         Ok(())
     }
 }
 
+impl TempFolder {
+    /// The folder.
+    pub fn path(&self) -> &Path {
+        &self.temp.path
+    }
+
+    /// Renames the folder to `dest` (which must not exist, or be an empty
+    /// folder). On failure the temporary folder stays, and is removed on
+    /// drop.
+    pub fn rename_to(mut self, dest: &Path) -> Result<(), Error> {
+        self.temp.dest = dest.to_path_buf();
+        self.temp.rename_to_dest()
+    }
+}
+
 /// Creates `path` for writing only if no file, folder or link of that name
-/// exists (`O_CREAT | O_EXCL`, which never follows a link).
+/// exists (`O_CREAT | O_EXCL`, which never follows a link). It is opened
+/// for reading too, so that what is written can be mapped through it.
 pub(crate) fn open_exclusive(path: &Path) -> io::Result<File> {
-    File::options().write(true).create_new(true).open(path)
+    File::options()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(path)
 }
 
 /// Writes `bytes` to `dest` atomically (see the module docs) and durably:
@@ -177,21 +244,19 @@ pub fn write_atomic(dest: &Path, bytes: &[u8]) -> Result<(), Error> {
 
 /// Creates a fresh, empty folder with a temporary name inside `parent`
 /// (never an existing one, never through a link), for callers that build a
-/// whole folder and rename it into place. Its name is recognised by
-/// [`remove_stale_temps`] if the process dies before the rename.
-pub fn create_temp_folder(parent: &Path) -> Result<PathBuf, Error> {
-    remove_stale_temps_once(parent);
-    let mut attempts = 0;
-    loop {
-        let path = parent.join(temp_name());
-        match std::fs::create_dir(&path) {
-            Ok(()) => return Ok(path),
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists && attempts < 16 => {
-                attempts += 1;
-            }
-            Err(e) => return Err(Error::io(parent, "creating a temporary folder in", e)),
-        }
-    }
+/// whole folder and rename it into place ([`TempFolder::rename_to`]), or
+/// need scratch space that an interrupt or a later writer removes.
+pub fn create_temp_folder(parent: &Path) -> Result<TempFolder, Error> {
+    let (path, ()) = create_temp(parent, &|path| std::fs::create_dir(path))
+        .map_err(|e| Error::io(parent, "creating a temporary folder in", e))?;
+    Ok(TempFolder {
+        temp: TempPath {
+            dest: path.clone(),
+            path,
+            folder: parent.to_path_buf(),
+            renamed: false,
+        },
+    })
 }
 
 /// Flushes a folder's entries (the renames in it) to disk. Where the
@@ -208,45 +273,80 @@ pub fn sync_folder(folder: &Path) -> Result<(), Error> {
     Ok(())
 }
 
-/// Removes the temporary files and folders that a writer of this crate
-/// left in `folder` when its process died: names this crate gives
-/// temporaries (and the `.<name>.tmp<pid>` / `.<name>.dat.tmp` names of
-/// earlier versions), last modified before this process started writing,
-/// of a process that no longer runs (where `/proc` tells), and never a
-/// symbolic link. Returns what was removed; failures are skipped, since a
-/// leftover costs disk space, not correctness.
+/// Removes every temporary of this process that exists (files and folders,
+/// and its writers' lock files), and the lock files of the folders it holds
+/// ([`crate::FolderLock`]), then keeps the registry locked for good so that
+/// no temporary is created or committed after it: for a command that was
+/// interrupted, which exits at once afterwards. Call it from an ordinary
+/// thread (a signal handler must not take locks or allocate).
+pub fn remove_in_flight() {
+    let mut registry = registry();
+    for (path, _) in registry.temps.drain() {
+        let _ = remove_any(&path);
+    }
+    for (_, writer) in registry.writers.drain() {
+        let _ = std::fs::remove_file(&writer.lock_path);
+    }
+    crate::lock::remove_held_lock_files();
+    std::mem::forget(registry);
+}
+
+/// Removes the temporary files and folders that writers left in `folder`
+/// when their processes died: names this crate gives temporaries whose
+/// writer's lock nobody holds (the lock file is removed too), and names
+/// without a lock (the `.<name>.tmp<pid>`, `.<name>.dat.tmp` and
+/// `.bigmodel-tmp-<pid>-<hex>` names of earlier versions, or any name where
+/// the file system has no locks) older than [`STALE_AGE`]. Never a
+/// symbolic link, never a temporary of this process. Returns what was
+/// removed; failures are skipped, since a leftover costs disk space, not
+/// correctness.
 pub fn remove_stale_temps(folder: &Path) -> Vec<PathBuf> {
     let Ok(listing) = std::fs::read_dir(folder) else {
         return Vec::new();
     };
-    let started = process_start();
-    let mut removed = Vec::new();
+    let mut by_writer: HashMap<String, Vec<PathBuf>> = HashMap::new();
+    let mut lockless = Vec::new();
     for entry in listing.flatten() {
         let name = entry.file_name();
-        let Some(owner) = name.to_str().and_then(temp_owner) else {
-            continue;
-        };
-        if owner.is_some_and(|pid| pid == std::process::id() || process_alive(pid)) {
-            continue;
+        match name.to_str().map(temp_kind) {
+            Some(Some(TempKind::Writer(id))) => {
+                by_writer.entry(id).or_default().push(entry.path());
+            }
+            Some(Some(TempKind::Lockless)) => lockless.push(entry.path()),
+            _ => {}
         }
-        let path = entry.path();
+    }
+    // Taken after the listing: a writer of this process whose temporary
+    // was listed is registered by now (or gone with its temporaries).
+    let ours: HashSet<String> = registry().writers.values().map(|w| w.id.clone()).collect();
+    let mut removed = Vec::new();
+    let mut remove = |path: PathBuf, only_if_old: bool| {
         // symlink_metadata: a link is reported as a link, never followed.
         let Ok(meta) = std::fs::symlink_metadata(&path) else {
-            continue;
+            return;
         };
-        if meta.modified().map_or(true, |m| m >= started) {
+        if (!only_if_old || is_old(&meta)) && remove_entry(&path, &meta) {
+            removed.push(path);
+        }
+    };
+    for path in lockless {
+        remove(path, true);
+    }
+    for (id, mut paths) in by_writer {
+        if ours.contains(&id) {
             continue;
         }
-        let gone = if meta.file_type().is_file() {
-            std::fs::remove_file(&path).is_ok()
-        } else if meta.file_type().is_dir() {
-            // remove_dir_all removes links inside without following them.
-            std::fs::remove_dir_all(&path).is_ok()
-        } else {
-            false
-        };
-        if gone {
-            removed.push(path);
+        let lock_path = folder.join(lock_file_name(&id));
+        match writer_state(&lock_path) {
+            WriterState::Alive => {}
+            WriterState::Unknown => paths.into_iter().for_each(|p| remove(p, true)),
+            WriterState::Gone(held) => {
+                // The lock file last: while it exists and is held, no other
+                // cleaner takes this writer for dead at the same time.
+                paths.sort_by_key(|p| *p == lock_path);
+                paths.into_iter().for_each(|p| remove(p, false));
+                drop(held);
+            }
         }
     }
     removed.sort();
@@ -261,7 +361,7 @@ fn remove_stale_temps_once(folder: &Path) {
     // costs one more listing.
     let first = CLEANED
         .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
+        .unwrap_or_else(PoisonError::into_inner)
         .get_or_insert_with(HashSet::new)
         .insert(folder.to_path_buf());
     if first {
@@ -269,66 +369,292 @@ fn remove_stale_temps_once(folder: &Path) {
     }
 }
 
-/// When a temporary name is ours: `Some(owner pid)` when the name carries
-/// one, `Some(None)` for the pid-less name of earlier versions, `None` for
-/// any other name.
-fn temp_owner(name: &str) -> Option<Option<u32>> {
+/// This process's temporaries and the writers they belong to.
+#[derive(Default)]
+struct Registry {
+    /// Every temporary that exists.
+    temps: HashMap<PathBuf, ()>,
+    /// This process's writer in each folder (as given) where it has
+    /// temporaries.
+    writers: HashMap<PathBuf, Writer>,
+}
+
+/// A writer id of this process in one folder, and its held lock.
+struct Writer {
+    id: String,
+    lock_path: PathBuf,
+    /// Holds the lock; closed when the writer retires.
+    _lock: File,
+    /// Temporaries of this writer that exist.
+    live: usize,
+    /// The number of the next temporary name.
+    next: u64,
+}
+
+fn registry() -> MutexGuard<'static, Registry> {
+    static REGISTRY: LazyLock<Mutex<Registry>> = LazyLock::new(Mutex::default);
+    REGISTRY.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Creates a fresh temporary in `folder` with `make` (which must fail with
+/// `AlreadyExists` rather than open an existing name) and registers it.
+fn create_temp<T>(
+    folder: &Path,
+    make: &dyn Fn(&Path) -> io::Result<T>,
+) -> io::Result<(PathBuf, T)> {
+    remove_stale_temps_once(folder);
+    let mut registry = registry();
+    let registry = &mut *registry;
+    let key = folder.to_path_buf();
+    if !registry.writers.contains_key(&key) {
+        registry.writers.insert(key.clone(), Writer::start(folder)?);
+    }
+    let writer = registry.writers.get_mut(&key).expect("inserted above");
+    // A clash with an existing name (a planted file or link) only costs
+    // another name.
+    for _ in 0..16 {
+        let path = folder.join(format!("{TEMP_PREFIX}{}-{:x}", writer.id, writer.next));
+        writer.next += 1;
+        match make(&path) {
+            Ok(made) => {
+                writer.live += 1;
+                registry.temps.insert(path.clone(), ());
+                return Ok((path, made));
+            }
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+            Err(e) => {
+                retire_if_idle(&mut registry.writers, &key);
+                return Err(e);
+            }
+        }
+    }
+    retire_if_idle(&mut registry.writers, &key);
+    Err(io::Error::new(
+        io::ErrorKind::AlreadyExists,
+        "16 fresh temporary names were all taken",
+    ))
+}
+
+/// Does `action` (a rename away, a removal) to the registered temporary
+/// `path` of `folder` under the registry's lock, then forgets it; the
+/// folder's writer retires with its last temporary. After
+/// [`remove_in_flight`] this blocks until the process exits.
+fn release(
+    folder: &Path,
+    path: &Path,
+    action: impl FnOnce(&Path) -> io::Result<()>,
+) -> io::Result<()> {
+    let mut registry = registry();
+    action(path)?;
+    if registry.temps.remove(path).is_some() {
+        let key = folder.to_path_buf();
+        if let Some(writer) = registry.writers.get_mut(&key) {
+            writer.live = writer.live.saturating_sub(1);
+        }
+        retire_if_idle(&mut registry.writers, &key);
+    }
+    Ok(())
+}
+
+/// Removes the writer of `folder` when it has no temporary left: its lock
+/// file first, then its lock (closing the file).
+fn retire_if_idle(writers: &mut HashMap<PathBuf, Writer>, folder: &Path) {
+    if writers.get(folder).is_some_and(|w| w.live == 0)
+        && let Some(writer) = writers.remove(folder)
+    {
+        let _ = std::fs::remove_file(&writer.lock_path);
+    }
+}
+
+impl Writer {
+    /// A fresh writer id in `folder`, its lock file created and locked.
+    fn start(folder: &Path) -> io::Result<Writer> {
+        for _ in 0..16 {
+            let id = format!("{:016x}", random_u64());
+            let lock_path = folder.join(lock_file_name(&id));
+            let lock = match open_exclusive(&lock_path) {
+                Ok(file) => file,
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
+                Err(e) => return Err(e),
+            };
+            match lock.try_lock() {
+                Ok(()) => {}
+                // A cleaner opened the new file and took it for a dead
+                // writer's: it removes it; take another id.
+                Err(TryLockError::WouldBlock) => continue,
+                // No locks on this file system: temporaries still work,
+                // and the age rule alone tells when they are stale.
+                Err(TryLockError::Error(e)) if locks_unsupported(&e) => {}
+                Err(TryLockError::Error(e)) => {
+                    let _ = std::fs::remove_file(&lock_path);
+                    return Err(e);
+                }
+            }
+            // A cleaner that locked it first and then let go removed it.
+            if !is_same_file(&lock, &lock_path) {
+                continue;
+            }
+            return Ok(Writer {
+                id,
+                lock_path,
+                _lock: lock,
+                live: 0,
+                next: 0,
+            });
+        }
+        Err(io::Error::new(
+            io::ErrorKind::AlreadyExists,
+            "16 fresh writer lock names were all taken",
+        ))
+    }
+}
+
+/// What asking a writer's lock tells.
+enum WriterState {
+    /// Some process holds the lock.
+    Alive,
+    /// Nobody does (the file is held by the caller until dropped), or the
+    /// lock file is gone.
+    Gone(Option<File>),
+    /// The lock cannot be asked (no locks here, not a file).
+    Unknown,
+}
+
+fn writer_state(lock_path: &Path) -> WriterState {
+    match std::fs::symlink_metadata(lock_path) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return WriterState::Gone(None),
+        Ok(meta) if meta.is_file() => {}
+        _ => return WriterState::Unknown,
+    }
+    // Read and write: a lock emulated with fcntl (NFS) needs both.
+    let Ok(file) = File::options().read(true).write(true).open(lock_path) else {
+        return WriterState::Unknown;
+    };
+    match file.try_lock() {
+        Ok(()) => WriterState::Gone(Some(file)),
+        Err(TryLockError::WouldBlock) => WriterState::Alive,
+        Err(TryLockError::Error(_)) => WriterState::Unknown,
+    }
+}
+
+/// True when the file system does not do advisory locks.
+pub(crate) fn locks_unsupported(e: &io::Error) -> bool {
+    e.kind() == io::ErrorKind::Unsupported || matches!(e.raw_os_error(), Some(37 | 38 | 95))
+}
+
+/// Whether the open `file` is the one at `path` now (not a link, not
+/// replaced or removed since it was opened). Always true where files carry
+/// no identity.
+pub(crate) fn is_same_file(file: &File, path: &Path) -> bool {
+    match (file.metadata(), std::fs::symlink_metadata(path)) {
+        (Ok(a), Ok(b)) => b.is_file() && file_id(&a) == file_id(&b),
+        _ => false,
+    }
+}
+
+/// Device and inode (Unix): what makes a file the same file.
+#[cfg(unix)]
+fn file_id(meta: &Metadata) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    Some((meta.dev(), meta.ino()))
+}
+
+#[cfg(not(unix))]
+fn file_id(_: &Metadata) -> Option<(u64, u64)> {
+    None
+}
+
+fn is_old(meta: &Metadata) -> bool {
+    meta.modified()
+        .ok()
+        .and_then(|m| SystemTime::now().duration_since(m).ok())
+        .is_some_and(|age| age >= STALE_AGE)
+}
+
+/// Removes a file or a folder (with its contents), never following a link;
+/// true when it is gone.
+fn remove_entry(path: &Path, meta: &Metadata) -> bool {
+    if meta.file_type().is_file() {
+        std::fs::remove_file(path).is_ok()
+    } else if meta.file_type().is_dir() {
+        // remove_dir_all removes links inside without following them.
+        std::fs::remove_dir_all(path).is_ok()
+    } else {
+        false
+    }
+}
+
+/// Removes a temporary file or folder; one already gone is fine.
+fn remove_any(path: &Path) -> io::Result<()> {
+    let removed = match std::fs::symlink_metadata(path) {
+        Ok(meta) if meta.is_dir() => std::fs::remove_dir_all(path),
+        Ok(_) => std::fs::remove_file(path),
+        Err(e) => Err(e),
+    };
+    match removed {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    }
+}
+
+/// What a name in a folder is to the stale-temporary rule.
+#[derive(Debug, PartialEq, Eq)]
+enum TempKind {
+    /// A temporary or the lock file of writer `id`.
+    Writer(String),
+    /// A temporary name that carries no lock.
+    Lockless,
+}
+
+fn lock_file_name(id: &str) -> String {
+    format!("{TEMP_PREFIX}{id}{LOCK_SUFFIX}")
+}
+
+/// What `name` is if it is one of ours; `None` for any other name.
+fn temp_kind(name: &str) -> Option<TempKind> {
+    let is_hex = |s: &str, n: std::ops::RangeInclusive<usize>| {
+        n.contains(&s.len()) && s.bytes().all(|b| b.is_ascii_hexdigit())
+    };
     if let Some(rest) = name.strip_prefix(TEMP_PREFIX) {
-        let (pid, random) = rest.split_once('-')?;
-        let hex = random.len() == 16 && random.bytes().all(|b| b.is_ascii_hexdigit());
-        return hex.then(|| pid.parse().ok()).flatten().map(Some);
+        if let Some(id) = rest.strip_suffix(LOCK_SUFFIX) {
+            return is_hex(id, 16..=16).then(|| TempKind::Writer(id.to_string()));
+        }
+        let (first, second) = rest.split_once('-')?;
+        if is_hex(first, 16..=16) && is_hex(second, 1..=16) {
+            return Some(TempKind::Writer(first.to_string()));
+        }
+        // The previous version's `<pid>-<16 hex digits>`.
+        let pid =
+            !first.is_empty() && first.len() <= 10 && first.bytes().all(|b| b.is_ascii_digit());
+        return (pid && is_hex(second, 16..=16)).then_some(TempKind::Lockless);
     }
     // Earlier versions: `.<name>.tmp<pid>`, `.<name>.tmp-<pid>` and
     // `.<name>.dat.tmp`.
     let inner = name.strip_prefix('.')?;
     if inner.ends_with(".dat.tmp") && inner.len() > ".dat.tmp".len() {
-        return Some(None);
+        return Some(TempKind::Lockless);
     }
     let (stem, pid) = inner.rsplit_once(".tmp")?;
     let pid = pid.strip_prefix('-').unwrap_or(pid);
-    if stem.is_empty() || pid.is_empty() || !pid.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    pid.parse().ok().map(Some)
+    let digits = !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit());
+    (!stem.is_empty() && digits).then_some(TempKind::Lockless)
 }
 
-/// False only when the process surely no longer runs: on Linux, no
-/// `/proc/<pid>`; elsewhere every process counts as alive, and the age
-/// rule alone decides.
-fn process_alive(pid: u32) -> bool {
-    if cfg!(target_os = "linux") && Path::new("/proc/self").exists() {
-        Path::new("/proc").join(pid.to_string()).exists()
-    } else {
-        true
-    }
-}
-
-/// The moment this process first wrote through this module.
-fn process_start() -> SystemTime {
-    static START: OnceLock<SystemTime> = OnceLock::new();
-    *START.get_or_init(SystemTime::now)
-}
-
-/// A temporary name no other writer uses: pid, then 64 random bits from the
-/// standard library's randomly keyed hasher.
-fn temp_name() -> String {
+/// 64 random bits from the standard library's randomly keyed hasher.
+pub(crate) fn random_u64() -> u64 {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
-    process_start();
     let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
     hasher.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
     let now = SystemTime::now()
         .duration_since(SystemTime::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos());
     hasher.write_u128(now);
-    format!(
-        "{TEMP_PREFIX}{}-{:016x}",
-        std::process::id(),
-        hasher.finish()
-    )
+    hasher.write_u32(std::process::id());
+    hasher.finish()
 }
 
 /// The folder holding `path` (`.` for a bare file name).
-fn parent_folder(path: &Path) -> &Path {
+pub(crate) fn parent_folder(path: &Path) -> &Path {
     match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),
@@ -348,6 +674,16 @@ mod tests {
         v
     }
 
+    fn age(path: &Path, by: Duration) {
+        File::options()
+            .write(true)
+            .open(path)
+            .or_else(|_| File::open(path))
+            .unwrap()
+            .set_modified(SystemTime::now() - by)
+            .unwrap();
+    }
+
     #[test]
     fn writes_replace_the_destination_and_leave_no_temporary() {
         let dir = tempfile::tempdir().unwrap();
@@ -359,14 +695,42 @@ mod tests {
     }
 
     #[test]
-    fn a_dropped_writer_removes_its_temporary() {
+    fn a_dropped_writer_removes_its_temporary_and_its_lock() {
         let dir = tempfile::tempdir().unwrap();
         let mut f = AtomicFile::create(&dir.path().join("x")).unwrap();
         f.write_all(b"partial").unwrap();
         let finished = f.finish().unwrap();
-        assert_eq!(listing(dir.path()).len(), 1);
+        let names = listing(dir.path());
+        assert_eq!(names.len(), 2, "{names:?}");
+        assert!(names.iter().all(|n| temp_kind(n).is_some()), "{names:?}");
         drop(finished);
         assert!(listing(dir.path()).is_empty());
+    }
+
+    #[test]
+    fn a_committed_file_is_mapped_through_its_own_descriptor() {
+        let dir = tempfile::tempdir().unwrap();
+        let dest = dir.path().join("w.dat");
+        let mut f = AtomicFile::create(&dest).unwrap();
+        f.write_all(b"mine").unwrap();
+        let view = f.commit_and_map().unwrap();
+        // Another writer's bytes renamed over the name afterwards.
+        write_atomic(&dest, b"them").unwrap();
+        assert_eq!(view.as_bytes(), b"mine");
+        assert_eq!(std::fs::read(&dest).unwrap(), b"them");
+    }
+
+    #[test]
+    fn a_temporary_folder_is_removed_unless_renamed() {
+        let dir = tempfile::tempdir().unwrap();
+        let temp = create_temp_folder(dir.path()).unwrap();
+        std::fs::write(temp.path().join("probe"), b"x").unwrap();
+        drop(temp);
+        assert!(listing(dir.path()).is_empty());
+        let temp = create_temp_folder(dir.path()).unwrap();
+        std::fs::write(temp.path().join("f"), b"x").unwrap();
+        temp.rename_to(&dir.path().join("done")).unwrap();
+        assert_eq!(listing(dir.path()), ["done"]);
     }
 
     #[cfg(unix)]
@@ -386,14 +750,19 @@ mod tests {
 
     #[test]
     fn temporary_names_are_recognised() {
-        let ours = temp_name();
-        assert_eq!(temp_owner(&ours), Some(Some(std::process::id())));
-        assert_eq!(
-            temp_owner(".model-00001-of-00002.safetensors.tmp4242"),
-            Some(Some(4242))
-        );
-        assert_eq!(temp_owner(".out.safetensors.tmp-17"), Some(Some(17)));
-        assert_eq!(temp_owner(".w.dat.tmp"), Some(None));
+        let id = "0123456789abcdef";
+        let writer = || Some(TempKind::Writer(id.to_string()));
+        assert_eq!(temp_kind(&format!("{TEMP_PREFIX}{id}-0")), writer());
+        assert_eq!(temp_kind(&format!("{TEMP_PREFIX}{id}-1f")), writer());
+        assert_eq!(temp_kind(&lock_file_name(id)), writer());
+        for lockless in [
+            ".bigmodel-tmp-4242-0123456789abcdef",
+            ".model-00001-of-00002.safetensors.tmp4242",
+            ".out.safetensors.tmp-17",
+            ".w.dat.tmp",
+        ] {
+            assert_eq!(temp_kind(lockless), Some(TempKind::Lockless), "{lockless}");
+        }
         for other in [
             "model.safetensors",
             ".tmp12",
@@ -402,55 +771,89 @@ mod tests {
             ".dat.tmp",
             ".bigmodel-tmp-12-xyz",
             ".bigmodel-tmp-12-0123456789abcdeg",
+            ".bigmodel-tmp-0123456789abcdef",
+            ".bigmodel-tmp-0123456789abcde.lock",
+            ".bigmodel-lock",
         ] {
-            assert_eq!(temp_owner(other), None, "{other}");
+            assert_eq!(temp_kind(other), None, "{other}");
         }
     }
 
-    #[cfg(target_os = "linux")]
     #[test]
-    fn stale_temporaries_of_dead_processes_are_removed() {
+    fn stale_temporaries_are_those_whose_writer_holds_no_lock() {
         let dir = tempfile::tempdir().unwrap();
-        let old = SystemTime::now() - std::time::Duration::from_secs(3600);
-        // pid 0 never names a user process: /proc/0 does not exist.
-        let dead = dir.path().join(format!("{TEMP_PREFIX}0-0123456789abcdef"));
-        let legacy = dir.path().join(".w.dat.tmp");
-        let legacy_dir = dir.path().join(".tiny-v1.tmp-0");
-        let alive = dir.path().join(format!("{TEMP_PREFIX}1-0123456789abcdef"));
-        let recent = dir.path().join(".y.safetensors.tmp0");
-        for p in [&dead, &legacy, &alive, &recent] {
-            std::fs::write(p, b"x").unwrap();
+        let at = |name: &str| dir.path().join(name);
+        let (dead, live, orphan) = ("00000000000000d0", "00000000000000a1", "00000000000000b2");
+        // A killed writer: its lock file, unheld, a file and a folder.
+        for name in [lock_file_name(dead), format!("{TEMP_PREFIX}{dead}-0")] {
+            std::fs::write(at(&name), b"x").unwrap();
         }
-        std::fs::create_dir(&legacy_dir).unwrap();
-        std::fs::write(legacy_dir.join("model.safetensors"), b"x").unwrap();
-        let link = dir.path().join(".z.dat.tmp");
-        std::os::unix::fs::symlink(&alive, &link).unwrap();
-        for p in [&dead, &legacy, &legacy_dir, &alive] {
-            File::options()
-                .write(true)
-                .open(p)
-                .or_else(|_| File::open(p))
-                .unwrap()
-                .set_modified(old)
-                .unwrap();
-        }
-        // `recent` is younger than this process's first write.
-        let later = SystemTime::now() + std::time::Duration::from_secs(3600);
-        File::options()
+        std::fs::create_dir(at(&format!("{TEMP_PREFIX}{dead}-1"))).unwrap();
+        std::fs::write(at(&format!("{TEMP_PREFIX}{dead}-1/shard")), b"x").unwrap();
+        // A live writer (any process, any pid namespace, any host): its
+        // lock is held. Old, to show that age does not matter then.
+        std::fs::write(at(&lock_file_name(live)), b"").unwrap();
+        let holder = File::options()
+            .read(true)
             .write(true)
-            .open(&recent)
-            .unwrap()
-            .set_modified(later)
+            .open(at(&lock_file_name(live)))
             .unwrap();
-        process_start();
+        holder.lock().unwrap();
+        std::fs::write(at(&format!("{TEMP_PREFIX}{live}-0")), b"x").unwrap();
+        age(&at(&format!("{TEMP_PREFIX}{live}-0")), STALE_AGE * 2);
+        // A writer whose lock file is gone.
+        std::fs::write(at(&format!("{TEMP_PREFIX}{orphan}-3")), b"x").unwrap();
+        // Names without a lock: removed only when old.
+        let old_names = [".bigmodel-tmp-0-0123456789abcdef", ".w.dat.tmp"];
+        let young_names = [".bigmodel-tmp-1-0123456789abcdef", ".y.safetensors.tmp0"];
+        for name in old_names.iter().chain(&young_names) {
+            std::fs::write(at(name), b"x").unwrap();
+        }
+        for name in old_names {
+            age(&at(name), STALE_AGE + Duration::from_secs(60));
+        }
+        // A link is never touched, however old its name says it is.
+        #[cfg(unix)]
+        std::os::unix::fs::symlink(at(".w.dat.tmp"), at(".z.dat.tmp")).unwrap();
+
         let removed = remove_stale_temps(dir.path());
-        assert_eq!(removed, {
-            let mut v = vec![dead, legacy, legacy_dir];
-            v.sort();
-            v
-        });
-        // pid 1 (init) runs; the link is never touched; `recent` is new.
-        assert!(alive.exists() && recent.exists());
-        assert!(std::fs::symlink_metadata(&link).is_ok());
+        let mut expected: Vec<PathBuf> = [
+            lock_file_name(dead),
+            format!("{TEMP_PREFIX}{dead}-0"),
+            format!("{TEMP_PREFIX}{dead}-1"),
+            format!("{TEMP_PREFIX}{orphan}-3"),
+        ]
+        .iter()
+        .map(|n| at(n))
+        .chain(old_names.iter().map(|n| at(n)))
+        .collect();
+        expected.sort();
+        assert_eq!(removed, expected);
+        let mut left = vec![lock_file_name(live), format!("{TEMP_PREFIX}{live}-0")];
+        left.extend(young_names.iter().map(|n| n.to_string()));
+        #[cfg(unix)]
+        left.push(".z.dat.tmp".into());
+        left.sort();
+        assert_eq!(listing(dir.path()), left);
+        drop(holder);
+        remove_stale_temps(dir.path());
+        let mut left: Vec<String> = young_names.iter().map(|n| n.to_string()).collect();
+        #[cfg(unix)]
+        left.push(".z.dat.tmp".into());
+        left.sort();
+        assert_eq!(
+            listing(dir.path()),
+            left,
+            "a released lock is a dead writer"
+        );
+    }
+
+    #[test]
+    fn a_writer_never_removes_its_own_temporaries() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = AtomicFile::create(&dir.path().join("x")).unwrap();
+        assert!(remove_stale_temps(dir.path()).is_empty());
+        f.commit().unwrap();
+        assert_eq!(listing(dir.path()), ["x"]);
     }
 }

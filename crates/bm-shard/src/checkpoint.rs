@@ -203,8 +203,16 @@ impl Checkpoint {
         if present(TORCH_SINGLE_FILE)? {
             return open_single(TORCH_SINGLE_FILE);
         }
-        match only_index(folder, torch_indexes)? {
-            Some(index) => open_index(index),
+        if let Some(index) = only_index(folder, torch_indexes)? {
+            return open_index(index);
+        }
+        // A writer between removing an old index and writing the new.
+        match crate::lock::writer_of(folder) {
+            Some(holder) => Err(Error::Locked {
+                folder: folder.to_path_buf(),
+                holder,
+                waited: None,
+            }),
             None => Err(Error::checkpoint(
                 folder,
                 "is not a checkpoint folder: it holds none of model.safetensors, a *.index.json and pytorch_model.bin",

@@ -74,6 +74,16 @@ pub enum Error {
         /// What is wrong with it.
         problem: String,
     },
+    /// Another process holds the folder's lock: it is writing the folder
+    /// (see [`crate::FolderLock`]).
+    Locked {
+        /// The folder.
+        folder: PathBuf,
+        /// `pid N on HOST`, as the holder wrote it.
+        holder: String,
+        /// How long this process waited, when it waited.
+        waited: Option<std::time::Duration>,
+    },
     /// A tensor-level operation (a cast, an allocation) failed.
     Tensor {
         /// The file the tensor is read from or written to.
@@ -199,6 +209,17 @@ impl fmt::Display for Error {
             } => write!(f, "{}: tensor {name:?}: {problem}", path.display()),
             Error::Tensor { path, name, source } => {
                 write!(f, "{}: tensor {name:?}: {source}", path.display())
+            }
+            Error::Locked {
+                folder,
+                holder,
+                waited,
+            } => {
+                write!(f, "{} is being written by {holder}", folder.display())?;
+                match waited.filter(|w| !w.is_zero()) {
+                    Some(w) => write!(f, " (still, after waiting {} s for it)", w.as_secs()),
+                    None => f.write_str("; try again when it has finished"),
+                }
             }
         }
     }

@@ -37,7 +37,11 @@
 //! checkpoint (temporary files, renamed into place, index last) and removes
 //! stale shards of an earlier save. [`offload`] reads and writes
 //! Accelerate's disk-offload folder. Every file is written through
-//! [`AtomicFile`], which never opens an existing name or follows a link.
+//! [`AtomicFile`], which never opens an existing name or follows a link;
+//! a writer of a folder other processes may write too (a shard output, an
+//! offload folder) holds its [`FolderLock`] for the whole write and commit,
+//! and a temporary is taken for stale only when no process holds its
+//! writer's lock, never by its pid ([`remove_stale_temps`]).
 //!
 //! This crate never allocates device memory and never decides where a tensor
 //! goes; it depends only on `bm-tensor`, `serde_json` and `memmap2`.
@@ -48,6 +52,7 @@ mod error;
 mod header;
 mod index;
 mod json;
+mod lock;
 pub mod offload;
 mod paths;
 mod size;
@@ -55,12 +60,14 @@ pub mod torch;
 mod write;
 
 pub use atomic::{
-    AtomicFile, FinishedFile, create_temp_folder, remove_stale_temps, sync_folder, write_atomic,
+    AtomicFile, FinishedFile, STALE_AGE, TempFolder, create_temp_folder, remove_in_flight,
+    remove_stale_temps, sync_folder, write_atomic,
 };
 pub use checkpoint::{Checkpoint, Format, ShardFile, TensorBytes, cast_target};
 pub use error::Error;
 pub use header::{Header, HeaderTensor, MAX_HEADER_LEN};
 pub use index::{Index, check_shard_name};
+pub use lock::{FolderLock, LOCK_FILE, Notice, Sharing, writer_of};
 pub use paths::{Resolved, exists, open_regular, read_regular, resolve_in_folder};
 pub use size::parse_size;
 pub use write::{

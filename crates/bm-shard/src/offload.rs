@@ -13,7 +13,7 @@
 //! [`OffloadFolder`] reads both kinds.
 
 use std::collections::HashMap;
-use std::io::Read;
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 
 use bm_tensor::{DType, HostBuffer, MmapView, TensorMeta};
@@ -165,13 +165,26 @@ pub fn dat_path(folder: &Path, name: &str) -> Result<PathBuf, Error> {
 }
 
 /// Writes one tensor as `<folder>/<name>.dat` (atomically) and returns its
-/// index entry. `data` must hold exactly the tensor's bytes.
+/// index entry. `data` must hold exactly the tensor's bytes. A writer of a
+/// folder others may use holds its [`crate::FolderLock`].
 pub fn offload_weight(
     folder: &Path,
     name: &str,
     meta: &TensorMeta,
     data: &[u8],
 ) -> Result<OffloadEntry, Error> {
+    Ok(offload_weight_mapped(folder, name, meta, data)?.0)
+}
+
+/// [`offload_weight`], also returning the file mapped through the
+/// descriptor it was written with: the bytes are this process's whatever
+/// another process renames over `<name>.dat` afterwards.
+pub fn offload_weight_mapped(
+    folder: &Path,
+    name: &str,
+    meta: &TensorMeta,
+    data: &[u8],
+) -> Result<(OffloadEntry, MmapView), Error> {
     if Some(data.len()) != meta.checked_byte_len() {
         return Err(Error::invalid_tensor(
             folder,
@@ -187,8 +200,75 @@ pub fn offload_weight(
     }
     let path = dat_path(folder, name)?;
     std::fs::create_dir_all(folder).map_err(|e| Error::io(folder, "creating folder", e))?;
-    crate::atomic::write_atomic(&path, data)?;
-    Ok(OffloadEntry::Dat(meta.clone()))
+    let mut file = crate::AtomicFile::create(&path)?;
+    file.write_all(data)
+        .map_err(|e| Error::io(&path, "writing", e))?;
+    let view = file.commit_and_map()?;
+    Ok((OffloadEntry::Dat(meta.clone()), view))
+}
+
+/// Makes `<folder>/index.json` safe to write new files under, for a writer
+/// holding the folder's [`crate::FolderLock`]: removes the entries of the
+/// tensors it is about to rewrite (`rewriting`), so that a process killed
+/// after rewriting a `.dat` file leaves no entry describing its old
+/// contents, and the entries whose files disagree with them (a `.dat` file
+/// missing or of another size, a `safetensors_file` gone), which earlier
+/// runs killed mid-write or deleted checkpoints leave. Other entries are
+/// kept unread beyond that check. Returns the names of the disagreeing
+/// entries removed, for a warning. An index that cannot be parsed is an
+/// error naming the folder, which can be deleted.
+pub fn prepare_index(
+    folder: &Path,
+    rewriting: &dyn Fn(&str) -> bool,
+) -> Result<Vec<String>, Error> {
+    let index_path = folder.join(INDEX_FILE);
+    let entries = load_index(folder).map_err(|e| {
+        Error::checkpoint(
+            folder,
+            format!(
+                "is an offload folder whose index cannot be used ({e}); it only holds copies of a checkpoint's weights: delete it and run again"
+            ),
+        )
+    })?;
+    if entries.is_empty() {
+        return Ok(Vec::new());
+    }
+    let in_folder = Folder::new(folder)
+        .map_err(|problem| Error::checkpoint(folder, format!("the folder {problem}")))?;
+    let agrees = |name: &str, entry: &OffloadEntry| match entry {
+        OffloadEntry::Dat(meta) => in_folder
+            .resolve(&format!("{name}.dat"))
+            .ok()
+            .and_then(|dat| std::fs::metadata(&dat.real).ok())
+            .is_some_and(|m| Some(m.len()) == meta.checked_byte_len().map(|n| n as u64)),
+        OffloadEntry::Safetensors { file, .. } => resolve_safetensors_file(file).is_ok(),
+    };
+    let mut kept = Map::new();
+    let mut stale = Vec::new();
+    let mut dropped = 0;
+    for (name, entry) in &entries {
+        if rewriting(name) {
+            dropped += 1;
+        } else if !agrees(name, entry) {
+            stale.push(name.clone());
+        } else {
+            kept.insert(name.clone(), entry.to_json());
+        }
+    }
+    if dropped + stale.len() > 0 {
+        if kept.is_empty() {
+            match std::fs::remove_file(&index_path) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(Error::io(&index_path, "removing", e));
+                }
+                _ => crate::sync_folder(folder)?,
+            }
+        } else {
+            let text = crate::json::python_indent2(&Value::Object(kept));
+            crate::atomic::write_atomic(&index_path, text.as_bytes())?;
+        }
+    }
+    Ok(stale)
 }
 
 /// Reads `<folder>/index.json` as name → entry, in file order; an absent
@@ -312,7 +392,12 @@ impl OffloadFolder {
     /// links stay in its own folder (or Hugging Face cache repository).
     /// Nothing refused is opened.
     pub fn open(folder: impl AsRef<Path>) -> Result<OffloadFolder, Error> {
-        let folder = folder.as_ref();
+        Self::open_some(folder.as_ref(), &|_| true)
+    }
+
+    /// [`OffloadFolder::open`] for the entries `wanted` keeps: the others
+    /// are neither opened nor checked (a run reads only what it uses).
+    pub fn open_some(folder: &Path, wanted: &dyn Fn(&str) -> bool) -> Result<OffloadFolder, Error> {
         let index_path = folder.join(INDEX_FILE);
         if std::fs::symlink_metadata(&index_path).is_err() {
             return Err(Error::checkpoint(
@@ -327,21 +412,27 @@ impl OffloadFolder {
         let mut tensors = HashMap::with_capacity(entries.len());
         let in_folder = Folder::new(folder)
             .map_err(|problem| Error::checkpoint(folder, format!("the folder {problem}")))?;
-        for (name, entry) in entries {
+        for (name, entry) in entries.into_iter().filter(|(name, _)| wanted(name)) {
             let bad =
                 |problem: String| Error::index(&index_path, format!("entry {name:?}: {problem}"));
+            let disagrees = |problem: String| {
+                bad(format!(
+                    "{problem}; the offload folder {} disagrees with its files (a write into it was interrupted, or a file was removed): delete it, it only holds copies of a checkpoint's weights",
+                    folder.display()
+                ))
+            };
             let (stored, loaded, source) = match entry {
                 OffloadEntry::Dat(meta) => {
                     let path = dat_path(folder, &name)?;
                     let file_name = format!("{name}.dat");
                     let dat = in_folder
                         .resolve(&file_name)
-                        .map_err(|problem| bad(format!("{file_name} {problem}")))?;
+                        .map_err(|problem| disagrees(format!("{file_name} {problem}")))?;
                     let view =
                         MmapView::map_file(&dat.open()?, &path).map_err(|e| bad(e.to_string()))?;
                     let needed = meta.checked_byte_len().unwrap_or(usize::MAX);
                     if view.len() != needed {
-                        return Err(bad(format!(
+                        return Err(disagrees(format!(
                             "{} holds {} bytes, {} of shape {:?} needs {needed}",
                             path.display(),
                             view.len(),

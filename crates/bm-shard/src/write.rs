@@ -14,6 +14,7 @@ use crate::atomic::{AtomicFile, FinishedFile, Opener, open_exclusive, sync_folde
 use crate::checkpoint::cast_target;
 use crate::header::{safetensors_order, write_header};
 use crate::json::push_python_str;
+use crate::lock::{FolderLock, Sharing};
 
 /// File name of the index transformers writes next to safetensors shards.
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
@@ -166,6 +167,12 @@ fn is_numbered_shard(name: &str) -> bool {
 /// and before the new index is written. On failure the temporary files are
 /// removed and `out_dir` holds what it held before (or, if renaming itself
 /// fails, no index). `out_dir` must not hold the tensors' source files.
+///
+/// The whole write, commit and stale-shard removal happen under the
+/// folder's [`FolderLock`] (waiting as long as another writer takes), so
+/// two writers into one folder never mix or remove each other's shards: the
+/// second one's output replaces the first's whole. A caller that writes
+/// side files too takes the lock first, with its own [`Sharing`].
 pub fn shard_checkpoint(
     tensors: &[SaveTensor<'_>],
     out_dir: &Path,
@@ -234,7 +241,7 @@ fn shard_with(
         });
     }
 
-    std::fs::create_dir_all(out_dir).map_err(|e| Error::io(out_dir, "creating folder", e))?;
+    let _lock = FolderLock::acquire(out_dir, &Sharing::default())?;
     let n = groups.len();
     let names: Vec<String> = (1..=n).map(|k| shard_file_name(k, n)).collect();
     let mut done = 0u64;

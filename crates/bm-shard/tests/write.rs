@@ -370,23 +370,30 @@ fn single_file_is_identical_to_python_save_file() {
 #[test]
 fn temporaries_left_by_a_killed_writer_are_removed_by_the_next_save() {
     let dir = tempfile::tempdir().unwrap();
-    // What a `kill -9` mid-save leaves: this crate's temporary name and the
-    // one earlier versions used, owned by a process that is gone (pid 0 is
-    // never a user process), older than this one.
-    let ours = dir.path().join(".bigmodel-tmp-0-0123456789abcdef");
+    // What a `kill -9` mid-save leaves: a writer's lock file, which nobody
+    // holds any more, and its temporary.
+    let writer = "00000000000000d0";
+    let lock = dir.path().join(format!(".bigmodel-tmp-{writer}.lock"));
+    let ours = dir.path().join(format!(".bigmodel-tmp-{writer}-0"));
+    // Names of earlier versions carry no lock: removed once old.
+    let pid_named = dir.path().join(".bigmodel-tmp-0-0123456789abcdef");
     let legacy = dir.path().join(".model-00001-of-00002.safetensors.tmp0");
     let user = dir.path().join(".notes.tmp");
-    let an_hour_ago = std::time::SystemTime::now() - std::time::Duration::from_secs(3600);
-    for p in [&ours, &legacy, &user] {
+    let long_ago = std::time::SystemTime::now() - bm_shard::STALE_AGE * 2;
+    for p in [&lock, &ours, &pid_named, &legacy, &user] {
         std::fs::write(p, vec![0u8; 1 << 16]).unwrap();
+    }
+    for p in [&pid_named, &legacy, &user] {
         std::fs::File::options()
             .write(true)
             .open(p)
             .unwrap()
-            .set_modified(an_hour_ago)
+            .set_modified(long_ago)
             .unwrap();
     }
     save(&state(MODEL_FOR_TEST), dir.path(), 100);
-    assert!(!ours.exists() && !legacy.exists());
+    for p in [&lock, &ours, &pid_named, &legacy] {
+        assert!(!p.exists(), "{}", p.display());
+    }
     assert!(user.exists(), "a file that is not ours stays");
 }

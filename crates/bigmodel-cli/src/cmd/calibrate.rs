@@ -404,7 +404,11 @@ fn disk_rates(folder: &Path) -> Result<DiskRates, String> {
             folder.display()
         )
     })?;
-    let path = folder.join(format!(".bigmodel-calibrate-{}", std::process::id()));
+    // A temporary folder of bm-shard's: removed on an interrupt, and by a
+    // later write into `folder` if this process is killed.
+    let probe = bigmodel::shard::create_temp_folder(folder)
+        .map_err(|e| format!("calibrating the disk: {e}"))?;
+    let path = probe.path().join("probe");
     let context = |e: std::io::Error| format!("calibrating the disk at {}: {e}", path.display());
     let result = (|| {
         let mut file = std::fs::File::create(&path).map_err(context)?;
@@ -453,7 +457,7 @@ fn disk_rates(folder: &Path) -> Result<DiskRates, String> {
             mapped_tensor_seconds: 0.0,
         })
     })();
-    let _ = std::fs::remove_file(&path);
+    drop(probe);
     result
 }
 
@@ -533,9 +537,10 @@ fn dispatch_rates(folder: &Path) -> Result<(f64, f64), String> {
     use bigmodel::plan::DeviceMap;
     use bigmodel::{DeviceMapSpec, Options};
     let what = |e: &dyn std::fmt::Display| format!("calibrating the dispatcher: {e}");
-    let dir = folder.join(format!(".bigmodel-calibrate-model-{}", std::process::id()));
+    std::fs::create_dir_all(folder).map_err(|e| what(&e))?;
+    let temp = bigmodel::shard::create_temp_folder(folder).map_err(|e| what(&e))?;
+    let dir = temp.path().to_path_buf();
     let result = (|| -> Result<(f64, f64), String> {
-        std::fs::create_dir_all(&dir).map_err(|e| what(&e))?;
         let width = 64usize;
         let len = width * width * 4;
         let mut entries = serde_json::Map::new();
@@ -615,7 +620,7 @@ fn dispatch_rates(folder: &Path) -> Result<(f64, f64), String> {
         let offloaded = seconds_per_tensor("disk")?;
         Ok((resident, offloaded))
     })();
-    let _ = std::fs::remove_dir_all(&dir);
+    drop(temp);
     result
 }
 

@@ -27,6 +27,10 @@ pub struct Args {
     /// Write one JSON document to stdout (and no progress bar).
     #[arg(long)]
     pub json: bool,
+    /// Seconds to wait for another process writing OUT_DIR (default: as
+    /// long as it takes; 0 fails at once).
+    #[arg(long, value_name = "SECONDS")]
+    pub wait_lock: Option<u64>,
 }
 
 /// Runs the command.
@@ -39,5 +43,6 @@ pub fn run(args: Args) -> CmdResult {
     };
     let ckpt = Checkpoint::open(&args.input)?;
     refuse_own_folder(&ckpt, &args.out_dir)?;
-    write(&ckpt, &args.out_dir, &options, args.json, None)
+    let sharing = super::run::sharing(args.wait_lock);
+    write(&ckpt, &args.out_dir, &options, args.json, None, &sharing)
 }

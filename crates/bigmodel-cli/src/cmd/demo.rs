@@ -186,23 +186,18 @@ fn ensure_checkpoint(root: &Path, shape: &Shape) -> Result<PathBuf, String> {
     // A fresh folder (never an existing one or a planted link), which a
     // later run removes if this one is killed before the rename.
     let temp = create_temp_folder(root).map_err(|e| e.to_string())?;
-    let result = write_checkpoint(&temp, shape).and_then(|()| {
-        std::fs::rename(&temp, &dir).or_else(|e| {
-            // Another demo finished the same folder first: use theirs.
+    let result = write_checkpoint(temp.path(), shape).and_then(|()| {
+        let from = temp.path().display().to_string();
+        temp.rename_to(&dir).or_else(|e| {
+            // Another demo finished the same folder first: use theirs (this
+            // one's folder was removed).
             if dir.join("config.json").is_file() {
                 Ok(())
             } else {
-                Err(format!(
-                    "moving {} to {}: {e}",
-                    temp.display(),
-                    dir.display()
-                ))
+                Err(format!("moving {from} to {}: {e}", dir.display()))
             }
         })
     });
-    if temp.exists() {
-        let _ = std::fs::remove_dir_all(&temp);
-    }
     result?;
     eprintln!("checkpoint: {}", dir.display());
     Ok(dir)
@@ -322,6 +317,7 @@ pub fn run(args: Args) -> CmdResult {
         dtype: Some(DType::F32),
         offload_folder: Some(offload),
         load_progress: Some(progress),
+        offload_sharing: super::run::sharing(None),
         ..Options::default()
     };
     let started = Instant::now();

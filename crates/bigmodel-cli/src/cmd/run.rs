@@ -14,6 +14,7 @@ use std::time::Instant;
 use bigmodel::device::DeviceSet;
 use bigmodel::dispatch::LoadProgress;
 use bigmodel::plan::{DeviceMap, MaxMemory, Mode, Workload, human_bytes};
+use bigmodel::shard::Sharing;
 use bigmodel::tensor::DType;
 use bigmodel::{DeviceMapSpec, Options};
 use bm_models::{
@@ -213,6 +214,10 @@ pub struct PlacementArgs {
     /// with the map it chose: its room is kept for that depth.
     #[arg(long)]
     prefetch_depth: Option<usize>,
+    /// Seconds to wait for another process writing the --offload-folder
+    /// (default: as long as it takes; 0 fails at once).
+    #[arg(long, value_name = "SECONDS")]
+    wait_lock: Option<u64>,
 }
 
 impl PlacementArgs {
@@ -234,8 +239,20 @@ impl PlacementArgs {
             dtype,
             offload_folder: self.offload_folder.clone(),
             prefetch_depth: self.prefetch_depth,
+            offload_sharing: sharing(self.wait_lock),
             ..Options::default()
         })
+    }
+}
+
+/// How a command that writes a folder shares it with other processes: it
+/// waits `--wait-lock` seconds for another writer (as long as it takes
+/// without the flag), saying on stderr what it waits for and what stale
+/// offload-index entries it removed.
+pub fn sharing(wait_lock: Option<u64>) -> Sharing {
+    Sharing {
+        wait: wait_lock.map(std::time::Duration::from_secs),
+        notice: Some(Arc::new(|message: &str| eprintln!("{message}"))),
     }
 }
 

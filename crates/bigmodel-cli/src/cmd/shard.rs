@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 
 use bigmodel::plan::human_bytes;
 use bigmodel::shard::{
-    AtomicFile, Checkpoint, Error as ShardError, SaveTensor, ShardOptions, TensorBytes, parse_size,
-    resolve_in_folder, shard_checkpoint, sync_folder,
+    AtomicFile, Checkpoint, Error as ShardError, FolderLock, SaveTensor, ShardOptions, Sharing,
+    TensorBytes, parse_size, resolve_in_folder, shard_checkpoint, sync_folder,
 };
 use bigmodel::tensor::{DType, TensorMeta};
 use bm_models::{OwnedEntry, SaveQuantized};
@@ -39,6 +39,10 @@ pub struct Args {
     /// Write one JSON document to stdout (and no progress bar).
     #[arg(long)]
     pub json: bool,
+    /// Seconds to wait for another process writing OUT_DIR (default: as
+    /// long as it takes; 0 fails at once).
+    #[arg(long, value_name = "SECONDS")]
+    pub wait_lock: Option<u64>,
 }
 
 /// Runs the command.
@@ -54,30 +58,46 @@ pub fn run(args: Args) -> CmdResult {
         .transpose()?;
     let ckpt = Checkpoint::open(&args.checkpoint)?;
     refuse_own_folder(&ckpt, &args.out_dir)?;
+    let sharing = super::run::sharing(args.wait_lock);
     let Some(quantize) = quantize else {
         let options = ShardOptions {
             max_shard_size,
             dtype,
         };
-        return write(&ckpt, &args.out_dir, &options, args.json, None);
+        return write(&ckpt, &args.out_dir, &options, args.json, None, &sharing);
     };
     let folder = model_folder(&ckpt);
     let saver = SaveQuantized::new(&folder, &quantize)
         .map_err(|e| format!("--quantize: {}: {e}", folder.display()))?;
+    let config = quantized_config(&folder, &saver, dtype)?;
     // Casting happens before quantizing; the writer must not cast the
     // quant state's f32 parts.
     let options = ShardOptions {
         max_shard_size,
         dtype: None,
     };
+    let quantized = Quantized {
+        saver: &saver,
+        dtype,
+        config,
+    };
     write(
         &ckpt,
         &args.out_dir,
         &options,
         args.json,
-        Some((&saver, dtype)),
-    )?;
-    write_quantized_config(&folder, &args.out_dir, &saver, dtype)
+        Some(quantized),
+        &sharing,
+    )
+}
+
+/// What `shard --quantize` adds to [`write`]: the quantizer, the dtype the
+/// quantized weights' values are read in, and the output's config.json.
+pub struct Quantized<'a> {
+    saver: &'a SaveQuantized,
+    dtype: Option<DType>,
+    /// The source folder's config.json with `quantization_config`.
+    config: String,
 }
 
 /// The folder a checkpoint was read from: itself, or the folder of its
@@ -93,14 +113,13 @@ fn model_folder(ckpt: &Checkpoint) -> PathBuf {
     }
 }
 
-/// Writes `out_dir/config.json`: the source folder's, with transformers'
+/// The output's config.json: the source folder's, with transformers'
 /// `quantization_config` (and `dtype` when one was asked for).
-fn write_quantized_config(
+fn quantized_config(
     folder: &Path,
-    out_dir: &Path,
     saver: &SaveQuantized,
     dtype: Option<DType>,
-) -> CmdResult {
+) -> Result<String, Box<dyn std::error::Error>> {
     let path = folder.join("config.json");
     let mut config = super::read_json(&path)?;
     let Some(object) = config.as_object_mut() else {
@@ -110,10 +129,7 @@ fn write_quantized_config(
     if let Some(d) = dtype {
         object.insert("dtype".into(), json!(d.as_torch_str()));
     }
-    let dest = out_dir.join("config.json");
-    let text = serde_json::to_string_pretty(&config)? + "\n";
-    bigmodel::shard::write_atomic(&dest, text.as_bytes()).map_err(|e| e.to_string())?;
-    Ok(())
+    Ok(serde_json::to_string_pretty(&config)? + "\n")
 }
 
 /// Writes `ckpt` into `out_dir` as `shard` does, with its side files, and
@@ -121,12 +137,17 @@ fn write_quantized_config(
 /// are written as its entries, from their values in the given dtype, and
 /// other float tensors are cast to that dtype here (the quantized model is
 /// held in memory at its packed size until it is written).
+///
+/// The shards and side files are written under `out_dir`'s lock
+/// ([`FolderLock`], waiting as `sharing` says), config.json last: a folder
+/// whose config.json is the new one holds everything else new too.
 pub fn write(
     ckpt: &Checkpoint,
     out_dir: &Path,
     options: &ShardOptions,
     json: bool,
-    quantize: Option<(&SaveQuantized, Option<DType>)>,
+    quantize: Option<Quantized<'_>>,
+    sharing: &Sharing,
 ) -> CmdResult {
     // Names of one tensor (tied weights a PyTorch file stores under each
     // name) share one buffer, so the writer stores them once.
@@ -145,7 +166,8 @@ pub fn write(
     // Quantized entries and cast copies, made before writing.
     let mut made: Vec<OwnedEntry> = Vec::new();
     let mut replaced: std::collections::HashSet<&str> = std::collections::HashSet::new();
-    if let Some((saver, dtype)) = quantize {
+    if let Some(Quantized { saver, dtype, .. }) = &quantize {
+        let dtype = *dtype;
         for (name, meta) in ckpt.tensors() {
             let target = dtype
                 .filter(|_| meta.dtype.is_float())
@@ -201,6 +223,7 @@ pub fn write(
     bar.set_style(ProgressStyle::with_template(
         "{bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
     )?);
+    let lock = FolderLock::acquire(out_dir, sharing)?;
     let saved = shard_checkpoint(&tensors, out_dir, options, &mut |done, total| {
         bar.set_length(total);
         bar.set_position(done);
@@ -214,7 +237,9 @@ pub fn write(
         _ => e.to_string(),
     })?;
     bar.finish_and_clear();
-    let copied = copy_side_files(ckpt, out_dir)?;
+    let config = quantize.as_ref().map(|q| q.config.as_bytes());
+    let copied = copy_side_files(ckpt, out_dir, config)?;
+    drop(lock);
 
     if json {
         let files: Vec<_> = saved
@@ -270,8 +295,31 @@ pub fn write(
 /// tokenizer files, ...) so that the output loads with `from_pretrained`.
 /// Each is resolved like a shard (a link may lead into the folder or its
 /// Hugging Face cache repository, nowhere else) and written atomically;
-/// folders, FIFOs and other non-files are left alone.
-fn copy_side_files(ckpt: &Checkpoint, out_dir: &Path) -> Result<Vec<PathBuf>, String> {
+/// folders, FIFOs and other non-files are left alone. config.json comes
+/// last, as `config` when given (written even for a lone file).
+fn copy_side_files(
+    ckpt: &Checkpoint,
+    out_dir: &Path,
+    config: Option<&[u8]>,
+) -> Result<Vec<PathBuf>, String> {
+    let mut copied = copy_side_files_but_config(ckpt, out_dir, config.is_some())?;
+    if let Some(text) = config {
+        let dest = out_dir.join(CONFIG);
+        bigmodel::shard::write_atomic(&dest, text).map_err(|e| e.to_string())?;
+        copied.push(dest);
+    }
+    Ok(copied)
+}
+
+const CONFIG: &str = "config.json";
+
+/// [`copy_side_files`] for every side file but a replaced config.json, the
+/// source's config.json (when `replaced` is false) last.
+fn copy_side_files_but_config(
+    ckpt: &Checkpoint,
+    out_dir: &Path,
+    replaced: bool,
+) -> Result<Vec<PathBuf>, String> {
     let source = ckpt.path();
     let folder = if source.is_dir() {
         source
@@ -295,12 +343,19 @@ fn copy_side_files(ckpt: &Checkpoint, out_dir: &Path) -> Result<Vec<PathBuf>, St
     ];
     let listing =
         std::fs::read_dir(folder).map_err(|e| format!("listing {}: {e}", folder.display()))?;
-    let mut copied = Vec::new();
+    let mut entries = Vec::new();
     for entry in listing {
         let entry = entry.map_err(|e| format!("listing {}: {e}", folder.display()))?;
         let Some(name) = entry.file_name().to_str().map(str::to_string) else {
             continue; // not UTF-8: no file transformers reads
         };
+        if !(replaced && name == CONFIG) {
+            entries.push((name, entry));
+        }
+    }
+    entries.sort_by_key(|(name, _)| name == CONFIG);
+    let mut copied = Vec::new();
+    for (name, entry) in entries {
         // file_type() does not follow links: a link is resolved below.
         let file_type = entry
             .file_type()
@@ -327,7 +382,6 @@ fn copy_side_files(ckpt: &Checkpoint, out_dir: &Path) -> Result<Vec<PathBuf>, St
         copied.push(dest);
     }
     sync_folder(out_dir).map_err(|e| e.to_string())?;
-    copied.sort();
     Ok(copied)
 }
 
