@@ -13,7 +13,8 @@
 //! * the code map of docs/ARCHITECTURE.md lists every edge between the
 //!   workspace's crates;
 //! * every source file opens with a `//!` doc comment;
-//! * every `unsafe` block and `unsafe impl` has a `SAFETY:` comment.
+//! * every `unsafe` block and `unsafe impl` has a `SAFETY:` comment;
+//! * the README and docs/ link only inside the repository.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -474,6 +475,51 @@ fn every_unsafe_block_says_why_it_is_sound() {
         problems.is_empty(),
         "these unsafe blocks have no `// SAFETY:` comment saying why they are sound:\n{}",
         problems.join("\n")
+    );
+}
+
+/// Markdown links and paths in `text` that leave the repository: a user who
+/// clones it must be able to read every page it points at.
+fn links_outside(text: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        // The workplace's shared folder beside the checkout, and relative
+        // links that climb out of the repository's root (from a page at the
+        // root or one folder down, two `../` always do).
+        let outside = ["../shared", "shared/spec/", "shared/reference/", "](../../"];
+        if outside.iter().any(|bad| line.contains(bad)) {
+            found.push(format!("line {}: {}", n + 1, line.trim()));
+        }
+    }
+    found
+}
+
+#[test]
+fn docs_link_only_inside_the_repository() {
+    let mut pages = vec![root().join("README.md"), root().join("benches/README.md")];
+    for entry in std::fs::read_dir(root().join("docs")).expect("docs/ is there") {
+        let path = entry.expect("a docs entry").path();
+        if path.extension().is_some_and(|e| e == "md") {
+            pages.push(path);
+        }
+    }
+    let mut problems = Vec::new();
+    for page in &pages {
+        for link in links_outside(&read(page)) {
+            problems.push(format!("{}: {link}", relative(page)));
+        }
+    }
+    assert!(
+        problems.is_empty(),
+        "these docs point outside the repository (copy what they need into docs/):\n{}",
+        problems.join("\n")
+    );
+    assert_eq!(
+        links_outside("see [a](../shared/spec/cli.md)\n[b](docs/cli.md)\n[c](../../x)"),
+        [
+            "line 1: see [a](../shared/spec/cli.md)",
+            "line 3: [c](../../x)"
+        ]
     );
 }
 

@@ -1,5 +1,5 @@
 //! The `bigmodel` command line. The stable surface (commands, flags, JSON
-//! keys) is specified in `shared/spec/cli.md`; each command lives in its own
+//! keys) is specified in `docs/cli.md`; each command lives in its own
 //! module under `cmd/`.
 
 use std::process::ExitCode;
