@@ -13,7 +13,9 @@ cargo xtask <task>
 
 tasks:
   test     set up the Python interop environment (.venv, from PyPI) and run
-           every test of the workspace, with and without the cuda feature
+           every test of the workspace, with and without the cuda feature,
+           then bm-compute's unit tests as aarch64 code under qemu-aarch64
+           (NEON kernels) when the cross tools are installed
   gpu-bundle  build the GPU integration tests, the benches and the CLI
            (release, stripped, cuda feature) and this xtask into
            target/gpu-bundle/ with a run.sh that runs the tests and the
@@ -98,5 +100,72 @@ fn test() -> Result<(), String> {
         Command::new(&cargo)
             .current_dir(root())
             .args(["test", "--workspace"]),
-    ))
+    ))?;
+    test_aarch64(&cargo)
+}
+
+/// The rustup target, C cross toolchain and user-mode emulator that run
+/// bm-compute's tests as aarch64 code, so its NEON kernels are tested on an
+/// x86 machine (`.ci/run` installs them from Debian's packages).
+const AARCH64_TARGET: &str = "aarch64-unknown-linux-gnu";
+const AARCH64_LINKER: &str = "aarch64-linux-gnu-gcc";
+const AARCH64_EMULATOR: &str = "qemu-aarch64";
+
+/// bm-compute's unit tests built for aarch64 and run under qemu, where the
+/// tools are there; otherwise says what is missing and passes.
+fn test_aarch64(cargo: &str) -> Result<(), String> {
+    if std::env::consts::ARCH == "aarch64" {
+        return Ok(()); // The tests above ran natively.
+    }
+    let has = |program: &str| {
+        Command::new(program)
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    let target_installed = Command::new("rustup")
+        .args(["target", "list", "--installed"])
+        .output()
+        .is_ok_and(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .any(|l| l == AARCH64_TARGET)
+        });
+    let missing: Vec<&str> = [
+        (AARCH64_LINKER, has(AARCH64_LINKER)),
+        (AARCH64_EMULATOR, has(AARCH64_EMULATOR)),
+        (
+            "the rustup target aarch64-unknown-linux-gnu",
+            target_installed,
+        ),
+    ]
+    .into_iter()
+    .filter(|(_, there)| !there)
+    .map(|(what, _)| what)
+    .collect();
+    if !missing.is_empty() {
+        eprintln!(
+            "skipped: bm-compute's aarch64 (NEON) tests, for want of {}",
+            missing.join(", ")
+        );
+        return Ok(());
+    }
+    run(Command::new(cargo)
+        .current_dir(root())
+        .env(
+            "CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER",
+            AARCH64_LINKER,
+        )
+        .env(
+            "CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER",
+            format!("{AARCH64_EMULATOR} -L /usr/aarch64-linux-gnu"),
+        )
+        .args([
+            "test",
+            "-p",
+            "bm-compute",
+            "--lib",
+            "--target",
+            AARCH64_TARGET,
+        ]))
 }
