@@ -151,6 +151,19 @@ fn with_last(x: &Tensor, n: usize) -> Vec<usize> {
     shape
 }
 
+/// The CPU product of `x` (its f32 values `xs`, rows of `k`) by a dense
+/// `weight` read in place, with this CPU's kernels; a BF16 input is also
+/// read as bf16, for the bf16 dot product.
+fn dense_product<'a>(x: &'a Tensor, xs: &'a [f32], k: usize, weight: &'a Tensor) -> cpu::Dense<'a> {
+    let x_bf16 = (x.dtype() == DType::BF16).then(|| x.host_bytes());
+    cpu::Dense::new(
+        (xs, x_bf16),
+        k,
+        (weight.host_bytes(), weight.dtype()),
+        crate::Isa::active(),
+    )
+}
+
 /// `x · weightᵀ + bias`: the matmul of `nn.Linear`, with `weight` stored
 /// `[out_features, in_features]` as in every checkpoint. `x` is
 /// `[..., in_features]`; the result `[..., out_features]`.
@@ -172,7 +185,7 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
         Backend::Cpu => {
             let xs = x.f32_values();
             let bs = bias.map(|b| b.f32_values());
-            let product = cpu::Widened { x: &xs, k, weight };
+            let product = dense_product(x, &xs, k, weight);
             Tensor::build(x.dtype(), &shape, |out| {
                 cpu::linear((m, k), &product, n, bs.as_deref(), out)
             })
@@ -208,11 +221,7 @@ pub fn linear_many(
     let xs = x.f32_values();
     let products: Vec<_> = layers
         .iter()
-        .map(|(weight, _)| cpu::Widened {
-            x: &xs,
-            k,
-            weight: *weight,
-        })
+        .map(|(weight, _)| dense_product(x, &xs, k, weight))
         .collect();
     let mut outs: Vec<Vec<f32>> = checked.iter().map(|(_, _, n)| vec![0f32; m * n]).collect();
     let mut parts: Vec<cpu::LinearPart<'_>> = products

@@ -1,8 +1,10 @@
-//! CPU kernels. Every kernel reads f32 and writes f32: the callers widen
-//! F16/BF16 inputs and round outputs back, so half-precision models
-//! accumulate in f32 as PyTorch's CPU kernels do.
+//! CPU kernels. Every kernel writes f32 and accumulates in f32, as
+//! PyTorch's CPU kernels do: the callers round outputs back to the model's
+//! dtype. Dense weights are read in place in their own dtype (`dense`);
+//! other inputs are widened to f32 by the callers.
 
 mod attention;
+mod dense;
 mod isa;
 mod linear;
 
@@ -11,6 +13,7 @@ use rayon::prelude::*;
 use crate::ops::Activation;
 
 pub(crate) use attention::attention;
+pub(crate) use dense::Dense;
 pub use isa::Isa;
 pub(crate) use linear::{LinearPart, WeightRows, Widened, linear, linear_many, linear_t};
 
