@@ -39,7 +39,7 @@ unsafe fn fma<const R: usize, const M: usize>(pair: Pair, t: Tile) -> TileSums {
     let (w, x) = (t.w, t.x.cast::<f32>());
     let mut acc = [[vdupq_n_f32(0.0); R]; M];
     let mut i = 0;
-    // SAFETY (whole body): rows b < R of the weight and a < M of the input
+    // SAFETY: for the whole body, rows b < R of the weight and a < M of the input
     // hold k elements; full loads stay below k, the tail is copied from
     // exactly the elements left.
     unsafe {

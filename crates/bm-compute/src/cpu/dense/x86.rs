@@ -139,7 +139,7 @@ unsafe fn fma_512<const D: u8, const R: usize, const M: usize>(t: Tile) -> TileS
     let (w, x) = (t.w, t.x.cast::<f32>());
     let mut acc = [[_mm512_setzero_ps(); R]; M];
     let mut i = 0;
-    // SAFETY (whole body): rows b < R of the weight and a < M of the input
+    // SAFETY: for the whole body, rows b < R of the weight and a < M of the input
     // hold k elements; full loads stay below k, the tail is masked to it.
     unsafe {
         while i + 16 <= t.k {
@@ -185,7 +185,7 @@ unsafe fn dot_bf16_512<const R: usize, const M: usize>(t: Tile) -> TileSums {
     let (w, x) = (t.w, t.x.cast::<u16>());
     let mut acc = [[_mm512_setzero_ps(); R]; M];
     let mut i = 0;
-    // SAFETY (whole body): rows of both operands hold k bf16 values; full
+    // SAFETY: for the whole body, rows of both operands hold k bf16 values; full
     // loads stay below k, the tail is masked to it. The transmutes
     // reinterpret 512 bits of bf16 pairs as the type `vdpbf16ps` takes.
     unsafe {
@@ -261,7 +261,7 @@ unsafe fn fma_256<const D: u8, const R: usize, const M: usize>(t: Tile) -> TileS
     let (w, x) = (t.w, t.x.cast::<f32>());
     let mut acc = [[_mm256_setzero_ps(); R]; M];
     let mut i = 0;
-    // SAFETY (whole body): rows b < R of the weight and a < M of the input
+    // SAFETY: for the whole body, rows b < R of the weight and a < M of the input
     // hold k elements; full loads stay below k, the tail is copied from
     // exactly the elements left.
     unsafe {
