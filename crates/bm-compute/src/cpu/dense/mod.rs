@@ -65,6 +65,11 @@ impl Pair {
             Pair::F16 | Pair::Bf16 | Pair::Bf16Dot => 2,
         }
     }
+
+    /// Bytes of one input element: bf16 for [`Pair::Bf16Dot`], else f32.
+    pub(crate) fn input_size(self) -> usize {
+        if self == Pair::Bf16Dot { 2 } else { 4 }
+    }
 }
 
 /// The operands of one tile, as raw pointers a kernel reads with
@@ -165,11 +170,11 @@ impl RowProduct for Dense<'_> {
             "weight rows {rows:?}"
         );
         let kernel = self.kernel();
-        let (x, x_stride) = match self.x_bf16 {
-            Some(b) => (b.as_ptr(), k),
-            None => (self.x.as_ptr().cast::<u8>(), k),
+        let x = match self.x_bf16 {
+            Some(b) => b.as_ptr(),
+            None => self.x.as_ptr().cast::<u8>(),
         };
-        let x_size = if self.x_bf16.is_some() { 2 } else { 4 };
+        let x_size = self.pair.input_size();
         for chunk in (0..m).step_by(X_CHUNK) {
             let chunk_end = (chunk + X_CHUNK).min(m);
             let mut j = rows.start;
@@ -182,7 +187,7 @@ impl RowProduct for Dense<'_> {
                         w: self.weight[j * k * size..].as_ptr(),
                         w_stride: k * size,
                         x: x.wrapping_add(i * k * x_size),
-                        x_stride,
+                        x_stride: k,
                         k,
                         rows: r,
                         inputs,

@@ -53,7 +53,7 @@ pub(super) unsafe fn tile(pair: Pair, t: Tile) -> TileSums {
     let mut acc = [[[0f32; LANES]; TILE]; TILE];
     let mut w = [[0f32; RUN]; TILE];
     let mut x = [[0f32; RUN]; TILE];
-    let x_size = if pair == Pair::Bf16Dot { 2 } else { 4 };
+    let x_size = pair.input_size();
     let mut start = 0;
     while start < t.k {
         let len = RUN.min(t.k - start);
