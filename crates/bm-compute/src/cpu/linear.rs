@@ -54,11 +54,6 @@ impl OutColumns<'_> {
         self.rows
     }
 
-    /// Columns of each row this block holds (`j1 - j0`).
-    pub(crate) fn width(&self) -> usize {
-        self.width
-    }
-
     /// Row `i`'s columns `j0..j1`.
     pub(crate) fn row(&mut self, i: usize) -> &mut [f32] {
         assert!(i < self.rows, "row {i} of an output of {} rows", self.rows);
@@ -66,13 +61,6 @@ impl OutColumns<'_> {
         // (row i < m, columns j0..j1 <= n) and is this block's alone (see
         // the type's doc); `&mut self` keeps the slice unique here.
         unsafe { std::slice::from_raw_parts_mut(self.first.add(i * self.stride), self.width) }
-    }
-
-    /// The block as a raw pointer to `[0, j0]` and the row stride, for
-    /// kernels that write it themselves (the `gemm` crate). Writing more
-    /// than `rows` rows of `width` columns is undefined behaviour.
-    pub(crate) fn as_mut_ptr(&mut self) -> (*mut f32, usize) {
-        (self.first, self.stride)
     }
 }
 
@@ -87,79 +75,6 @@ pub(crate) trait RowProduct: Sync {
     /// `rows.len()` columns). `scratch` is a buffer of this thread's, kept
     /// across calls, for kernels that need room.
     fn add_rows(&self, rows: Range<usize>, out: &mut OutColumns<'_>, scratch: &mut Vec<f32>);
-}
-
-/// A source of weight rows widened (or dequantized) to f32, multiplied by
-/// [`Widened`]'s dot products and GEMMs.
-pub(crate) trait WeightRows: Sync {
-    /// Rows `start..end` as f32, row-major: borrowed when stored that way,
-    /// else written into `scratch` (a per-thread buffer reused across calls).
-    fn rows<'a>(&'a self, start: usize, end: usize, scratch: &'a mut Vec<f32>) -> &'a [f32];
-}
-
-impl WeightRows for Tensor {
-    fn rows<'a>(&'a self, start: usize, end: usize, scratch: &'a mut Vec<f32>) -> &'a [f32] {
-        match self.f32_rows(start, end) {
-            std::borrow::Cow::Borrowed(rows) => rows,
-            std::borrow::Cow::Owned(rows) => {
-                *scratch = rows;
-                scratch
-            }
-        }
-    }
-}
-
-/// The product of f32 input rows `x[m, k]` by a weight whose rows are
-/// widened to f32 a block at a time.
-pub(crate) struct Widened<'a, W: ?Sized> {
-    pub(crate) x: &'a [f32],
-    pub(crate) k: usize,
-    pub(crate) weight: &'a W,
-}
-
-impl<W: WeightRows + ?Sized> RowProduct for Widened<'_, W> {
-    fn add_rows(&self, rows: Range<usize>, out: &mut OutColumns<'_>, scratch: &mut Vec<f32>) {
-        let (x, k, m) = (self.x, self.k, out.rows());
-        debug_assert_eq!(out.width(), rows.len());
-        let w = self.weight.rows(rows.start, rows.end, scratch);
-        if m == 1 {
-            // One token (every decode step): a matrix-vector product is
-            // bound by reading the weight, so stream rows through a dot
-            // product instead of packing them for a GEMM kernel.
-            for (o, row) in out.row(0).iter_mut().zip(w.chunks_exact(k)) {
-                *o += dot(x, row);
-            }
-            return;
-        }
-        let (dst, stride) = out.as_mut_ptr();
-        // SAFETY: `dst` is `out`'s block (m rows of rows.len() columns, row
-        // stride `stride`), which this call alone writes. `x` is m × k with
-        // row stride k; `w` holds the block's weight rows, read transposed
-        // (k × rows.len(), column stride k).
-        unsafe {
-            gemm::gemm(
-                m,
-                rows.len(),
-                k,
-                dst,
-                1,
-                stride as isize,
-                true,
-                x.as_ptr(),
-                1,
-                k as isize,
-                w.as_ptr(),
-                k as isize,
-                1,
-                1.0,
-                1.0,
-                false,
-                false,
-                false,
-                gemm::Parallelism::None,
-            )
-        }
-    }
 }
 
 /// `out[m, n] = x · weight[n, k]ᵀ (+ bias[n])`, the product of
@@ -325,22 +240,4 @@ pub(crate) fn linear_t(
             )
         }
     });
-}
-
-/// Dot product with eight independent partial sums, so it vectorises.
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = ca
-        .remainder()
-        .iter()
-        .zip(cb.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    let mut acc = [0f32; 8];
-    for (x, y) in ca.zip(cb) {
-        for l in 0..8 {
-            acc[l] += x[l] * y[l];
-        }
-    }
-    acc.iter().sum::<f32>() + tail
 }

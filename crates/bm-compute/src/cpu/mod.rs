@@ -1,13 +1,16 @@
-//! CPU kernels. Every kernel writes f32 and accumulates in f32, as
-//! PyTorch's CPU kernels do: the callers round outputs back to the model's
-//! dtype. Dense weights are read in place in their own dtype (`dense`);
+//! CPU kernels. Every kernel writes f32 and accumulates in f32 (the
+//! integer products in integers), as PyTorch's CPU kernels do: the callers
+//! round outputs back to the model's dtype. Weights are read in place in
+//! their own format, dense (`dense`) or bitsandbytes-quantized (`quant`);
 //! other inputs are widened to f32 by the callers.
 
 mod attention;
 mod dense;
 mod isa;
 mod linear;
+mod quant;
 
+use bm_tensor::DType;
 use rayon::prelude::*;
 
 use crate::ops::Activation;
@@ -15,7 +18,34 @@ use crate::ops::Activation;
 pub(crate) use attention::attention;
 pub(crate) use dense::Dense;
 pub use isa::Isa;
-pub(crate) use linear::{LinearPart, WeightRows, Widened, linear, linear_many, linear_t};
+pub(crate) use linear::{LinearPart, linear, linear_many, linear_t};
+pub(crate) use quant::{BlockScales, FourBitProduct, FourBitWeight, Int8Product};
+
+/// Rounds f32 values to `dtype` in place (PyTorch's rounding; no-op for F32).
+pub(crate) fn round_to(dtype: DType, values: &mut [f32]) {
+    use half::slice::HalfFloatSliceExt;
+    match dtype {
+        // Through a stack buffer, in chunks: half's slice conversions use
+        // the CPU's F16C instructions, and nothing is allocated per call.
+        DType::F16 => {
+            const CHUNK: usize = 256;
+            let mut tmp = [half::f16::ZERO; CHUNK];
+            for c in values.chunks_mut(CHUNK) {
+                let t = &mut tmp[..c.len()];
+                t.convert_from_f32_slice(c);
+                t.convert_to_f32_slice(c);
+            }
+        }
+        // Round to nearest even on the bits (what `bf16::from_f32` does),
+        // written so it vectorises; NaN stays NaN.
+        DType::BF16 => values.iter_mut().for_each(|v| {
+            let b = v.to_bits();
+            let rounded = f32::from_bits((b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF_0000);
+            *v = if v.is_nan() { *v } else { rounded };
+        }),
+        _ => {}
+    }
+}
 
 /// Llama's RMSNorm over rows of `cols`: `w * round(x / rms(x))`, where
 /// `round` is the activation dtype's rounding (PyTorch normalises in f32,
@@ -180,6 +210,33 @@ mod tests {
         ] {
             assert!((erf(x) - want).abs() < 2e-7, "erf({x}) = {}", erf(x));
         }
+    }
+
+    #[test]
+    fn rounding_matches_half() {
+        let mut v: Vec<f32> = (0..4000u32)
+            .map(|i| f32::from_bits(0x3F80_0000 + i * 0x1_1111))
+            .chain([f32::MAX, -0.0, f32::INFINITY, 1e-40, 3.0e38])
+            .collect();
+        for dtype in [DType::BF16, DType::F16] {
+            let want: Vec<f32> = v
+                .iter()
+                .map(|&x| match dtype {
+                    DType::BF16 => half::bf16::from_f32(x).to_f32(),
+                    _ => half::f16::from_f32(x).to_f32(),
+                })
+                .collect();
+            let mut got = v.clone();
+            round_to(dtype, &mut got);
+            assert!(
+                got.iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits())
+            );
+        }
+        v[0] = f32::NAN;
+        round_to(DType::BF16, &mut v[..1]);
+        assert!(v[0].is_nan());
     }
 
     #[test]

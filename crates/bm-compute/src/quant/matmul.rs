@@ -1,10 +1,9 @@
 //! The matmul of a linear layer whose weight is quantized, on the CPU.
 //!
-//! Both formats run on [`cpu::linear`]'s tiling (rayon threads over blocks
-//! of weight rows; a dot product per row for one token, the `gemm` crate's
-//! SIMD kernels for a prompt): each block of rows is dequantized into a
-//! per-thread buffer of a few hundred KiB just before it is multiplied, so
-//! no dequantized copy of a weight ever exists.
+//! Both formats run on [`cpu::linear`]'s tiling (threads over blocks of
+//! weight rows) with kernels that read the packed weight in place and
+//! dequantize in registers (`cpu::quant`), so no dequantized copy of a
+//! weight ever exists.
 //!
 //! * 4-bit computes as bitsandbytes' `Linear4bit` does on the CPU: the
 //!   input is cast to the compute dtype, the weight dequantized to it
@@ -15,16 +14,18 @@
 //!   the threshold are outliers, kept out of the int8 product and
 //!   multiplied in the input's dtype against the dequantized weight
 //!   columns; the rest is quantized row-wise to int8, multiplied exactly
-//!   (integers in f32, as bitsandbytes' own CPU fallback does) and scaled
-//!   by `row_absmax * SCB / 127²`.
+//!   (in integers; bitsandbytes' own CPU fallback sums them in f32, which
+//!   is exact until a partial sum passes 2²⁴) and scaled by
+//!   `row_absmax * SCB / 127²`.
 
 use std::borrow::Cow;
 
 use bm_tensor::DType;
 use half::f16;
 
-use super::tensor::{Data, INV_127_SQUARED, Int8, QuantizedTensor, round_to};
-use crate::cpu::{self, WeightRows};
+use super::tensor::{Data, INV_127_SQUARED, Int8, QuantizedTensor};
+use crate::Isa;
+use crate::cpu::{self, round_to};
 use crate::ops::{bad, expect_vector, rounding, rows_cols};
 use crate::{Backend, Error, Tensor};
 
@@ -64,21 +65,6 @@ fn cast(values: Cow<'_, [f32]>, from: DType, to: DType) -> Cow<'_, [f32]> {
     Cow::Owned(v)
 }
 
-/// Weight rows dequantized and rounded to the compute dtype.
-struct Dequantized<'a> {
-    weight: &'a QuantizedTensor,
-    dtype: DType,
-}
-
-impl WeightRows for Dequantized<'_> {
-    fn rows<'a>(&'a self, start: usize, end: usize, scratch: &'a mut Vec<f32>) -> &'a [f32] {
-        scratch.resize((end - start) * self.weight.shape[1], 0.0);
-        self.weight.dequantize_rows(start, end, scratch);
-        round_to(self.dtype, scratch);
-        scratch
-    }
-}
-
 fn four_bit(
     x: &Tensor,
     weight: &QuantizedTensor,
@@ -89,16 +75,11 @@ fn four_bit(
     let compute = weight.compute_dtype.unwrap_or(x.dtype());
     let xs = cast(x.f32_values(), x.dtype(), compute);
     let bs = bias.map(|b| cast(b.f32_values(), b.dtype(), compute));
-    let rows = Dequantized {
-        weight,
-        dtype: compute,
+    let Data::FourBit(four_bit) = &weight.data else {
+        unreachable!("four_bit is called for 4-bit weights")
     };
     let (m, k, n) = mkn;
-    let product = cpu::Widened {
-        x: &xs,
-        k,
-        weight: &rows,
-    };
+    let product = cpu::FourBitProduct::new(&xs, k, four_bit.kernel_view(), compute, Isa::active());
     Tensor::build(x.dtype(), shape, |out| {
         cpu::linear((m, k), &product, n, bs.as_deref(), out);
         // The product is in the compute dtype before it is cast back.
@@ -106,21 +87,6 @@ fn four_bit(
             round_to(compute, out);
         }
     })
-}
-
-/// The int8 codes of weight rows, as exact f32 integers.
-struct Codes<'a> {
-    int8: &'a Int8,
-    cols: usize,
-}
-
-impl WeightRows for Codes<'_> {
-    fn rows<'a>(&'a self, start: usize, end: usize, scratch: &'a mut Vec<f32>) -> &'a [f32] {
-        scratch.clear();
-        let codes = &self.int8.codes()[start * self.cols..end * self.cols];
-        scratch.extend(codes.iter().map(|&c| f32::from(c)));
-        scratch
-    }
 }
 
 fn llm_int8(
@@ -171,12 +137,7 @@ fn llm_int8(
     let scb = int8.scb.get();
     let bias = bias.map(|b| b.f32_values());
     Tensor::build(dtype, shape, |out| {
-        let codes = Codes { int8, cols: k };
-        let product = cpu::Widened {
-            x: &half,
-            k,
-            weight: &codes,
-        };
+        let product = cpu::Int8Product::new(&half, k, int8.codes(), Isa::active());
         cpu::linear((m, k), &product, n, None, out);
         for (row, &absmax) in out.chunks_exact_mut(n).zip(&row_absmax) {
             for (j, v) in row.iter_mut().enumerate() {

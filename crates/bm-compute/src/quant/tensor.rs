@@ -8,7 +8,6 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use bm_tensor::{DType, HostBuffer, TensorMeta};
-use half::f16;
 use serde_json::{Map, Value};
 
 use super::format::{self, FourBitType, NESTED_BLOCK_SIZE};
@@ -139,6 +138,16 @@ impl FourBit {
         }
     }
 
+    /// The weight as the CPU kernels read it, in place.
+    pub(crate) fn kernel_view(&self) -> crate::cpu::FourBitWeight<'_> {
+        crate::cpu::FourBitWeight {
+            packed: self.packed.as_bytes(),
+            code: self.kind.code(),
+            blocksize: self.blocksize,
+            scales: self,
+        }
+    }
+
     /// Elements `start..start + out.len()` of the flattened weight.
     fn dequantize_range(&self, start: usize, out: &mut [f32]) {
         let pairs = self.kind.byte_pairs();
@@ -153,6 +162,27 @@ impl FourBit {
             decode_nibbles(packed, at, pairs, scale, &mut out[done..done + stop - at]);
             done += stop - at;
             at = stop;
+        }
+    }
+}
+
+impl crate::cpu::BlockScales for FourBit {
+    fn scales_into(&self, blocks: Range<usize>, out: &mut [f32]) {
+        match &self.scales {
+            Scales::Plain(absmax) => out.copy_from_slice(&absmax.get()[blocks]),
+            // `scale`'s formula, with the parts borrowed once.
+            Scales::Nested {
+                codes,
+                absmax,
+                map,
+                offset,
+            } => {
+                let (codes, absmax, map) = (codes.as_bytes(), absmax.get(), map.get());
+                let map: &[f32; 256] = map.try_into().expect("the nested map has 256 values");
+                for (o, b) in out.iter_mut().zip(blocks) {
+                    *o = map[usize::from(codes[b])] * absmax[b / NESTED_BLOCK_SIZE] + offset;
+                }
+            }
         }
     }
 }
@@ -1058,32 +1088,6 @@ fn python_float(x: f64) -> String {
     }
 }
 
-/// Rounds f32 values to `dtype` in place (PyTorch's rounding; no-op for F32).
-pub(crate) fn round_to(dtype: DType, values: &mut [f32]) {
-    use half::slice::HalfFloatSliceExt;
-    match dtype {
-        // Through a stack buffer, in chunks: half's slice conversions use
-        // the CPU's F16C instructions, and nothing is allocated per call.
-        DType::F16 => {
-            const CHUNK: usize = 256;
-            let mut tmp = [f16::ZERO; CHUNK];
-            for c in values.chunks_mut(CHUNK) {
-                let t = &mut tmp[..c.len()];
-                t.convert_from_f32_slice(c);
-                t.convert_to_f32_slice(c);
-            }
-        }
-        // Round to nearest even on the bits (what `bf16::from_f32` does),
-        // written so it vectorises; NaN stays NaN.
-        DType::BF16 => values.iter_mut().for_each(|v| {
-            let b = v.to_bits();
-            let rounded = f32::from_bits((b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF_0000);
-            *v = if v.is_nan() { *v } else { rounded };
-        }),
-        _ => {}
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1101,33 +1105,6 @@ mod tests {
                 assert_eq!(out, want, "start {start} len {len}");
             }
         }
-    }
-
-    #[test]
-    fn rounding_matches_half() {
-        let mut v: Vec<f32> = (0..4000u32)
-            .map(|i| f32::from_bits(0x3F80_0000 + i * 0x1_1111))
-            .chain([f32::MAX, -0.0, f32::INFINITY, 1e-40, 3.0e38])
-            .collect();
-        for dtype in [DType::BF16, DType::F16] {
-            let want: Vec<f32> = v
-                .iter()
-                .map(|&x| match dtype {
-                    DType::BF16 => half::bf16::from_f32(x).to_f32(),
-                    _ => f16::from_f32(x).to_f32(),
-                })
-                .collect();
-            let mut got = v.clone();
-            round_to(dtype, &mut got);
-            assert!(
-                got.iter()
-                    .zip(&want)
-                    .all(|(a, b)| a.to_bits() == b.to_bits())
-            );
-        }
-        v[0] = f32::NAN;
-        round_to(DType::BF16, &mut v[..1]);
-        assert!(v[0].is_nan());
     }
 
     #[test]

@@ -148,7 +148,12 @@ unsafe fn fma_512<const D: u8, const R: usize, const M: usize>(t: Tile) -> TileS
                 *v = _mm512_loadu_ps(x.add(a * t.x_stride + i));
             }
             for b in 0..R {
-                let wv = load_512::<D>(w.add(b * t.w_stride + i * size::<D>()));
+                let row = w.add(b * t.w_stride + i * size::<D>());
+                // The next tile's weights, one line per line read here: a
+                // tile's rows are a few KiB each, short streams for the
+                // hardware prefetcher to ramp up on.
+                _mm_prefetch::<_MM_HINT_T0>(row.wrapping_add(R * t.w_stride).cast());
+                let wv = load_512::<D>(row);
                 for a in 0..M {
                     acc[a][b] = _mm512_fmadd_ps(xv[a], wv, acc[a][b]);
                 }
@@ -196,7 +201,10 @@ unsafe fn dot_bf16_512<const R: usize, const M: usize>(t: Tile) -> TileSums {
                 *v = _mm512_loadu_si512(x.add(a * t.x_stride + i).cast());
             }
             for b in 0..R {
-                let wv = pairs(_mm512_loadu_si512(w.add(b * t.w_stride + 2 * i).cast()));
+                let row = w.add(b * t.w_stride + 2 * i);
+                // The next tile's weights, as in `fma_512`.
+                _mm_prefetch::<_MM_HINT_T0>(row.wrapping_add(R * t.w_stride).cast());
+                let wv = pairs(_mm512_loadu_si512(row.cast()));
                 for a in 0..M {
                     acc[a][b] = _mm512_dpbf16_ps(acc[a][b], pairs(xv[a]), wv);
                 }
