@@ -23,7 +23,7 @@ use std::borrow::Cow;
 use bm_tensor::DType;
 use half::f16;
 
-use super::tensor::{Data, INV_127_SQUARED, Int8, QuantizedTensor};
+use super::tensor::{Data, INV_127, INV_127_SQUARED, Int8, QuantizedTensor};
 use crate::Isa;
 use crate::cpu::{self, round_to};
 use crate::ops::{bad, expect_vector, rounding, rows_cols};
@@ -51,7 +51,7 @@ pub fn linear_quantized(
     let ((m, k, n), shape) = product_shape(x, weight.shape, bias)?;
     match &weight.data {
         Data::FourBit(_) => four_bit(x, weight, bias, (m, k, n), &shape),
-        Data::Int8(int8) => llm_int8(x, weight, int8, bias, (m, k, n), &shape),
+        Data::Int8(int8) => llm_int8(x, int8, bias, (m, k, n), &shape),
     }
 }
 
@@ -91,7 +91,6 @@ fn four_bit(
 
 fn llm_int8(
     x: &Tensor,
-    weight: &QuantizedTensor,
     int8: &Int8,
     bias: Option<&Tensor>,
     (m, k, n): (usize, usize, usize),
@@ -101,7 +100,8 @@ fn llm_int8(
     let round = rounding(dtype);
     let xs = x.f32_values();
     // MatMul8bitLt quantizes the input from float16.
-    let mut half: Vec<f32> = xs.iter().map(|&v| f16::from_f32(v).to_f32()).collect();
+    let mut half = xs.to_vec();
+    round_to(DType::F16, &mut half);
     let mut outliers = Vec::new();
     if int8.threshold > 0.0 {
         // The comparison happens in float16 too.
@@ -125,7 +125,7 @@ fn llm_int8(
         let scale = (1.0 / *absmax) * 127.0;
         for v in row.iter_mut() {
             *v = if *absmax > 0.0 {
-                (*v * scale).round_ties_even()
+                round_small_ties_even(*v * scale)
             } else {
                 0.0
             };
@@ -149,16 +149,34 @@ fn llm_int8(
             return;
         }
         // The outlier columns in the input's dtype, against the weight's
-        // columns dequantized to it.
-        let mut w = vec![0f32; k];
+        // columns dequantized to it (`dequantize_rows`' formula, for those
+        // columns only).
+        let codes = int8.codes();
+        let mut w = vec![0f32; outliers.len()];
         for j in 0..n {
-            weight.dequantize_rows(j, j + 1, &mut w);
+            for (w, &c) in w.iter_mut().zip(&outliers) {
+                *w = round(f32::from(codes[j * k + c]) * scb[j] * INV_127);
+            }
             for (i, row) in out.chunks_exact_mut(n).enumerate() {
-                let extra: f32 = outliers.iter().map(|&c| xs[i * k + c] * round(w[c])).sum();
+                let extra: f32 = outliers
+                    .iter()
+                    .zip(&w)
+                    .map(|(&c, w)| xs[i * k + c] * w)
+                    .sum();
                 row[j] = round(row[j] + extra);
             }
         }
     })
+}
+
+/// `v.round_ties_even()` for |v| < 2²² (here |v| <= 127), in two adds:
+/// adding 1.5 · 2²³ leaves no fraction bits, so the add rounds to the
+/// nearest integer, ties to even, as the FPU's default mode does. The
+/// baseline x86-64 build has no rounding instruction, and the libm call behind
+/// `round_ties_even` costs more than the product on a small layer.
+fn round_small_ties_even(v: f32) -> f32 {
+    const SHIFT: f32 = 12_582_912.0;
+    (v + SHIFT) - SHIFT
 }
 
 /// A product's (rows, k, n) and its output shape.
@@ -287,6 +305,19 @@ mod tests {
         let (e_plain, e_mixed) = (err(&plain), err(&mixed));
         assert!(e_mixed < 0.02, "{e_mixed}");
         assert!(e_plain > 2.0 * e_mixed, "{e_plain} vs {e_mixed}");
+    }
+
+    #[test]
+    fn small_values_round_half_to_even() {
+        for i in -2540..=2540 {
+            let v = i as f32 / 20.0;
+            assert_eq!(round_small_ties_even(v), v.round_ties_even(), "{v}");
+        }
+        for v in [
+            0.5f32, 1.5, 2.5, -0.5, -2.5, 126.5, -126.5, 127.0, 126.99999,
+        ] {
+            assert_eq!(round_small_ties_even(v), v.round_ties_even(), "{v}");
+        }
     }
 
     #[test]

@@ -39,7 +39,7 @@ pub(crate) const TILE: usize = 4;
 
 /// Input rows a block of weight rows sees at a time (about 128 KiB of f32
 /// activations at k = 1024: L2-resident while the block's tiles pass).
-const X_CHUNK: usize = 32;
+pub(crate) const X_CHUNK: usize = 32;
 
 /// The partial sums of one tile: `[input row][weight row]`.
 pub(crate) type TileSums = [[f32; TILE]; TILE];

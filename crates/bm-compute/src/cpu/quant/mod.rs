@@ -15,10 +15,10 @@
 //!   and, inside each run of 32 values, split into the 16 that meet high
 //!   nibbles and the 16 that meet low ones, so both shuffles multiply
 //!   whole registers. This needs rows that start on a block (`k` a multiple
-//!   of the block size, as every real layer is) and few input rows (a
-//!   decode step); otherwise, and for a prompt, whose many rows amortise
-//!   dequantizing, a block of rows is dequantized into the thread's scratch
-//!   and multiplied by the dense F32 kernels.
+//!   of the block size, as every real layer is); otherwise a block of rows
+//!   is dequantized into the thread's scratch and multiplied by the dense
+//!   F32 kernels. A prompt's input rows go by chunks that stay in L2 while
+//!   a block of weight rows passes over them, as in `dense`.
 //! * **8-bit** (LLM.int8()): the input arrives quantized to integers by the
 //!   caller; the product of int8 weights and int16 inputs is summed exactly
 //!   in integers (`vpmaddwd`, or VNNI's `vpdpwssd`), in spans short enough
@@ -33,7 +33,7 @@ use std::ops::Range;
 
 use bm_tensor::DType;
 
-use super::dense::{Dense, TILE, TileSums};
+use super::dense::{Dense, TILE, TileSums, X_CHUNK};
 use super::linear::{OutColumns, RowProduct};
 use super::{Isa, round_to};
 
@@ -43,10 +43,6 @@ mod x86;
 
 /// Values of one 4-bit run: 16 bytes, 32 codes.
 pub(crate) const RUN: usize = 32;
-
-/// Input rows up to which the 4-bit product dequantizes in registers;
-/// beyond, a block of rows dequantized once serves every input row.
-const REGISTER_ROWS: usize = 2 * TILE;
 
 /// Elements of one integer span: 65536 products of at most 128 · 128 sum
 /// to under 2³¹, so no lane or lane total of a span overflows `i32`.
@@ -141,8 +137,7 @@ impl<'a> FourBitProduct<'a> {
         // The kernels' SAFETY rests on this: a level is only run where detected.
         assert!(isa.is_supported(), "{isa} kernels on a CPU without {isa}");
         assert!(weight.blocksize.is_multiple_of(RUN), "4-bit block size");
-        let m = x.len() / k;
-        let in_registers = k.is_multiple_of(weight.blocksize) && m <= REGISTER_ROWS;
+        let in_registers = k.is_multiple_of(weight.blocksize);
         let x = if in_registers {
             split_nibble_halves(x)
         } else {
@@ -234,16 +229,40 @@ impl RowProduct for FourBitProduct<'_> {
             .scales
             .scales_into(rows.start * blocks..rows.end * blocks, scratch);
         let kernel = self.kernel();
+        for chunk in (0..m).step_by(X_CHUNK) {
+            let chunk_end = (chunk + X_CHUNK).min(m);
+            self.add_chunk(kernel, (rows.clone(), chunk..chunk_end), out, scratch);
+        }
+    }
+}
+
+impl FourBitProduct<'_> {
+    /// Input rows `inputs` times weight rows `rows` with the register
+    /// kernel, the rows' block scales in `scales`.
+    fn add_chunk(
+        &self,
+        kernel: unsafe fn(FourBitTile) -> TileSums,
+        (rows, inputs): (Range<usize>, Range<usize>),
+        out: &mut OutColumns<'_>,
+        scales: &[f32],
+    ) {
+        let k = self.k;
+        let blocks = k / self.weight.blocksize;
+        assert!(inputs.end * k <= self.x.len(), "input rows {inputs:?}");
+        assert!(
+            scales.len() >= rows.len() * blocks,
+            "scales of rows {rows:?}"
+        );
         let mut j = rows.start;
         while j < rows.end {
             let r = if rows.end - j >= TILE { TILE } else { 1 };
-            let mut i = 0;
-            while i < m {
-                let inputs = (m - i).min(TILE);
+            let mut i = inputs.start;
+            while i < inputs.end {
+                let n_in = (inputs.end - i).min(TILE);
                 let tile = FourBitTile {
                     w: self.weight.packed[j * k / 2..].as_ptr(),
                     w_stride: k / 2,
-                    scales: scratch[(j - rows.start) * blocks..].as_ptr(),
+                    scales: scales[(j - rows.start) * blocks..].as_ptr(),
                     scales_stride: blocks,
                     x: self.x[i * k..].as_ptr(),
                     x_stride: k,
@@ -252,23 +271,23 @@ impl RowProduct for FourBitProduct<'_> {
                     code: &self.weight.code,
                     rounding: self.rounding,
                     rows: r,
-                    inputs,
+                    inputs: n_in,
                 };
                 // SAFETY: weight rows j..j + r hold k / 2 bytes each inside
-                // `packed` (rows.end * k / 2 <= its length, checked above;
-                // k is even, a multiple of the block size); their scales,
-                // `blocks` each, lie in `scratch`, filled for rows.start..
-                // rows.end; input rows i..i + inputs lie inside `x` (m * k
-                // <= its length). The kernel reads exactly those. It was
-                // chosen for a level this CPU runs (checked in `new`).
+                // `packed` (rows.end * k / 2 <= its length, checked by
+                // `add_rows`; k is even, a multiple of the block size);
+                // their scales, `blocks` each, lie in `scales` (checked
+                // above); input rows i..i + n_in lie inside `x` (checked
+                // above). The kernel reads exactly those. It was chosen for
+                // a level this CPU runs (checked in `new`).
                 let sums = unsafe { kernel(tile) };
-                for (a, sums) in sums.iter().enumerate().take(inputs) {
+                for (a, sums) in sums.iter().enumerate().take(n_in) {
                     let row = &mut out.row(i + a)[j - rows.start..][..r];
                     for (o, s) in row.iter_mut().zip(sums) {
                         *o += s;
                     }
                 }
-                i += inputs;
+                i += n_in;
             }
             j += r;
         }

@@ -44,6 +44,7 @@ fn four_bit_kernels_match_the_dequantized_reference() {
                     (8, 13, bs),
                     (9, 5, 2 * bs),
                     (17, 3, bs),
+                    (40, 6, bs),
                     // Rows that do not start on a block, and odd widths.
                     (1, 5, bs + 32),
                     (2, 3, 75),
@@ -111,7 +112,7 @@ fn check_four_bit(
 }
 
 #[test]
-fn the_register_path_is_taken_for_decode_on_block_aligned_rows() {
+fn the_register_path_is_taken_for_rows_that_start_on_a_block() {
     let scales = Plain(vec![1.0; 64]);
     let packed = vec![0u8; 64 * 64];
     let weight = FourBitWeight {
@@ -123,8 +124,8 @@ fn the_register_path_is_taken_for_decode_on_block_aligned_rows() {
     let isa = Isa::Portable;
     let decode = FourBitProduct::new(&[0.0; 128], 128, weight, DType::F32, isa);
     assert!(decode.in_registers);
-    let prompt = FourBitProduct::new(&[0.0; 128 * 9], 128, weight, DType::F32, isa);
-    assert!(!prompt.in_registers);
+    let prompt = FourBitProduct::new(&[0.0; 128 * 40], 128, weight, DType::F32, isa);
+    assert!(prompt.in_registers);
     let unaligned = FourBitProduct::new(&[0.0; 96], 96, weight, DType::F32, isa);
     assert!(!unaligned.in_registers);
 }
