@@ -8,6 +8,8 @@ mod attention;
 mod dense;
 mod isa;
 mod linear;
+#[cfg(test)]
+mod mapped_test_file;
 mod quant;
 
 use bm_tensor::DType;

@@ -1,9 +1,10 @@
 //! Every tile kernel against a scalar f64 reference, with each level of
 //! the instruction set this CPU runs forced on in turn, on odd shapes and
-//! misaligned weights.
+//! misaligned weights, owned and mapped.
 
 use super::*;
 use crate::cpu::linear::linear;
+use crate::cpu::mapped_test_file::mapped_at_end;
 
 /// Deterministic values in [-1, 1), exactly representable in bf16 and f16.
 fn values(n: usize, seed: u32) -> Vec<f32> {
@@ -52,20 +53,24 @@ fn every_level_matches_the_reference_on_odd_shapes() {
                     let w = values(n * k, (n * 17 + k) as u32);
                     let bytes = weight_bytes(&w, dtype, offset);
                     let xb = weight_bytes(&x, DType::BF16, 0);
-                    let product = Dense::new((&x, Some(&xb)), k, (&bytes[offset..], dtype), isa);
-                    let mut out = vec![0.5f32; m * n];
-                    linear((m, k), &product, n, Some(&vec![0.5; n]), &mut out);
-                    for i in 0..m {
-                        for j in 0..n {
-                            let want: f64 = (0..k)
-                                .map(|l| f64::from(x[i * k + l]) * f64::from(w[j * k + l]))
-                                .sum::<f64>()
-                                + 0.5;
-                            let got = f64::from(out[i * n + j]);
-                            assert!(
-                                (got - want).abs() <= 1e-5 * (k as f64 + 1.0),
-                                "{isa} {dtype} m={m} n={n} k={k} offset={offset} [{i},{j}]: {got} vs {want}"
-                            );
+                    // Owned, and at the end of a mapped file's last page.
+                    let mapped = mapped_at_end(&bytes[offset..]);
+                    for weight in [&bytes[offset..], mapped.as_bytes()] {
+                        let product = Dense::new((&x, Some(&xb)), k, (weight, dtype), isa);
+                        let mut out = vec![0.5f32; m * n];
+                        linear((m, k), &product, n, Some(&vec![0.5; n]), &mut out);
+                        for i in 0..m {
+                            for j in 0..n {
+                                let want: f64 = (0..k)
+                                    .map(|l| f64::from(x[i * k + l]) * f64::from(w[j * k + l]))
+                                    .sum::<f64>()
+                                    + 0.5;
+                                let got = f64::from(out[i * n + j]);
+                                assert!(
+                                    (got - want).abs() <= 1e-5 * (k as f64 + 1.0),
+                                    "{isa} {dtype} m={m} n={n} k={k} offset={offset} [{i},{j}]: {got} vs {want}"
+                                );
+                            }
                         }
                     }
                 }

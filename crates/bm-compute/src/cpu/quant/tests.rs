@@ -1,9 +1,10 @@
 //! Every quantized kernel against a scalar f64 reference, with each level
 //! of the instruction set this CPU runs forced on in turn, on odd shapes,
-//! every rounding and misaligned weights.
+//! every rounding and misaligned weights, owned and mapped.
 
 use super::*;
 use crate::cpu::linear::linear;
+use crate::cpu::mapped_test_file::mapped_at_end;
 use crate::quant::FourBitType;
 
 /// Deterministic values in [-1, 1), exactly representable in bf16 and f16.
@@ -82,31 +83,35 @@ fn check_four_bit(
     let scales = Plain((0..blocks).map(|b| 0.37 + 0.013 * b as f32).collect());
     let mut x = values(m * k, (m * 31 + k) as u32);
     round_to(dtype, &mut x);
-    let weight = FourBitWeight {
-        packed: &bytes[offset..],
-        code,
-        blocksize: bs,
-        scales: &scales,
-    };
-    let product = FourBitProduct::new(&x, k, weight, dtype, isa);
-    let mut out = vec![0f32; m * n];
-    linear((m, k), &product, n, Some(&vec![0.25; n]), &mut out);
-    for i in 0..m {
-        for j in 0..n {
-            let want: f64 = (0..k)
-                .map(|l| {
-                    let e = j * k + l;
-                    let mut w = [code[codes[e] as usize] * scales.0[e / bs]];
-                    round_to(dtype, &mut w);
-                    f64::from(x[i * k + l]) * f64::from(w[0])
-                })
-                .sum::<f64>()
-                + 0.25;
-            let got = f64::from(out[i * n + j]);
-            assert!(
-                (got - want).abs() <= 1e-5 * (k as f64 + 1.0),
-                "{isa} {dtype} {code:?} bs={bs} m={m} n={n} k={k} offset={offset} [{i},{j}]: {got} vs {want}"
-            );
+    // Owned, and at the end of a mapped file's last page.
+    let mapped = mapped_at_end(&bytes[offset..]);
+    for packed in [&bytes[offset..], mapped.as_bytes()] {
+        let weight = FourBitWeight {
+            packed,
+            code,
+            blocksize: bs,
+            scales: &scales,
+        };
+        let product = FourBitProduct::new(&x, k, weight, dtype, isa);
+        let mut out = vec![0f32; m * n];
+        linear((m, k), &product, n, Some(&vec![0.25; n]), &mut out);
+        for i in 0..m {
+            for j in 0..n {
+                let want: f64 = (0..k)
+                    .map(|l| {
+                        let e = j * k + l;
+                        let mut w = [code[codes[e] as usize] * scales.0[e / bs]];
+                        round_to(dtype, &mut w);
+                        f64::from(x[i * k + l]) * f64::from(w[0])
+                    })
+                    .sum::<f64>()
+                    + 0.25;
+                let got = f64::from(out[i * n + j]);
+                assert!(
+                    (got - want).abs() <= 1e-5 * (k as f64 + 1.0),
+                    "{isa} {dtype} {code:?} bs={bs} m={m} n={n} k={k} offset={offset} [{i},{j}]: {got} vs {want}"
+                );
+            }
         }
     }
 }
@@ -152,19 +157,23 @@ fn int8_kernels_sum_exactly() {
                 let mut codes = vec![0i8; offset];
                 codes.extend(values(n * k, n as u32).iter().map(|v| (v * 128.0) as i8));
                 let w = &codes[offset..];
-                let product = Int8Product::new(&x, k, w, isa);
-                let mut out = vec![0f32; m * n];
-                linear((m, k), &product, n, None, &mut out);
-                for i in 0..m {
-                    for j in 0..n {
-                        let want: i64 = (0..k)
-                            .map(|l| x[i * k + l] as i64 * i64::from(w[j * k + l]))
-                            .sum();
-                        assert_eq!(
-                            out[i * n + j],
-                            want as f32,
-                            "{isa} m={m} n={n} k={k} offset={offset} [{i},{j}]"
-                        );
+                // Owned, and at the end of a mapped file's last page.
+                let mapped = mapped_at_end(bytemuck::cast_slice(w));
+                for w in [w, bytemuck::cast_slice(mapped.as_bytes())] {
+                    let product = Int8Product::new(&x, k, w, isa);
+                    let mut out = vec![0f32; m * n];
+                    linear((m, k), &product, n, None, &mut out);
+                    for i in 0..m {
+                        for j in 0..n {
+                            let want: i64 = (0..k)
+                                .map(|l| x[i * k + l] as i64 * i64::from(w[j * k + l]))
+                                .sum();
+                            assert_eq!(
+                                out[i * n + j],
+                                want as f32,
+                                "{isa} m={m} n={n} k={k} offset={offset} [{i},{j}]"
+                            );
+                        }
                     }
                 }
             }
