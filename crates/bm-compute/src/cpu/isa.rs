@@ -89,6 +89,18 @@ impl Isa {
         }
     }
 
+    /// True when this level's bf16 dot product (`vdpbf16ps`) multiplies
+    /// bf16 weights by bf16 inputs faster than widening the weights to f32
+    /// for FMA: on AMD's cores (Zen 4 runs a 512-bit FMA as two 256-bit
+    /// halves, while `vdpbf16ps` does twice its multiply-adds at the same
+    /// rate), not on Intel's, whose two 512-bit FMA units outrun it (a
+    /// 64-row product 1.3-1.4× slower with it on a Xeon with AVX-512 BF16).
+    /// Decided by the CPU's vendor, not by timing, so a machine gives the
+    /// same results in every run (the two paths round differently).
+    pub fn bf16_dot_pays(self) -> bool {
+        self >= Isa::Avx512Bf16 && cpu_vendor() == *b"AuthenticAMD"
+    }
+
     /// Every level this CPU can run, lowest first: what tests force on in
     /// turn.
     pub fn supported() -> Vec<Isa> {
@@ -119,6 +131,21 @@ impl Isa {
                 .unwrap_or_else(Isa::detected)
         })
     }
+}
+
+/// The CPU vendor's name as CPUID leaf 0 gives it (zeros off x86-64).
+fn cpu_vendor() -> [u8; 12] {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let leaf = std::arch::x86_64::__cpuid(0);
+        let mut name = [0u8; 12];
+        name[..4].copy_from_slice(&leaf.ebx.to_le_bytes());
+        name[4..8].copy_from_slice(&leaf.edx.to_le_bytes());
+        name[8..].copy_from_slice(&leaf.ecx.to_le_bytes());
+        name
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    [0u8; 12]
 }
 
 impl std::fmt::Display for Isa {

@@ -15,9 +15,9 @@
 //! [`X_CHUNK`], which keeps a chunk in L2 during a prompt.
 //!
 //! BF16 weights times BF16 activations use AVX-512 BF16's `vdpbf16ps`
-//! where the CPU has it: products of two bf16 values are exact in f32 and
-//! accumulate in f32, as PyTorch's oneDNN kernels do, with no conversion
-//! at all. Other pairs widen the weight to f32 (a shift for bf16, F16C for
+//! where it is faster than FMA ([`Isa::bf16_dot_pays`]): products of two
+//! bf16 values are exact in f32 and accumulate in f32, as PyTorch's oneDNN
+//! kernels do, with no conversion at all. Other pairs widen the weight to f32 (a shift for bf16, F16C for
 //! f16) and use FMA. Which kernel runs is [`Isa`]'s decision, made by the
 //! caller, so tests can force each level.
 
@@ -128,7 +128,7 @@ impl<'a> Dense<'a> {
         let pair = match dtype {
             DType::F32 => Pair::F32,
             DType::F16 => Pair::F16,
-            DType::BF16 if x_bf16.is_some() && isa >= Isa::Avx512Bf16 => Pair::Bf16Dot,
+            DType::BF16 if x_bf16.is_some() && isa.bf16_dot_pays() => Pair::Bf16Dot,
             DType::BF16 => Pair::Bf16,
             other => unreachable!("dense weight of non-compute dtype {other}"),
         };

@@ -55,8 +55,21 @@ fn every_level_matches_the_reference_on_odd_shapes() {
                     let xb = weight_bytes(&x, DType::BF16, 0);
                     // Owned, and at the end of a mapped file's last page.
                     let mapped = mapped_at_end(&bytes[offset..]);
-                    for weight in [&bytes[offset..], mapped.as_bytes()] {
-                        let product = Dense::new((&x, Some(&xb)), k, (weight, dtype), isa);
+                    for (weight, dot) in [
+                        (&bytes[offset..], false),
+                        (mapped.as_bytes(), false),
+                        (&bytes[offset..], true),
+                    ] {
+                        let mut product = Dense::new((&x, Some(&xb)), k, (weight, dtype), isa);
+                        // The bf16 dot product wherever the CPU has it,
+                        // whether or not it is the one chosen here.
+                        if dot {
+                            if dtype != DType::BF16 || isa < Isa::Avx512Bf16 {
+                                continue;
+                            }
+                            product.pair = Pair::Bf16Dot;
+                            product.x_bf16 = Some(&xb);
+                        }
                         let mut out = vec![0.5f32; m * n];
                         linear((m, k), &product, n, Some(&vec![0.5; n]), &mut out);
                         for i in 0..m {
@@ -68,7 +81,7 @@ fn every_level_matches_the_reference_on_odd_shapes() {
                                 let got = f64::from(out[i * n + j]);
                                 assert!(
                                     (got - want).abs() <= 1e-5 * (k as f64 + 1.0),
-                                    "{isa} {dtype} m={m} n={n} k={k} offset={offset} [{i},{j}]: {got} vs {want}"
+                                    "{isa} {dtype} dot={dot} m={m} n={n} k={k} offset={offset} [{i},{j}]: {got} vs {want}"
                                 );
                             }
                         }
@@ -80,12 +93,13 @@ fn every_level_matches_the_reference_on_odd_shapes() {
 }
 
 #[test]
-fn the_bf16_dot_product_is_only_chosen_for_bf16_inputs_where_the_cpu_has_it() {
+fn the_bf16_dot_product_is_only_chosen_for_bf16_inputs_where_it_pays() {
     let (x, w) = (vec![1f32; 4], vec![0u8; 8]);
     let xb = vec![0u8; 8];
     for isa in Isa::supported() {
         let with = Dense::new((&x, Some(&xb)), 4, (&w, DType::BF16), isa);
-        assert_eq!(with.pair == Pair::Bf16Dot, isa >= Isa::Avx512Bf16);
+        assert_eq!(with.pair == Pair::Bf16Dot, isa.bf16_dot_pays());
+        assert!(!isa.bf16_dot_pays() || isa >= Isa::Avx512Bf16);
         let without = Dense::new((&x, None), 4, (&w, DType::BF16), isa);
         assert_eq!(without.pair, Pair::Bf16);
     }
