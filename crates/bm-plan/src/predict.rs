@@ -83,6 +83,8 @@
 //!   the workload's passes (the prompt's, then one per further token), as
 //!   `bigmodel run --json` averages it.
 
+use bm_tensor::DType;
+
 use crate::Error;
 use crate::device::Device;
 use crate::hf::HfModel;
@@ -110,17 +112,27 @@ const OPS_OF_ROUTER: f64 = 1.0;
 /// Measured rates of the host's CPU.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct CpuRates {
-    /// Dense f32 GEMM throughput once a weight is packed, in FLOP/s
-    /// (fitted with the packing rate over a small model's linear shapes
-    /// and a few row counts).
+    /// Dense f32 GEMM throughput of a linear of several rows, in FLOP/s
+    /// (fitted with the weight-read rate over a small model's linear
+    /// shapes and a few row counts). Also what F16 weights run at: they
+    /// are widened in registers and multiplied as f32.
     pub gemm_flops: f64,
-    /// Bytes of f32 weight a linear of several rows packs per second (once
-    /// per call, whatever the row count: what makes a short prompt's
-    /// GEMMs slower per FLOP than a long one's).
+    /// Bytes of f32 weight a linear of several rows reads per second
+    /// besides its FLOPs (a cost per call, whatever the row count: what
+    /// makes a short prompt's products slower per FLOP than a long one's).
     pub gemm_weight_bytes_per_second: f64,
-    /// Bytes of f32 weights a one-row linear reads per second from memory
+    /// [`CpuRates::gemm_flops`] for BF16 weights times BF16 inputs, which
+    /// run on the CPU's bf16 dot product where it has one (None in
+    /// documents calibrated before it was measured: the f32 rate is used).
+    pub bf16_gemm_flops: Option<f64>,
+    /// [`CpuRates::gemm_weight_bytes_per_second`] for BF16 weights (None as
+    /// above).
+    pub bf16_gemm_weight_bytes_per_second: Option<f64>,
+    /// Bytes of weights a one-row linear reads per second from memory
     /// (distinct weights, twice the cache in all, read one after another
-    /// as a decoding pass reads a model larger than the cache).
+    /// as a decoding pass reads a model larger than the cache). The
+    /// kernels read weights in place in their loaded format, so a pass
+    /// reads its weights' bytes, not four per parameter.
     pub gemv_bytes_per_second: f64,
     /// The same for a weight that stays in the cache.
     pub gemv_cached_bytes_per_second: f64,
@@ -226,6 +238,8 @@ impl Calibration {
             "cpu": {
                 "gemm_gflops": self.cpu.gemm_flops / GB,
                 "gemm_weight_gb_per_s": self.cpu.gemm_weight_bytes_per_second / GB,
+                "bf16_gemm_gflops": self.cpu.bf16_gemm_flops.map(|f| f / GB),
+                "bf16_gemm_weight_gb_per_s": self.cpu.bf16_gemm_weight_bytes_per_second.map(|b| b / GB),
                 "gemv_gb_per_s": self.cpu.gemv_bytes_per_second / GB,
                 "gemv_cached_gb_per_s": self.cpu.gemv_cached_bytes_per_second / GB,
                 "last_level_cache_bytes": self.cpu.last_level_cache_bytes,
@@ -307,6 +321,8 @@ impl Calibration {
         let cpu = CpuRates {
             gemm_flops: rate(cpu, "cpu.gemm_gflops", GB)?,
             gemm_weight_bytes_per_second: rate(cpu, "cpu.gemm_weight_gb_per_s", GB)?,
+            bf16_gemm_flops: optional(cpu, "cpu.bf16_gemm_gflops", GB)?,
+            bf16_gemm_weight_bytes_per_second: optional(cpu, "cpu.bf16_gemm_weight_gb_per_s", GB)?,
             gemv_bytes_per_second: rate(cpu, "cpu.gemv_gb_per_s", GB)?,
             gemv_cached_bytes_per_second: rate(cpu, "cpu.gemv_cached_gb_per_s", GB)?,
             last_level_cache_bytes: cpu
@@ -416,9 +432,11 @@ pub enum BlockKind {
 pub struct Block {
     /// The module's name, as a device map names it.
     pub name: String,
-    /// Bytes of the weights a pass streams when the block is offloaded.
+    /// Bytes of the weights in their loaded format: what a pass streams
+    /// when the block is offloaded, and what the CPU kernels read in place
+    /// when it runs there.
     pub bytes: u64,
-    /// Parameters (the CPU kernels read each as an f32).
+    /// Parameters.
     pub params: u64,
     /// Tensors the dispatcher hands out.
     pub tensors: u64,
@@ -440,6 +458,8 @@ pub struct Pass {
     /// The weights are cast at load (another dtype than stored), so the
     /// CPU-resident ones are owned copies, not views of the checkpoint.
     cast: bool,
+    /// The dtype the weights are loaded and computed in.
+    dtype: DType,
 }
 
 impl Pass {
@@ -523,6 +543,7 @@ impl Pass {
         Pass {
             blocks,
             cast: options.dtype.is_some_and(|d| d != model.dtype),
+            dtype: options.dtype.unwrap_or(model.dtype),
         }
     }
 
@@ -637,10 +658,10 @@ impl Pass {
             .map(|b| match b.kind {
                 BlockKind::Other => 0,
                 BlockKind::Experts { experts } => {
-                    let one = b.params / experts.max(1) * 4;
+                    let one = b.bytes / experts.max(1);
                     (routed(experts, top_k, workload.batch) * one as f64) as u64
                 }
-                _ => b.params * 4,
+                _ => b.bytes,
             })
             .sum();
         let gemv_rate = if read_per_pass <= cpu.last_level_cache_bytes {
@@ -648,14 +669,24 @@ impl Pass {
         } else {
             cpu.gemv_bytes_per_second
         };
-        // A CPU linear over `rows` rows reading `read` bytes of f32 weights
+        // The multi-row rates of the pass's weights: BF16 runs on the bf16
+        // dot product; F32 and F16 (widened in registers) at the f32 rate.
+        let (gemm_flops, gemm_weight_rate) = match (
+            self.dtype,
+            cpu.bf16_gemm_flops,
+            cpu.bf16_gemm_weight_bytes_per_second,
+        ) {
+            (DType::BF16, Some(flops), Some(bytes)) => (flops, bytes),
+            _ => (cpu.gemm_flops, cpu.gemm_weight_bytes_per_second),
+        };
+        // A CPU linear over `rows` rows reading `read` bytes of weights
         // doing `flops`: one row streams the weight through a dot product;
-        // more rows pack it once and multiply at the GEMM rate.
+        // more rows multiply at the GEMM rate plus a read of the weight.
         let cpu_linear = |rows: u64, read: u64, flops: f64| -> f64 {
             if rows <= 1 {
-                (flops / cpu.gemm_flops).max(read as f64 / gemv_rate)
+                (flops / gemm_flops).max(read as f64 / gemv_rate)
             } else {
-                flops / cpu.gemm_flops + read as f64 / cpu.gemm_weight_bytes_per_second
+                flops / gemm_flops + read as f64 / gemm_weight_rate
             }
         };
         // Seconds the dispatcher spends per tensor of a block on `on`.
@@ -702,7 +733,7 @@ impl Pass {
                     } else {
                         picked * tensors as f64
                     };
-                    let read = picked * (params * 4) as f64;
+                    let read = picked * bytes as f64;
                     cpu_linear(rows_each, read as u64, flops)
                         + elementwise
                         + OPS_PER_EXPERT * picked * cpu.op_seconds
@@ -761,9 +792,9 @@ impl Pass {
                 Some(g) => (linear_flops + attention_flops) / gpu_gemm(g)?,
                 None => {
                     let (ops, read) = match b.kind {
-                        BlockKind::Layer if rows > 1 => (OPS_PER_LAYER_ROWS, b.params * 4),
-                        BlockKind::Layer => (OPS_PER_LAYER, b.params * 4),
-                        BlockKind::Head => (OPS_PER_SMALL_BLOCK, b.params * 4),
+                        BlockKind::Layer if rows > 1 => (OPS_PER_LAYER_ROWS, b.bytes),
+                        BlockKind::Layer => (OPS_PER_LAYER, b.bytes),
+                        BlockKind::Head => (OPS_PER_SMALL_BLOCK, b.bytes),
                         // The embedding reads only its rows.
                         _ => (OPS_PER_SMALL_BLOCK, 0),
                     };
@@ -964,6 +995,54 @@ mod tests {
             message.contains("odd.json") && message.contains("expected"),
             "{message}"
         );
+    }
+
+    #[test]
+    fn the_cpu_reads_weights_in_their_loaded_format() {
+        // A model large enough for its weight reads to dominate a token.
+        let config = serde_json::json!({
+            "model_type": "llama", "hidden_size": 1024, "intermediate_size": 4096,
+            "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 8,
+            "vocab_size": 256, "max_position_embeddings": 128, "torch_dtype": "float32",
+        });
+        let model =
+            tree_from_config(&HfConfig::from_value(config, "config.json").unwrap()).unwrap();
+        let workload = Workload {
+            batch: 1,
+            prompt_len: 64,
+            max_seq_len: 72,
+            all_logits: false,
+        };
+        let mut calibration = Calibration::from_json(&calibration_json(), "c.json").unwrap();
+        calibration.cpu.startup_seconds = 0.0;
+        let predict = |dtype: DType, c: &Calibration| {
+            let options = PlanOptions {
+                dtype: Some(dtype),
+                ..PlanOptions::default()
+            };
+            let pass = Pass::of(&model, &options);
+            let placement = vec![Device::Cpu; pass.blocks().len()];
+            pass.predict(&model.shape, &placement, 0, &workload, c)
+                .unwrap()
+        };
+        let (f32, bf16) = (
+            predict(DType::F32, &calibration),
+            predict(DType::BF16, &calibration),
+        );
+        // Decoding reads half the bytes; without bf16 GEMM rates a prompt
+        // costs about what f32's does (its FLOPs dominate).
+        let ratio = f32.seconds_per_token / bf16.seconds_per_token;
+        assert!(ratio > 1.8 && ratio <= 2.0, "{ratio}");
+        let prompt = f32.first_forward_seconds / bf16.first_forward_seconds;
+        assert!((1.0..1.2).contains(&prompt), "{prompt}");
+        // With them, the bf16 prompt runs at its own (here twice) the rate.
+        calibration.cpu.bf16_gemm_flops = Some(2.0 * calibration.cpu.gemm_flops);
+        calibration.cpu.bf16_gemm_weight_bytes_per_second =
+            Some(calibration.cpu.gemm_weight_bytes_per_second);
+        let faster = predict(DType::BF16, &calibration);
+        assert!(faster.first_forward_seconds < 0.7 * bf16.first_forward_seconds);
+        assert_eq!(faster.seconds_per_token, bf16.seconds_per_token);
+        assert_eq!(predict(DType::F32, &calibration), f32);
     }
 
     #[test]

@@ -553,6 +553,8 @@ mod tests {
             cpu: CpuRates {
                 gemm_flops: 20e9,
                 gemm_weight_bytes_per_second: 8e9,
+                bf16_gemm_flops: None,
+                bf16_gemm_weight_bytes_per_second: None,
                 gemv_bytes_per_second: 4e9,
                 gemv_cached_bytes_per_second: 8e9,
                 last_level_cache_bytes: 0,

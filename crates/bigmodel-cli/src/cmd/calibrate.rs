@@ -1,14 +1,16 @@
 //! `bigmodel devices --calibrate`: measures what the speed prediction
 //! needs on this machine (bm-plan's cost model, `bm_plan::predict`): CPU
-//! GEMM throughput and per-call weight packing (fitted over a small
-//! model's linear shapes), one-row linear throughput from memory,
+//! GEMM throughput and per-call weight reads for F32 and BF16 weights
+//! (fitted over a small model's linear shapes), one-row linear throughput
+//! from memory,
 //! attention throughput, the fixed cost of a small op, the start-up of
 //! the compute on a process's first pass (in fresh processes of this
 //! program), host memory bandwidth, the offload folder's disk read rate
 //! (cold and warm) and the first touch of a mapped file's cached pages,
 //! and per CUDA GPU its context size, pinned and pageable host-to-device
-//! rates and GEMM throughput. Each figure is the median of a few timed
-//! runs.
+//! rates and GEMM throughput. Each figure is the fastest of several short
+//! probes (see [`fastest_seconds`]), so calibrating takes seconds and gives
+//! the same figures on a busy machine as on an idle one.
 
 use std::hint::black_box;
 use std::io::{Read, Write};
@@ -21,25 +23,30 @@ use bigmodel::plan::predict::{CpuRates, DiskRates, GpuRates};
 use bigmodel::tensor::DType;
 use bm_models::{Tensor, ops};
 
-/// Seconds per call of `f`: the median of `runs` timings (at least one),
-/// each repeating `f` until it has taken `min_time`. The median, not the
-/// best: the prediction is compared with measured runs on the machine as
-/// it is (other processes included), and the best of a few timings would
-/// keep only its quietest moment.
-fn median_seconds(runs: usize, min_time: Duration, mut f: impl FnMut()) -> f64 {
-    let mut timings = Vec::with_capacity(runs.max(1));
-    for _ in 0..runs.max(1) {
+/// Seconds per call of `f`: the fastest of `probes` short timings (at
+/// least one), each repeating `f` until it has taken `min_time`. The
+/// fastest, not the median: other processes only ever slow a probe down,
+/// so the fastest of several short ones is what the machine does when the
+/// work has the cores, a figure that stays put between calibrations made
+/// at different loads, where a median follows the load of the moment (and
+/// a prediction made from it, the load of a calibration long gone).
+fn fastest_seconds(probes: usize, min_time: Duration, mut f: impl FnMut()) -> f64 {
+    let mut fastest = f64::INFINITY;
+    for _ in 0..probes.max(1) {
         let started = Instant::now();
         let mut calls = 0u32;
         while calls == 0 || started.elapsed() < min_time {
             f();
             calls += 1;
         }
-        timings.push(started.elapsed().as_secs_f64() / f64::from(calls));
+        fastest = fastest.min(started.elapsed().as_secs_f64() / f64::from(calls));
     }
-    timings.sort_by(f64::total_cmp);
-    timings[timings.len() / 2]
+    fastest
 }
+
+/// Probes per figure, and how long each runs at least.
+const PROBES: usize = 7;
+const PROBE_TIME: Duration = Duration::from_millis(25);
 
 fn random_tensor(shape: &[usize], seed: u32) -> Result<Tensor, String> {
     let n: usize = shape.iter().product();
@@ -55,9 +62,9 @@ fn random_tensor(shape: &[usize], seed: u32) -> Result<Tensor, String> {
     Tensor::from_f32(DType::F32, shape, &values).map_err(|e| e.to_string())
 }
 
-fn linear_seconds(x: &Tensor, w: &Tensor, runs: usize) -> Result<f64, String> {
+fn linear_seconds(x: &Tensor, w: &Tensor) -> Result<f64, String> {
     let mut failed = None;
-    let seconds = median_seconds(runs, Duration::from_millis(150), || {
+    let seconds = fastest_seconds(PROBES, PROBE_TIME, || {
         if let Err(e) = ops::linear(x, w, None) {
             failed = Some(e.to_string());
         }
@@ -90,7 +97,7 @@ fn attention_seconds(rows: usize, past: usize, head_dim: usize) -> Result<(f64, 
         .map_err(|e| what(&e))?;
     let q = random_tensor(&[rows, heads.heads * heads.head_dim], 13)?;
     let mut failed = None;
-    let seconds = median_seconds(3, Duration::from_millis(150), || {
+    let seconds = fastest_seconds(PROBES, PROBE_TIME, || {
         if let Err(e) = ops::attention(&q, &cache, heads, Mask::Causal) {
             failed = Some(what(&e));
         }
@@ -163,19 +170,36 @@ fn fit_linear_costs(samples: &[(f64, f64, f64)], min_byte_seconds: f64) -> (f64,
     ((num / den).max(f64::MIN_POSITIVE), b)
 }
 
+/// `(seconds per FLOP, seconds per weight byte)` of multi-row linears
+/// with `dtype` weights and inputs over [`GEMM_WEIGHTS`] × [`GEMM_ROWS`],
+/// less `op_seconds` a call; `min_byte_rate` bounds the weight-read rate
+/// (a cached read).
+fn gemm_costs(dtype: DType, op_seconds: f64, min_byte_rate: f64) -> Result<(f64, f64), String> {
+    let cast = |t: Tensor| t.to_dtype(dtype).map_err(|e| e.to_string());
+    let mut samples = Vec::new();
+    for (seed, &(k, n)) in (22..).zip(&GEMM_WEIGHTS) {
+        let weight = cast(random_tensor(&[n, k], seed)?)?;
+        for &m in &GEMM_ROWS {
+            let x = cast(random_tensor(&[m, k], seed + 10)?)?;
+            let seconds = linear_seconds(&x, &weight)?;
+            samples.push((
+                2.0 * (m * k * n) as f64,
+                (k * n * dtype.size_in_bytes()) as f64,
+                (seconds - op_seconds).max(f64::MIN_POSITIVE),
+            ));
+        }
+    }
+    Ok(fit_linear_costs(&samples, 1.0 / min_byte_rate))
+}
+
 /// The CPU's rates.
 fn cpu_rates() -> Result<CpuRates, String> {
     // Two small linears whose weights stay in the cache: the difference
     // of their times is the cached read rate, the rest a fixed cost per op.
-    let small = linear_seconds(
-        &random_tensor(&[1, 64], 5)?,
-        &random_tensor(&[64, 64], 6)?,
-        5,
-    )?;
+    let small = linear_seconds(&random_tensor(&[1, 64], 5)?, &random_tensor(&[64, 64], 6)?)?;
     let large = linear_seconds(
         &random_tensor(&[1, 256], 9)?,
         &random_tensor(&[256, 256], 10)?,
-        5,
     )?;
     let (small_bytes, large_bytes) = ((64 * 64 * 4) as f64, (256 * 256 * 4) as f64);
     let cached_rate = if large > small {
@@ -184,22 +208,12 @@ fn cpu_rates() -> Result<CpuRates, String> {
         large_bytes / large
     };
     let op_seconds = (small - small_bytes / cached_rate).max(0.0);
-    // A linear of several rows packs its weight once per call (a cost in
-    // the weight's bytes) and multiplies at the GEMM rate: fitted over the
-    // shapes above, less each call's fixed cost.
-    let mut samples = Vec::new();
-    for (seed, &(k, n)) in (22..).zip(&GEMM_WEIGHTS) {
-        let weight = random_tensor(&[n, k], seed)?;
-        for &m in &GEMM_ROWS {
-            let seconds = linear_seconds(&random_tensor(&[m, k], seed + 10)?, &weight, 3)?;
-            samples.push((
-                2.0 * (m * k * n) as f64,
-                (k * n * 4) as f64,
-                (seconds - op_seconds).max(f64::MIN_POSITIVE),
-            ));
-        }
-    }
-    let (flop_seconds, byte_seconds) = fit_linear_costs(&samples, 1.0 / cached_rate);
+    // A linear of several rows multiplies at the GEMM rate and reads its
+    // weight once per chunk of rows (a cost in the weight's bytes), fitted
+    // over the shapes above, less each call's fixed cost: for F32 weights
+    // (F16 runs the same kernels) and for BF16 (the bf16 dot product).
+    let (flop_seconds, byte_seconds) = gemm_costs(DType::F32, op_seconds, cached_rate)?;
+    let (bf16_flop_seconds, bf16_byte_seconds) = gemm_costs(DType::BF16, op_seconds, cached_rate)?;
     let (attention_score_seconds, attention_flops) = attention_rates()?;
     // Element-wise ops over many rows (residual adds, the MLP's product,
     // and its activation, whose exponential costs more).
@@ -207,7 +221,7 @@ fn cpu_rates() -> Result<CpuRates, String> {
     let elements = (256 * 1024) as f64;
     let mut failed = None;
     let mut element_op = |f: &dyn Fn() -> Result<Tensor, String>| {
-        median_seconds(3, Duration::from_millis(100), || {
+        fastest_seconds(PROBES, PROBE_TIME, || {
             if let Err(e) = f() {
                 failed = Some(format!("calibrating the CPU: {e}"));
             }
@@ -219,7 +233,7 @@ fn cpu_rates() -> Result<CpuRates, String> {
         return Err(e);
     }
     let words = vec![1u64; 32 << 20];
-    let read = median_seconds(3, Duration::from_millis(100), || {
+    let read = fastest_seconds(PROBES, PROBE_TIME, || {
         black_box(
             black_box(&words)
                 .iter()
@@ -239,7 +253,7 @@ fn cpu_rates() -> Result<CpuRates, String> {
         .collect::<Result<Vec<_>, _>>()?;
     let row = random_tensor(&[1, k1], 3)?;
     let mut failed = None;
-    let gemv = median_seconds(5, Duration::from_millis(150), || {
+    let gemv = fastest_seconds(PROBES, PROBE_TIME, || {
         for w in &weights {
             if let Err(e) = ops::linear(&row, w, None) {
                 failed = Some(format!("calibrating the CPU: {e}"));
@@ -254,6 +268,8 @@ fn cpu_rates() -> Result<CpuRates, String> {
     Ok(CpuRates {
         gemm_flops: 1.0 / flop_seconds,
         gemm_weight_bytes_per_second: 1.0 / byte_seconds,
+        bf16_gemm_flops: Some(1.0 / bf16_flop_seconds),
+        bf16_gemm_weight_bytes_per_second: Some(1.0 / bf16_byte_seconds),
         gemv_bytes_per_second: gemv_rate,
         gemv_cached_bytes_per_second: cached_rate,
         last_level_cache_bytes: last_level_cache_bytes(),
@@ -304,7 +320,7 @@ pub fn startup_seconds() -> Result<f64, String> {
     let started = Instant::now();
     pass();
     let first = started.elapsed().as_secs_f64();
-    let warm = median_seconds(5, Duration::from_millis(50), &mut pass);
+    let warm = fastest_seconds(PROBES, PROBE_TIME, &mut pass);
     match failed {
         Some(e) => Err(e),
         None => Ok((first - warm).max(0.0)),
@@ -471,7 +487,7 @@ fn gpu_rates(devices: &DeviceSet, gpu: &Gpu) -> Result<GpuRates, String> {
     let pageable = vec![1u8; LEN];
     let mut target = gpu.alloc(LEN).map_err(|e| what(&e))?;
     let mut failed: Option<String> = None;
-    let pinned_seconds = median_seconds(3, Duration::from_millis(100), || {
+    let pinned_seconds = fastest_seconds(PROBES, PROBE_TIME, || {
         let copied = target
             .copy_from_pinned(0, &pinned, 0..LEN, gpu.copy_stream())
             .and_then(|event| event.synchronize());
@@ -479,7 +495,7 @@ fn gpu_rates(devices: &DeviceSet, gpu: &Gpu) -> Result<GpuRates, String> {
             failed = Some(what(&e));
         }
     });
-    let pageable_seconds = median_seconds(3, Duration::from_millis(100), || {
+    let pageable_seconds = fastest_seconds(PROBES, PROBE_TIME, || {
         if let Err(e) = target.copy_from_host(0, &pageable) {
             failed = Some(what(&e));
         }
@@ -497,7 +513,7 @@ fn gpu_rates(devices: &DeviceSet, gpu: &Gpu) -> Result<GpuRates, String> {
             w.to_gpu(gpu).map_err(|e| what(&e))?,
         );
         let mut failed = None;
-        let seconds = median_seconds(3, Duration::from_millis(100), || {
+        let seconds = fastest_seconds(PROBES, PROBE_TIME, || {
             let done = ops::linear(&x, &w, None)
                 .map_err(|e| what(&e))
                 .and_then(|_| gpu.synchronize().map_err(|e| what(&e)));
@@ -606,7 +622,7 @@ fn dispatch_rates(folder: &Path) -> Result<(f64, f64), String> {
                 }
                 Ok(())
             };
-            let seconds = median_seconds(3, Duration::from_millis(100), || {
+            let seconds = fastest_seconds(PROBES, PROBE_TIME, || {
                 if let Err(e) = pass() {
                     failed = Some(e);
                 }
